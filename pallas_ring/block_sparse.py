@@ -1,0 +1,190 @@
+"""Block plans: which (query block, key block) tiles a kernel must visit, and how.
+
+Everything here runs on device under ``jit`` with static shapes, in O(nq * nk) work from per-block
+summaries (min / max position and segment id of every block). Only a dense mask costs O(T * S),
+because it is that large by nature.
+
+Block classes (``block_class``):
+
+====  =========  ==========================================================
+code  name       meaning
+====  =========  ==========================================================
+0     EMPTY      no (q, k) pair in the tile is visible: no DMA, no compute
+1     PARTIAL    some pairs visible: compute and apply the elementwise mask
+2     FULL       every pair visible: compute with no mask arithmetic
+====  =========  ==========================================================
+
+Shapes (``Bp`` is 1 or B, ``Np`` is 1 or N: the plan only carries a batch or head axis when
+positions, segment ids or the dense mask vary along it):
+
+* ``block_class``      ``[Bp, Np, nq, nk]`` int32
+* ``kv_index``         ``[Bp, Np, nq, nk]`` int32  live kv blocks of each q block, ascending,
+  then padding that repeats the last live block (so a TPU pipeline issues no copy for it)
+* ``kv_class``         ``[Bp, Np, nq, nk]`` int32  class of each listed kv block (0 on padding)
+* ``kv_count``         ``[Bp, Np, nq]``     int32  number of live kv blocks of each q block
+* ``q_index``, ``q_class`` ``[Bp, Np, nk, nq]``, ``q_count`` ``[Bp, Np, nk]``: the transposed
+  lists, per kv block, for the dK/dV pass
+* ``any_live`` / ``all_full``  ``[]`` bool: step-level flags (a ring step with nothing live is
+  skipped; one where everything is full takes the mask-free path)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_ring import masks as masks_lib
+
+Array = Any
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_BIG = 2**30
+
+
+class TokenInfo(NamedTuple):
+  """Per-token metadata that travels with its tensor (through the ring with K/V).
+
+  Attributes:
+    positions: ``[Bp, L]`` int32 global positions (Bp is 1 or B); masks compare these.
+    segment_ids: ``[B, L]`` int32 document ids or None; tokens attend only within a segment.
+  """
+
+  positions: Array
+  segment_ids: Optional[Array] = None
+
+
+def make_token_info(length: int, batch: int, positions=None, segment_ids=None) -> TokenInfo:
+  """Builds a TokenInfo, defaulting positions to ``arange(length)``."""
+  if positions is None:
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+  positions = jnp.asarray(positions, jnp.int32)
+  if positions.ndim == 1:
+    positions = positions[None]
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+  return TokenInfo(positions, segment_ids)
+
+
+def pad_token_info(info: TokenInfo, padded_len: int) -> TokenInfo:
+  """Pads positions / segment ids along the sequence to ``padded_len`` (values are ignored)."""
+  n = padded_len - info.positions.shape[-1]
+  if n == 0:
+    return info
+  pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, n)), mode="edge")
+  return TokenInfo(pad(info.positions), pad(info.segment_ids))
+
+
+class BlockBoundsWithSegments(NamedTuple):
+  pos: masks_lib.BlockBounds  # [Bp, nblocks] min / max global position over valid tokens
+  seg: Optional[masks_lib.BlockBounds]  # [B, nblocks] min / max segment id, or None
+  has_pad: Array  # [nblocks] bool: the block contains padding tokens
+
+
+def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
+  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens."""
+  length = info.positions.shape[-1]
+  assert length % block == 0, (length, block)
+  nb = length // block
+  valid = (jnp.arange(length) < valid_len).reshape(nb, block)
+
+  def bounds(x):
+    x = x.reshape(x.shape[0], nb, block)
+    lo = jnp.min(jnp.where(valid, x, _BIG), axis=-1)
+    hi = jnp.max(jnp.where(valid, x, -_BIG), axis=-1)
+    return masks_lib.BlockBounds(lo, hi)
+
+  seg = None if info.segment_ids is None else bounds(info.segment_ids)
+  return BlockBoundsWithSegments(bounds(info.positions), seg, ~jnp.all(valid, axis=-1))
+
+
+class BlockPlan(NamedTuple):
+  """Block-sparse schedule of one (q shard, kv shard) pair; see the module docstring."""
+
+  block_class: Array
+  kv_index: Array
+  kv_class: Array
+  kv_count: Array
+  q_index: Array
+  q_class: Array
+  q_count: Array
+  any_live: Array
+  all_full: Array
+
+
+def _compact(cls: Array) -> tuple[Array, Array, Array]:
+  """Per row of ``cls [..., n]``: live column indices first (ascending), counts, classes."""
+  n = cls.shape[-1]
+  live = cls > EMPTY
+  order = jnp.argsort(jnp.where(live, 0, 1), axis=-1, stable=True).astype(jnp.int32)
+  count = jnp.sum(live, axis=-1, dtype=jnp.int32)
+  slot = jnp.arange(n, dtype=jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+  index = jnp.where(slot < count[..., None], order, last)
+  klass = jnp.where(slot < count[..., None], jnp.take_along_axis(cls, order, axis=-1), EMPTY)
+  return index, klass.astype(jnp.int32), count
+
+
+def _dense_block_bounds(dense_mask: Array, bq: int, bk: int, tp: int, sp: int):
+  """Block any/all of a bool mask ``[Bm, Nm, T, S]`` padded with True to ``[.., tp, sp]``."""
+  bm, nm, t, s = dense_mask.shape
+  d = jnp.pad(dense_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t), (0, sp - s)),
+              constant_values=True)
+  d = d.reshape(bm, nm, tp // bq, bq, sp // bk, bk)
+  return jnp.any(d, axis=(3, 5)), jnp.all(d, axis=(3, 5))
+
+
+def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *,
+              block_q: int, block_kv: int, q_len: int, kv_len: int,
+              dense_mask: Optional[Array] = None) -> BlockPlan:
+  """Classifies every (q block, kv block) tile and builds the compact per-row lists.
+
+  Args:
+    mask: the mask spec, in global positions.
+    q_info: query positions / segment ids, padded to a multiple of ``block_q``.
+    kv_info: key positions / segment ids, padded to a multiple of ``block_kv``.
+    block_q, block_kv: tile sizes.
+    q_len, kv_len: number of real (unpadded) tokens; key padding makes a tile at most PARTIAL.
+    dense_mask: optional bool ``[Bm, Nm, q_len, kv_len]`` (Bm in {1, B}, Nm in {1, N}).
+
+  Returns:
+    A BlockPlan (see the module docstring for shapes).
+  """
+  qs = summarize(q_info, block_q, q_len)
+  ks = summarize(kv_info, block_kv, kv_len)
+  # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk].
+  qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
+  kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
+  any_, all_ = mask.block_test(qb, kb)
+  if qs.seg is not None and ks.seg is not None:
+    qsl, qsh = qs.seg.lo[:, :, None], qs.seg.hi[:, :, None]
+    ksl, ksh = ks.seg.lo[:, None, :], ks.seg.hi[:, None, :]
+    any_ = any_ & (qsl <= ksh) & (ksl <= qsh)
+    all_ = all_ & (qsl == qsh) & (ksl == ksh) & (qsl == ksl)
+  all_ = all_ & ~ks.has_pad[None, None, :]
+  any_, all_ = any_[:, None], all_[:, None]  # [Bp, 1, nq, nk]
+  if dense_mask is not None:
+    d_any, d_all = _dense_block_bounds(dense_mask, block_q, block_kv,
+                                       q_info.positions.shape[-1], kv_info.positions.shape[-1])
+    any_, all_ = any_ & d_any, all_ & d_all
+  cls = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+  kv_index, kv_class, kv_count = _compact(cls)
+  q_index, q_class, q_count = _compact(jnp.swapaxes(cls, -1, -2))
+  return BlockPlan(cls, kv_index, kv_class, kv_count, q_index, q_class, q_count,
+                   any_live=jnp.any(cls > EMPTY), all_full=jnp.all(cls == FULL))
+
+
+def live_fraction(plan: BlockPlan) -> Array:
+  """Fraction of tiles that are not EMPTY (per batch / head slice)."""
+  return jnp.mean((plan.block_class > EMPTY).astype(jnp.float32), axis=(-2, -1))
+
+
+def plan_index(plan_array: Array, b, n):
+  """Indexes a plan array's leading ``[Bp, Np]`` axes for batch ``b`` and head ``n``."""
+  bp, np_ = plan_array.shape[:2]
+  return plan_array[b if bp > 1 else 0, n if np_ > 1 else 0]
+
+
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "make_token_info", "pad_token_info",
+           "summarize", "live_fraction", "EMPTY", "PARTIAL", "FULL"]

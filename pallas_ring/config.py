@@ -1,0 +1,142 @@
+"""Typed configs: kernel block sizes and the sequence-parallel (ring) config.
+
+Both are frozen dataclasses (hashable, usable as jit static arguments) with ``from_dict`` and
+``from_yaml``. Unknown keys and invalid values raise ``ValueError`` naming the field, the value,
+the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping, Optional
+
+from pallas_ring.layouts import LAYOUTS
+
+BACKENDS = ("auto", "pallas_tpu", "pallas_triton", "xla")
+STRATEGIES = ("ring", "all_gather")
+
+
+def _check_keys(cls, data: Mapping[str, Any]) -> None:
+  if not isinstance(data, Mapping):
+    raise ValueError(f"{cls.__name__} expects a mapping of field names, got {type(data).__name__}.")
+  names = [f.name for f in dataclasses.fields(cls)]
+  for key in data:
+    if key not in names:
+      close = difflib.get_close_matches(str(key), names, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise ValueError(
+          f"{cls.__name__}: unknown key {key!r}.{hint} Valid keys are: {', '.join(names)}.")
+
+
+def _load_yaml(path) -> Mapping[str, Any]:
+  import yaml  # local import: only configs read from files need it
+  with open(path) as f:
+    data = yaml.safe_load(f)
+  return {} if data is None else data
+
+
+def _positive_or_none(cls: str, field: str, value, rule: str = "") -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{cls}.{field}={value!r} is invalid: it must be a positive int or None "
+                     f"(None picks a default){rule}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the attention kernels; None lets the backend's heuristic choose.
+
+  The Triton backend needs powers of two; the TPU backend needs multiples of 128 on the key axis
+  and of 8 on the query axis (or the whole padded sequence).
+  """
+
+  block_q: Optional[int] = None  # query rows per forward tile
+  block_kv: Optional[int] = None  # key rows per forward tile
+  block_q_bwd: Optional[int] = None  # query rows per backward tile (dQ and dK/dV passes)
+  block_kv_bwd: Optional[int] = None  # key rows per backward tile
+  num_warps: Optional[int] = None  # Triton only: warps per program
+  num_stages: Optional[int] = None  # Triton only: software pipelining depth
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      _positive_or_none("BlockSizes", f.name, getattr(self, f.name))
+
+  @classmethod
+  def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "BlockSizes":
+    if data is None:
+      return cls()
+    _check_keys(cls, data)
+    return cls(**data)
+
+  def replace(self, **kw) -> "BlockSizes":
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallelConfig:
+  """How attention is spread over a sequence-parallel mesh axis."""
+
+  axis_name: str = "sp"  # mesh axis the sequence is sharded over (the ring)
+  layout: str = "contiguous"  # token order: contiguous | zigzag | striped (see layouts)
+  strategy: str = "ring"  # ring: rotate K/V with ppermute; all_gather: gather K/V once
+  batch_axes: tuple[str, ...] = ()  # mesh axes the batch dimension is sharded over
+  head_axis: Optional[str] = None  # mesh axis the head dimension is sharded over (tensor par.)
+  block_sizes: Optional[BlockSizes] = None  # kernel tiles; None = backend heuristic
+  backend: str = "auto"  # auto | pallas_tpu | pallas_triton | xla
+  scan_unroll: int = 1  # unroll factor of the ring scan
+
+  def __post_init__(self):
+    name = "SequenceParallelConfig"
+    if not isinstance(self.axis_name, str) or not self.axis_name:
+      raise ValueError(f"{name}.axis_name={self.axis_name!r} is invalid: it must be a non-empty "
+                       "string naming a mesh axis, e.g. 'sp'.")
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"{name}.layout={self.layout!r} is invalid: use one of {LAYOUTS}.")
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"{name}.strategy={self.strategy!r} is invalid: use one of {STRATEGIES}.")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"{name}.backend={self.backend!r} is invalid: use one of {BACKENDS}.")
+    batch_axes = self.batch_axes
+    if isinstance(batch_axes, str):
+      batch_axes = (batch_axes,)
+    if not all(isinstance(a, str) for a in batch_axes):
+      raise ValueError(f"{name}.batch_axes={self.batch_axes!r} is invalid: it must be a tuple of "
+                       "mesh axis names, e.g. ('dp',).")
+    object.__setattr__(self, "batch_axes", tuple(batch_axes))
+    if self.axis_name in self.batch_axes or self.axis_name == self.head_axis:
+      raise ValueError(f"{name}.axis_name={self.axis_name!r} is also used as a batch or head axis;"
+                       " each mesh axis may shard only one dimension.")
+    if self.head_axis is not None and not isinstance(self.head_axis, str):
+      raise ValueError(f"{name}.head_axis={self.head_axis!r} must be a mesh axis name or None.")
+    if isinstance(self.block_sizes, Mapping):
+      object.__setattr__(self, "block_sizes", BlockSizes.from_dict(self.block_sizes))
+    if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
+      raise ValueError(f"{name}.block_sizes={self.block_sizes!r} must be a BlockSizes, a mapping "
+                       "of its fields, or None.")
+    if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or \
+        self.scan_unroll < 1:
+      raise ValueError(f"{name}.scan_unroll={self.scan_unroll!r} is invalid: it must be an int "
+                       ">= 1 (1 = no unrolling).")
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> "SequenceParallelConfig":
+    _check_keys(cls, data)
+    data = dict(data)
+    if "batch_axes" in data and isinstance(data["batch_axes"], list):
+      data["batch_axes"] = tuple(data["batch_axes"])
+    return cls(**data)
+
+  @classmethod
+  def from_yaml(cls, path) -> "SequenceParallelConfig":
+    """Reads a config from a YAML file (see ``configs/``); validates every field."""
+    data = _load_yaml(path)
+    data = data.get("sequence_parallel", data) if isinstance(data, Mapping) else data
+    return cls.from_dict(data)
+
+  def replace(self, **kw) -> "SequenceParallelConfig":
+    return dataclasses.replace(self, **kw)
+
+
+__all__ = ["BlockSizes", "SequenceParallelConfig", "BACKENDS", "STRATEGIES"]

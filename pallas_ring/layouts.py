@@ -1,0 +1,86 @@
+"""Sequence layouts for a ring of ``R`` devices.
+
+A layout is the order in which tokens are stored so that shard ``r`` (the r-th slice of length
+``T / R`` along the sequence axis) holds a chosen set of global positions:
+
+* ``contiguous``: rank r holds ``[r*C, (r+1)*C)`` with ``C = T / R``.
+* ``zigzag``: the sequence is cut into ``2R`` chunks; rank r holds chunks ``r`` and ``2R-1-r``
+  (also called dual-chunk-swap). Balances causal work across ranks.
+* ``striped``: token t lives on rank ``t mod R`` (rank r holds ``r, r+R, r+2R, ...``).
+
+Tokens, labels, segment ids and RoPE positions are permuted once at data loading with
+``permute``; model outputs are restored with ``unpermute``. Masks always compare the global
+positions returned by ``positions``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str, argname: str = "layout") -> str:
+  if layout not in LAYOUTS:
+    raise ValueError(f"`{argname}`={layout!r} is not a known layout; use one of {LAYOUTS}.")
+  return layout
+
+
+def divisor(layout: str, ring_size: int) -> int:
+  """The number the sequence length must be a multiple of for ``layout`` on ``ring_size`` ranks."""
+  return 2 * ring_size if check_layout(layout) == "zigzag" else ring_size
+
+
+def check_length(seq_len: int, layout: str, ring_size: int, argname: str = "seq_len") -> None:
+  d = divisor(layout, ring_size)
+  if ring_size < 1:
+    raise ValueError(f"ring_size={ring_size} must be >= 1.")
+  if seq_len % d:
+    rule = "2R (two chunks per rank)" if layout == "zigzag" else "R (the ring size)"
+    raise ValueError(
+        f"`{argname}`={seq_len} cannot be split by the {layout!r} layout over a ring of "
+        f"{ring_size}: it must be a multiple of {rule} = {d}. Pad the sequence to a multiple of "
+        f"{d} (mask the padding with segment ids) or change the ring size.")
+
+
+def global_order(seq_len: int, layout: str, ring_size: int) -> np.ndarray:
+  """Global positions in layout order: ``order[i]`` is the position stored at index ``i``."""
+  check_length(seq_len, layout, ring_size)
+  t = np.arange(seq_len, dtype=np.int32)
+  r = ring_size
+  if layout == "contiguous" or r == 1:
+    return t
+  if layout == "striped":
+    return t.reshape(seq_len // r, r).T.reshape(-1)
+  chunks = t.reshape(2 * r, seq_len // (2 * r))
+  pairs = [np.concatenate([chunks[i], chunks[2 * r - 1 - i]]) for i in range(r)]
+  return np.concatenate(pairs)
+
+
+def positions(seq_len: int, layout: str, ring_size: int, rank=None):
+  """Global positions held by ``rank`` (int or traced scalar), or all ranks when ``rank`` is None.
+
+  Returns:
+    ``[seq_len // ring_size]`` int32 positions of that rank, or ``[seq_len]`` in layout order.
+  """
+  order = global_order(seq_len, layout, ring_size)
+  if rank is None:
+    return jnp.asarray(order)
+  table = jnp.asarray(order.reshape(ring_size, seq_len // ring_size))
+  return table[rank]
+
+
+def permute(x, layout: str, ring_size: int, axis: int = 1):
+  """Reorders ``x`` along ``axis`` from natural order into layout order."""
+  order = global_order(x.shape[axis], layout, ring_size)
+  return jnp.take(x, jnp.asarray(order), axis=axis)
+
+
+def unpermute(x, layout: str, ring_size: int, axis: int = 1):
+  """Inverse of ``permute``: from layout order back to natural order."""
+  order = global_order(x.shape[axis], layout, ring_size)
+  return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)
+
+
+__all__ = ["LAYOUTS", "positions", "permute", "unpermute", "divisor", "check_length"]

@@ -1,0 +1,261 @@
+"""Mask specs in global token coordinates.
+
+A mask spec is a static, hashable description of which (query, key) pairs may attend. It is
+evaluated two ways:
+
+* ``visible(q, k)``: elementwise on (broadcast) integer position arrays; used inside kernels on
+  partially visible blocks and by the dense reference.
+* ``block_test(qb, kb)``: on per-block summaries (min / max position of a query block and of a key
+  block), returns ``(any_visible, all_visible)``. The test is *sound*: it never says "no pair is
+  visible" when one is, nor "every pair is visible" when one is masked. For the primitive specs it is
+  exact when the positions inside each block are contiguous.
+
+Specs combine with ``&`` and ``|``. ``bool(spec)`` raises, which catches ``spec_a and spec_b``.
+Document masking is not a spec: ``segment_ids`` are ANDed in by the block plan and the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax.numpy as jnp
+
+Array = Any
+
+
+class BlockBounds(NamedTuple):
+  """Per-block position summaries, broadcast against each other.
+
+  Attributes:
+    lo: smallest position in the block.  # e.g. [nq, 1] for queries, [1, nk] for keys
+    hi: largest position in the block.
+  """
+
+  lo: Array
+  hi: Array
+
+
+class MaskSpec:
+  """Base class of all mask specs. Subclasses are frozen dataclasses (hashable, jit-static)."""
+
+  def visible(self, q: Array, k: Array) -> Array:
+    """Elementwise visibility of query positions ``q`` against key positions ``k`` (broadcast)."""
+    raise NotImplementedError
+
+  def block_test(self, qb: BlockBounds, kb: BlockBounds) -> tuple[Array, Array]:
+    """Sound ``(any_visible, all_visible)`` for blocks summarised by ``qb`` and ``kb``."""
+    raise NotImplementedError
+
+  def __and__(self, other: "MaskSpec") -> "MaskSpec":
+    return And(self, _check_spec(other, "right operand of &"))
+
+  def __or__(self, other: "MaskSpec") -> "MaskSpec":
+    return Or(self, _check_spec(other, "right operand of |"))
+
+  def __bool__(self):
+    raise TypeError(
+        f"The truth value of mask spec {self!r} is ambiguous: `and`/`or` do not combine masks. "
+        "Use `mask_a & mask_b` (both must allow) or `mask_a | mask_b` (either allows).")
+
+
+def _check_spec(value, what: str) -> MaskSpec:
+  if not isinstance(value, MaskSpec):
+    raise TypeError(
+        f"{what} must be a pallas_ring.masks spec (Full, Causal, SlidingWindow, ChunkedCausal, "
+        f"PrefixLM, Custom or a combination), got {type(value).__name__}: {value!r}. "
+        "For an array mask pass it as `dense_mask=` instead.")
+  return value
+
+
+def as_spec(mask: Optional[MaskSpec], argname: str = "mask") -> MaskSpec:
+  """Returns ``mask`` validated as a spec; ``None`` means ``Full()``."""
+  if mask is None:
+    return Full()
+  return _check_spec(mask, f"`{argname}`")
+
+
+def _check_int(cls: str, field: str, value, minimum: int, fix: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{cls}.{field} must be a Python int, got {type(value).__name__}: {value!r}.")
+  if value < minimum:
+    raise ValueError(f"{cls}.{field}={value} is invalid: it must be >= {minimum}. {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(MaskSpec):
+  """Every key is visible to every query."""
+
+  def visible(self, q, k):
+    return jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(k)), dtype=bool)
+
+  def block_test(self, qb, kb):
+    shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
+    ones = jnp.ones(shape, dtype=bool)
+    return ones, ones
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(MaskSpec):
+  """Key visible iff ``k <= q``."""
+
+  def visible(self, q, k):
+    return k <= q
+
+  def block_test(self, qb, kb):
+    return kb.lo <= qb.hi, kb.hi <= qb.lo
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(MaskSpec):
+  """Key visible iff ``q - left <= k <= q + right``.
+
+  Attributes:
+    left: how many earlier keys each query sees besides its own position.
+    right: how many later keys each query sees (0 for causal local attention).
+  """
+
+  left: int
+  right: int = 0
+
+  def __post_init__(self):
+    fix = "Use a window size >= 0 (0 means only the token itself on that side)."
+    _check_int("SlidingWindow", "left", self.left, 0, fix)
+    _check_int("SlidingWindow", "right", self.right, 0, fix)
+
+  def visible(self, q, k):
+    return (k >= q - self.left) & (k <= q + self.right)
+
+  def block_test(self, qb, kb):
+    # k - q ranges over [kb.lo - qb.hi, kb.hi - qb.lo] (every value when blocks are contiguous).
+    d_lo, d_hi = kb.lo - qb.hi, kb.hi - qb.lo
+    any_ = (d_lo <= self.right) & (d_hi >= -self.left)
+    all_ = (d_hi <= self.right) & (d_lo >= -self.left)
+    return any_, all_
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedCausal(MaskSpec):
+  """Key visible iff ``q // chunk == k // chunk and k <= q`` (Llama-4 style local chunks).
+
+  Attributes:
+    chunk: chunk length in tokens, >= 1.
+  """
+
+  chunk: int
+
+  def __post_init__(self):
+    _check_int("ChunkedCausal", "chunk", self.chunk, 1, "Use a chunk length of at least 1 token.")
+
+  def visible(self, q, k):
+    return (q // self.chunk == k // self.chunk) & (k <= q)
+
+  def block_test(self, qb, kb):
+    c = self.chunk
+    overlap = (qb.lo // c <= kb.hi // c) & (kb.lo // c <= qb.hi // c)
+    any_ = overlap & (kb.lo <= qb.hi)
+    one_chunk = (qb.lo // c == qb.hi // c) & (kb.lo // c == kb.hi // c) & (qb.lo // c == kb.lo // c)
+    all_ = one_chunk & (kb.hi <= qb.lo)
+    return any_, all_
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM(MaskSpec):
+  """Key visible iff ``k < prefix or k <= q`` (bidirectional prefix, causal after it).
+
+  Attributes:
+    prefix: length of the bidirectional prefix, >= 0.
+  """
+
+  prefix: int
+
+  def __post_init__(self):
+    _check_int("PrefixLM", "prefix", self.prefix, 0, "Use a prefix length >= 0 (0 is causal).")
+
+  def visible(self, q, k):
+    return (k < self.prefix) | (k <= q)
+
+  def block_test(self, qb, kb):
+    any_ = (kb.lo < self.prefix) | (kb.lo <= qb.hi)
+    all_ = (kb.hi < self.prefix) | (kb.hi <= qb.lo)
+    return any_, all_
+
+
+@dataclasses.dataclass(frozen=True)
+class Custom(MaskSpec):
+  """Key visible iff ``fn(q, k)``; ``fn`` must be elementwise and traceable.
+
+  Without ``block_fn`` every block is treated as partially visible (correct, no skipping). A
+  ``block_fn(q_lo, q_hi, k_lo, k_hi) -> (any_visible, all_visible)`` enables skipping; it must be
+  sound (see the module docstring). ``fn`` and ``block_fn`` are compared by identity, so define
+  them once (module-level functions) to keep jit caches warm.
+  """
+
+  fn: Callable[[Array, Array], Array]
+  block_fn: Optional[Callable[..., tuple[Array, Array]]] = None
+
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise TypeError(f"Custom.fn must be callable (q, k) -> bool array, got {self.fn!r}.")
+    if self.block_fn is not None and not callable(self.block_fn):
+      raise TypeError(f"Custom.block_fn must be callable or None, got {self.block_fn!r}.")
+
+  def visible(self, q, k):
+    return jnp.asarray(self.fn(q, k), dtype=bool)
+
+  def block_test(self, qb, kb):
+    shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
+    if self.block_fn is None:
+      return jnp.ones(shape, bool), jnp.zeros(shape, bool)
+    any_, all_ = self.block_fn(qb.lo, qb.hi, kb.lo, kb.hi)
+    return (jnp.broadcast_to(jnp.asarray(any_, bool), shape),
+            jnp.broadcast_to(jnp.asarray(all_, bool), shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class And(MaskSpec):
+  """Visible iff both operands allow the pair."""
+
+  a: MaskSpec
+  b: MaskSpec
+
+  def visible(self, q, k):
+    return self.a.visible(q, k) & self.b.visible(q, k)
+
+  def block_test(self, qb, kb):
+    a_any, a_all = self.a.block_test(qb, kb)
+    b_any, b_all = self.b.block_test(qb, kb)
+    return a_any & b_any, a_all & b_all
+
+
+@dataclasses.dataclass(frozen=True)
+class Or(MaskSpec):
+  """Visible iff either operand allows the pair."""
+
+  a: MaskSpec
+  b: MaskSpec
+
+  def visible(self, q, k):
+    return self.a.visible(q, k) | self.b.visible(q, k)
+
+  def block_test(self, qb, kb):
+    a_any, a_all = self.a.block_test(qb, kb)
+    b_any, b_all = self.b.block_test(qb, kb)
+    return a_any | b_any, a_all | b_all
+
+
+def is_full(spec: MaskSpec) -> bool:
+  """True when the spec is statically known to allow every pair."""
+  if isinstance(spec, Full):
+    return True
+  if isinstance(spec, And):
+    return is_full(spec.a) and is_full(spec.b)
+  if isinstance(spec, Or):
+    return is_full(spec.a) or is_full(spec.b)
+  return False
+
+
+__all__ = [
+    "MaskSpec", "BlockBounds", "Full", "Causal", "SlidingWindow", "ChunkedCausal", "PrefixLM",
+    "Custom", "And", "Or", "as_spec", "is_full",
+]

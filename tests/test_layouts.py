@@ -1,0 +1,55 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_ring import layouts
+
+# Literal tables: rank -> global positions it holds, T=16, R=4.
+TABLES = {
+    "contiguous": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "zigzag": [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]],
+    "striped": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+}
+
+
+@pytest.mark.parametrize("layout", list(TABLES))
+def test_positions_table(layout):
+  for rank, expected in enumerate(TABLES[layout]):
+    np.testing.assert_array_equal(layouts.positions(16, layout, 4, rank), expected)
+  np.testing.assert_array_equal(layouts.positions(16, layout, 4), np.concatenate(TABLES[layout]))
+
+
+def test_zigzag_two_ranks_table():
+  np.testing.assert_array_equal(layouts.positions(8, "zigzag", 2),
+                                [0, 1, 6, 7, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("layout", list(TABLES))
+def test_permute_places_tokens_and_unpermute_inverts(layout):
+  x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+  y = layouts.permute(x, layout, 4)
+  np.testing.assert_array_equal(y[0, :, 0] // 3, np.concatenate(TABLES[layout]))
+  np.testing.assert_array_equal(layouts.unpermute(y, layout, 4), x)
+  z = layouts.permute(x, layout, 4, axis=1)
+  np.testing.assert_array_equal(z, y)
+
+
+def test_traced_rank():
+  import jax
+  f = jax.jit(lambda r: layouts.positions(16, "zigzag", 4, r))
+  np.testing.assert_array_equal(f(2), [4, 5, 10, 11])
+
+
+@pytest.mark.parametrize("layout, t, r, match", [
+    ("zigzag", 12, 4, "multiple of 2R"),
+    ("contiguous", 10, 4, "multiple of R"),
+    ("striped", 9, 2, "multiple of R"),
+])
+def test_indivisible_length(layout, t, r, match):
+  with pytest.raises(ValueError, match=match):
+    layouts.positions(t, layout, r)
+
+
+def test_unknown_layout():
+  with pytest.raises(ValueError, match="'snake'.*contiguous"):
+    layouts.positions(8, "snake", 2)

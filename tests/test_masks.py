@@ -1,0 +1,104 @@
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_ring import masks
+from pallas_ring.masks import BlockBounds
+
+SPECS = [masks.Full(), masks.Causal(), masks.SlidingWindow(3), masks.SlidingWindow(2, 5),
+         masks.ChunkedCausal(4), masks.PrefixLM(5),
+         masks.Causal() & masks.SlidingWindow(6), masks.PrefixLM(3) | masks.ChunkedCausal(5)]
+
+
+def _brute(spec, q, k):
+  return np.array([[bool(spec.visible(jnp.int32(a), jnp.int32(b))) for b in k] for a in q])
+
+
+def test_elementwise_definitions():
+  q, k = np.arange(12)[:, None], np.arange(12)[None, :]
+  np.testing.assert_array_equal(masks.Causal().visible(q, k), k <= q)
+  np.testing.assert_array_equal(masks.SlidingWindow(2, 1).visible(q, k), (k >= q - 2) & (k <= q + 1))
+  np.testing.assert_array_equal(masks.ChunkedCausal(4).visible(q, k), (q // 4 == k // 4) & (k <= q))
+  np.testing.assert_array_equal(masks.PrefixLM(3).visible(q, k), (k < 3) | (k <= q))
+  np.testing.assert_array_equal(masks.Full().visible(q, k), np.ones((12, 12), bool))
+  even = masks.Custom(lambda a, b: (a + b) % 2 == 0)
+  np.testing.assert_array_equal(even.visible(q, k), (q + k) % 2 == 0)
+  both = masks.Causal() & masks.SlidingWindow(2)
+  np.testing.assert_array_equal(both.visible(q, k), (k <= q) & (k >= q - 2))
+  either = masks.PrefixLM(2) | masks.SlidingWindow(0, 1)
+  np.testing.assert_array_equal(either.visible(q, k), (k < 2) | (k <= q) | (k <= q + 1) & (k >= q))
+
+
+def test_specs_are_hashable_and_jit_static():
+  assert hash(masks.Causal()) == hash(masks.Causal())
+  assert masks.SlidingWindow(4) == masks.SlidingWindow(4, 0)
+  assert masks.SlidingWindow(4) != masks.SlidingWindow(5)
+  assert len({masks.Causal() & masks.PrefixLM(2), masks.Causal() & masks.PrefixLM(2)}) == 1
+
+  @jax.jit
+  def count(x, spec=masks.Causal()):
+    return jnp.sum(spec.visible(x[:, None], x[None, :]))
+
+  f = jax.jit(lambda x, spec: jnp.sum(spec.visible(x[:, None], x[None, :])), static_argnums=1)
+  x = jnp.arange(8)
+  assert int(f(x, masks.Causal())) == 36
+  assert int(f(x, masks.SlidingWindow(1))) == 15
+
+
+def test_bool_raises():
+  with pytest.raises(TypeError, match="ambiguous"):
+    bool(masks.Causal())
+  with pytest.raises(TypeError, match="&"):
+    _ = masks.Causal() and masks.Full()
+
+
+def test_combining_with_non_spec_raises():
+  with pytest.raises(TypeError, match="dense_mask"):
+    _ = masks.Causal() & np.ones((4, 4), bool)
+
+
+@pytest.mark.parametrize("ctor, match", [
+    (lambda: masks.SlidingWindow(-1), "left=-1"),
+    (lambda: masks.SlidingWindow(2, -3), "right=-3"),
+    (lambda: masks.ChunkedCausal(0), "chunk=0"),
+    (lambda: masks.PrefixLM(-2), "prefix=-2"),
+])
+def test_invalid_parameters(ctor, match):
+  with pytest.raises(ValueError, match=match):
+    ctor()
+
+
+def test_non_int_parameter_raises_type_error():
+  with pytest.raises(TypeError, match="int"):
+    masks.SlidingWindow(2.5)
+  with pytest.raises(TypeError, match="callable"):
+    masks.Custom(3)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_block_test_sound_and_exact_on_contiguous_blocks(spec):
+  """Every pair of contiguous blocks: any/all equal brute force for primitives, sound for combos."""
+  primitive = not isinstance(spec, (masks.And, masks.Or))
+  for (q0, q1), (k0, k1) in itertools.product(itertools.combinations(range(14), 2), repeat=2):
+    vis = _brute(spec, range(q0, q1 + 1), range(k0, k1 + 1))
+    a, f = spec.block_test(BlockBounds(jnp.int32(q0), jnp.int32(q1)),
+                           BlockBounds(jnp.int32(k0), jnp.int32(k1)))
+    a, f = bool(a), bool(f)
+    if vis.any():
+      assert a, (q0, q1, k0, k1)
+    if not vis.all():
+      assert not f, (q0, q1, k0, k1)
+    if primitive:
+      assert a == vis.any() and f == vis.all(), (q0, q1, k0, k1)
+
+
+def test_custom_block_fn_is_used():
+  spec = masks.Custom(lambda q, k: k <= q, block_fn=lambda ql, qh, kl, kh: (kl <= qh, kh <= ql))
+  a, f = spec.block_test(BlockBounds(jnp.int32(0), jnp.int32(3)), BlockBounds(jnp.int32(8), jnp.int32(9)))
+  assert not bool(a) and not bool(f)
+  default = masks.Custom(lambda q, k: k <= q)
+  a, f = default.block_test(BlockBounds(jnp.int32(0), jnp.int32(3)), BlockBounds(jnp.int32(8), jnp.int32(9)))
+  assert bool(a) and not bool(f)  # no block_fn: always partial (sound, no skipping)
