@@ -18,12 +18,15 @@ Shapes (``Bp`` is 1 or B, ``Np`` is 1 or N: the plan only carries a batch or hea
 positions, segment ids or the dense mask vary along it):
 
 * ``block_class``      ``[Bp, Np, nq, nk]`` int32
-* ``kv_index``         ``[Bp, Np, nq, nk]`` int32  live kv blocks of each q block, ascending,
-  then padding that repeats the last live block (so a TPU pipeline issues no copy for it)
+* ``kv_index``         ``[Bp, Np, nq, nk]`` int32  live kv blocks of each q block: FULL ones
+  first, then PARTIAL ones (each group ascending), then padding that repeats the last live block
+  (so a TPU pipeline issues no copy for it)
 * ``kv_class``         ``[Bp, Np, nq, nk]`` int32  class of each listed kv block (0 on padding)
 * ``kv_count``         ``[Bp, Np, nq]``     int32  number of live kv blocks of each q block
-* ``q_index``, ``q_class`` ``[Bp, Np, nk, nq]``, ``q_count`` ``[Bp, Np, nk]``: the transposed
-  lists, per kv block, for the dK/dV pass
+* ``kv_full``          ``[Bp, Np, nq]``     int32  how many of them are FULL (a GPU kernel runs
+  two branch-free loops: ``[0, kv_full)`` without and ``[kv_full, kv_count)`` with the mask)
+* ``q_index``, ``q_class`` ``[Bp, Np, nk, nq]``, ``q_count``, ``q_full`` ``[Bp, Np, nk]``: the
+  transposed lists, per kv block, for the dK/dV pass
 * ``any_live`` / ``all_full``  ``[]`` bool: step-level flags (a ring step with nothing live is
   skipped; one where everything is full takes the mask-free path)
 """
@@ -106,24 +109,28 @@ class BlockPlan(NamedTuple):
   kv_index: Array
   kv_class: Array
   kv_count: Array
+  kv_full: Array
   q_index: Array
   q_class: Array
   q_count: Array
+  q_full: Array
   any_live: Array
   all_full: Array
 
 
-def _compact(cls: Array) -> tuple[Array, Array, Array]:
-  """Per row of ``cls [..., n]``: live column indices first (ascending), counts, classes."""
+def _compact(cls: Array) -> tuple[Array, Array, Array, Array]:
+  """Per row of ``cls [..., n]``: live column indices (FULL, then PARTIAL), classes, counts."""
   n = cls.shape[-1]
   live = cls > EMPTY
-  order = jnp.argsort(jnp.where(live, 0, 1), axis=-1, stable=True).astype(jnp.int32)
+  rank = jnp.where(cls == FULL, 0, jnp.where(live, 1, 2))
+  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
   count = jnp.sum(live, axis=-1, dtype=jnp.int32)
+  full = jnp.sum(cls == FULL, axis=-1, dtype=jnp.int32)
   slot = jnp.arange(n, dtype=jnp.int32)
   last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
   index = jnp.where(slot < count[..., None], order, last)
   klass = jnp.where(slot < count[..., None], jnp.take_along_axis(cls, order, axis=-1), EMPTY)
-  return index, klass.astype(jnp.int32), count
+  return index, klass.astype(jnp.int32), count, full
 
 
 def _dense_block_bounds(dense_mask: Array, bq: int, bk: int, tp: int, sp: int):
@@ -169,9 +176,9 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
                                        q_info.positions.shape[-1], kv_info.positions.shape[-1])
     any_, all_ = any_ & d_any, all_ & d_all
   cls = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int32)
-  kv_index, kv_class, kv_count = _compact(cls)
-  q_index, q_class, q_count = _compact(jnp.swapaxes(cls, -1, -2))
-  return BlockPlan(cls, kv_index, kv_class, kv_count, q_index, q_class, q_count,
+  kv_index, kv_class, kv_count, kv_full = _compact(cls)
+  q_index, q_class, q_count, q_full = _compact(jnp.swapaxes(cls, -1, -2))
+  return BlockPlan(cls, kv_index, kv_class, kv_count, kv_full, q_index, q_class, q_count, q_full,
                    any_live=jnp.any(cls > EMPTY), all_full=jnp.all(cls == FULL))
 
 

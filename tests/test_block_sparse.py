@@ -124,6 +124,12 @@ def test_lists_and_flags():
   plan = _plan(masks.SlidingWindow(4), pos, pos, 4, 4)
   np.testing.assert_array_equal(np.asarray(plan.kv_index)[0, 0],
                                 [[0, 0, 0, 0], [0, 1, 1, 1], [1, 2, 2, 2], [2, 3, 3, 3]])
+  # Causal: FULL blocks first, then the PARTIAL diagonal.
+  causal = _plan(masks.Causal(), pos, pos, 4, 4)
+  np.testing.assert_array_equal(np.asarray(causal.kv_index)[0, 0][3], [0, 1, 2, 3])
+  np.testing.assert_array_equal(np.asarray(causal.kv_full)[0, 0], [0, 1, 2, 3])
+  np.testing.assert_array_equal(np.asarray(causal.q_index)[0, 0][0], [1, 2, 3, 0])
+  np.testing.assert_array_equal(np.asarray(causal.q_full)[0, 0], [3, 2, 1, 0])
   np.testing.assert_array_equal(np.asarray(plan.kv_class)[0, 0],
                                 [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]])
   np.testing.assert_array_equal(np.asarray(plan.q_index)[0, 0],

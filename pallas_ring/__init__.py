@@ -1,0 +1,11 @@
+"""pallas_ring: block-sparse flash attention and ring attention for JAX, Pallas-first."""
+
+from pallas_ring import layouts, masks
+from pallas_ring.attention import flash_attention
+from pallas_ring.block_sparse import TokenInfo
+from pallas_ring.config import BlockSizes, SequenceParallelConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attention", "masks", "layouts", "BlockSizes", "SequenceParallelConfig",
+           "TokenInfo"]

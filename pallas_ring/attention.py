@@ -1,0 +1,164 @@
+"""``flash_attention``: one (q, kv) pair on one device, over any kernel backend, with custom_vjp."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_ring import block_sparse, kernels, validation
+from pallas_ring import masks as masks_lib
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import common, tuning
+
+
+def merge_sinks(o, lse, sinks):
+  """Adds per-head sink logits ``[N]`` once to each row's denominator.
+
+  Args:
+    o: ``[B, T, N, H]`` float32 normalised output; lse: ``[B, N, T]`` float32.
+
+  Returns:
+    ``(o', lse')`` with ``lse' = logaddexp(lse, sink)`` and ``o' = o * exp(lse - lse')``.
+  """
+  sk = sinks.astype(jnp.float32)[None, :, None]
+  new_lse = jnp.logaddexp(lse, sk)
+  w = jnp.exp(lse - new_lse)  # 0 on empty rows (lse = -inf)
+  return o * jnp.swapaxes(w, 1, 2)[..., None], new_lse
+
+
+def sinks_grad(sinks, lse, delta):
+  """d loss / d sinks from the final lse and ``delta = sum(o * do)``, both ``[B, N, T]``."""
+  p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - common.safe_lse(lse))
+  return -jnp.sum(p_sink * delta, axis=(0, 2))
+
+
+def make_plans(ops: common.Operands, cfg: common.KernelConfig):
+  """Forward and backward block plans of one (q, kv) pair."""
+  mk = lambda bq, bk: block_sparse.make_plan(
+      cfg.mask, ops.q_info, ops.kv_info, block_q=bq, block_kv=bk, q_len=cfg.q_len,
+      kv_len=cfg.kv_len, dense_mask=ops.dense)
+  return mk(cfg.block_q, cfg.block_kv), mk(cfg.block_q_bwd, cfg.block_kv_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, sinks, ops, cfg, backend):
+  return _flash_fwd(q, k, v, sinks, ops, cfg, backend)[0]
+
+
+def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
+  plan, _ = make_plans(ops, cfg)
+  o, lse = kernels.get(backend).forward(q, k, v, ops, plan, cfg)
+  if sinks is not None:
+    o, lse = merge_sinks(o.astype(jnp.float32), lse, sinks)
+  o = o.astype(q.dtype)
+  return (o, lse), (q, k, v, sinks, ops, o, lse)
+
+
+def _flash_bwd(cfg, backend, res, cts):
+  q, k, v, sinks, ops, o, lse = res
+  do, _ = cts  # the lse output is not differentiated through
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, N]
+  delta = jnp.swapaxes(delta, 1, 2)  # [B, N, Tp]
+  _, plan = make_plans(ops, cfg)
+  dq, dk, dv = kernels.get(backend).backward(q, k, v, do.astype(q.dtype), lse, delta, ops, plan,
+                                             cfg)
+  dsinks = None if sinks is None else sinks_grad(sinks, lse, delta).astype(sinks.dtype)
+  zeros_like_ops = jax.tree.map(lambda x: None, ops)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, zeros_like_ops)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_jit = jax.jit(_flash, static_argnums=(5, 6))
+
+
+def _pad_seq(x, length, axis=1):
+  n = length - x.shape[axis]
+  if n == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n)
+  return jnp.pad(x, widths)
+
+
+def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
+                    q_positions=None, kv_positions=None, dense_mask=None, sinks=None,
+                    softcap=None, scale=None, block_sizes: Optional[BlockSizes] = None,
+                    backend: str = "auto", interpret=None, return_lse: bool = False):
+  """Block-sparse flash attention on one device.
+
+  Args:
+    q: ``[B, T, N, H]`` queries.
+    k, v: ``[B, S, K, H]`` keys and values; ``N % K == 0`` (MHA, GQA, MQA).
+    mask: a ``pallas_ring.masks`` spec in global positions (default ``Full()``).
+    segment_ids: ``[B, T]`` int32 document ids; tokens attend within their segment.
+    kv_segment_ids: ``[B, S]``; defaults to ``segment_ids`` when ``T == S``.
+    q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) int positions the mask compares;
+      default ``arange``.
+    dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest.
+    sinks: ``[N]`` per-head sink logits, counted once in each row's denominator.
+    softcap: logit soft-cap ``cap * tanh(s / cap)``.
+    scale: logit scale, default ``H ** -0.5``.
+    block_sizes: ``BlockSizes`` overrides of the backend's tuned tiles.
+    backend: ``"auto" | "pallas_tpu" | "pallas_triton" | "xla"``.
+    interpret: Pallas interpret mode; None = exactly when the device cannot run the kernel.
+    return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
+
+  Returns:
+    ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
+  """
+  mask = masks_lib.as_spec(mask)
+  validation.check_qkv(q, k, v)
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  backend = kernels.resolve_backend(validation.check_backend(backend))
+  interpret = kernels.resolve_interpret(backend, interpret)
+  scale = validation.check_positive("scale", scale, h ** -0.5)
+  softcap = validation.check_positive("softcap", softcap, None)
+  if kv_segment_ids is None and segment_ids is not None:
+    if t != s:
+      raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "
+                       "segment ids of the keys.")
+    kv_segment_ids = segment_ids
+  validation.check_token_array("segment_ids", segment_ids, b, t)
+  validation.check_token_array("kv_segment_ids", kv_segment_ids, b, s)
+  validation.check_token_array("q_positions", q_positions, b, t, allow_1d=True)
+  validation.check_token_array("kv_positions", kv_positions, b, s, allow_1d=True)
+  if (segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
+  dense = validation.normalize_dense_mask(dense_mask, b, n, t, s)
+  if sinks is not None:
+    validation.check_sinks(sinks, n)
+
+  tiles = tuning.resolve(backend, block_sizes, t, s, h, jnp.dtype(q.dtype).itemsize)
+  tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
+  sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
+  hp = h
+  if backend == "pallas_triton":  # Triton arrays need power-of-two sizes: pad the head dim
+    hp = max(16, 1 << (h - 1).bit_length())
+  cfg = common.KernelConfig(
+      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
+      q_len=t, kv_len=s, block_q=tiles.block_q, block_kv=tiles.block_kv,
+      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=q.dtype,
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+
+  q_info = block_sparse.pad_token_info(
+      block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
+  kv_info = block_sparse.pad_token_info(
+      block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
+  if dense is not None:
+    dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
+  ops = common.Operands(q_info, kv_info, dense)
+
+  pad_h = lambda x: x if hp == h else jnp.pad(x, ((0, 0),) * 3 + ((0, hp - h),))
+  qp, kp, vp = (pad_h(_pad_seq(x, L)) for x, L in ((q, tp), (k, sp), (v, sp)))
+  out, lse = _flash_jit(qp, kp, vp, sinks, ops, cfg, backend)
+  out = out[:, :t, :, :h]
+  if return_lse:
+    return out, lse[:, :, :t]
+  return out
+
+
+__all__ = ["flash_attention", "merge_sinks", "sinks_grad", "make_plans"]

@@ -1,0 +1,97 @@
+"""Block-size heuristics per (backend, head dim, dtype, device), and the rules each backend needs.
+
+The GPU numbers come from the sweep in ``pallas_ring.bench`` (see BENCHMARKS.md); user-given
+``BlockSizes`` fields override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from pallas_ring.config import BlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Resolved tile sizes for one call."""
+
+  block_q: int  # forward query tile
+  block_kv: int  # forward key tile
+  block_q_bwd: int  # backward query tile
+  block_kv_bwd: int  # backward key tile
+  num_warps: int | None  # Triton warps (forward)
+  num_stages: int | None  # Triton stages (forward)
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _defaults(backend: str, head_dim: int, itemsize: int, device_kind: str) -> BlockSizes:
+  if backend == "pallas_triton":
+    if head_dim <= 64:
+      return BlockSizes(128, 128, 64, 64, 4, 3)
+    if head_dim <= 128:
+      return BlockSizes(128, 64, 64, 64, 4, 3)
+    return BlockSizes(64, 32, 32, 32, 4, 2)
+  if backend == "pallas_tpu":
+    big = "v6" in device_kind.lower() or "v5p" in device_kind.lower()
+    return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
+  return BlockSizes(128, 128, 128, 128, None, None)
+
+
+def check_block_sizes(backend: str, bs: BlockSizes) -> None:
+  """Raises ValueError when a user-given block size breaks a backend's rule."""
+  for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+    val = getattr(bs, f)
+    if val is None:
+      continue
+    if backend == "pallas_triton" and (val < 16 or val & (val - 1)):
+      raise ValueError(
+          f"block_sizes.{f}={val} cannot be used by backend 'pallas_triton': Triton tiles must be "
+          f"powers of two >= 16 (tl.dot's minimum). Use {max(16, _next_pow2(val))}, or None for "
+          "the tuned default.")
+    if backend == "pallas_tpu":
+      unit = 128 if "kv" in f else 8
+      if val % unit:
+        raise ValueError(
+            f"block_sizes.{f}={val} cannot be used by backend 'pallas_tpu': TPU tiles must be "
+            f"multiples of {unit} ({'lanes' if unit == 128 else 'sublanes'}; Mosaic's (8, 128) "
+            f"rule). Use {_round_up(val, unit)}, or None for the default.")
+
+
+def resolve(backend: str, block_sizes: BlockSizes | None, q_len: int, kv_len: int,
+            head_dim: int, itemsize: int) -> Tiles:
+  """Tile sizes for a call: user overrides, else heuristics, clamped to the sequence lengths."""
+  bs = block_sizes or BlockSizes()
+  check_block_sizes(backend, bs)
+  kind = jax.devices()[0].device_kind if jax.devices() else ""
+  d = _defaults(backend, head_dim, itemsize, kind)
+  pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
+  bq, bk, bqb, bkb = (pick(f) for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"))
+  if backend == "pallas_triton":
+    cap_q, cap_k = max(16, _next_pow2(q_len)), max(16, _next_pow2(kv_len))
+  elif backend == "pallas_tpu":
+    cap_q, cap_k = _round_up(q_len, 8), _round_up(kv_len, 128)
+  else:
+    cap_q, cap_k = q_len, kv_len
+  bq, bqb = min(bq, cap_q), min(bqb, cap_q)
+  bk, bkb = min(bk, cap_k), min(bkb, cap_k)
+  if backend == "pallas_tpu":  # the query tile must also tile by 8 after clamping
+    bq, bqb = _round_up(bq, 8), _round_up(bqb, 8)
+  return Tiles(bq, bk, bqb, bkb, pick("num_warps"), pick("num_stages"))
+
+
+def padded_len(length: int, *blocks: int) -> int:
+  """Smallest multiple of every block size that is >= length."""
+  m = 1
+  for b in blocks:
+    m = m * b // math.gcd(m, b)
+  return _round_up(length, m)

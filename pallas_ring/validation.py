@@ -1,0 +1,103 @@
+"""Trace-time argument checks. Each error names the argument, its value or shape, the rule and
+the fix."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_ring.config import BACKENDS
+
+
+def _shape(x):
+  return tuple(np.shape(x))
+
+
+def check_backend(backend: str) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"`backend`={backend!r} is not known; use one of {BACKENDS} "
+                     "('auto' picks pallas_tpu on TPU, pallas_triton on GPU, xla on CPU).")
+  return backend
+
+
+def _check_float(name, x):
+  dt = jnp.result_type(x)
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"`{name}` has dtype {dt}; attention needs a real floating dtype "
+                    "(bfloat16, float16 or float32). Cast it, e.g. `{name}.astype(jnp.bfloat16)`.")
+
+
+def check_qkv(q, k, v) -> None:
+  """Ranks, head counts, head dims and dtypes of q ``[B, T, N, H]``, k / v ``[B, S, K, H]``."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if np.ndim(x) != 4:
+      raise ValueError(f"`{name}` must have rank 4 ([batch, seq, heads, head_dim]), got shape "
+                       f"{_shape(x)}. Add the missing axes, e.g. `x[None]` for batch 1.")
+    _check_float(name, x)
+  (b, _, n, h), (bk, s, kh, hk), vs = _shape(q), _shape(k), _shape(v)
+  if vs != (bk, s, kh, hk):
+    raise ValueError(f"`k` and `v` must have the same shape, got k {(bk, s, kh, hk)} and v {vs}.")
+  if bk != b:
+    raise ValueError(f"batch sizes differ: q has {b} (shape {_shape(q)}), k/v have {bk}.")
+  if hk != h:
+    raise ValueError(f"head dims differ: q has H={h}, k/v have H={hk}; project them to the same "
+                     "head_dim.")
+  if kh == 0 or n % kh:
+    raise ValueError(f"q heads N={n} must be a multiple of k/v heads K={kh} (MHA: K=N, GQA: "
+                     "N % K == 0, MQA: K=1); change num_heads or num_kv_heads.")
+  if h == 0 or np.shape(q)[1] == 0 or s == 0:
+    raise ValueError(f"empty attention: q {_shape(q)}, k {_shape(k)}; sequences and head_dim "
+                     "must be >= 1.")
+
+
+def check_positive(name: str, value, default):
+  if value is None:
+    return default
+  try:
+    fval = float(value)
+  except TypeError:
+    raise TypeError(f"`{name}` must be a Python number, got {type(value).__name__}.") from None
+  if not fval > 0 or not np.isfinite(fval):
+    raise ValueError(f"`{name}`={value!r} is invalid: it must be a finite number > 0"
+                     f"{' (or None for no cap)' if name == 'softcap' else ''}.")
+  return fval
+
+
+def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False) -> None:
+  """``[B, L]`` (or ``[L]`` when ``allow_1d``) integer per-token arrays."""
+  if x is None:
+    return
+  shape = _shape(x)
+  ok = shape == (b, length) or (allow_1d and shape in ((length,), (1, length)))
+  if not ok:
+    want = f"[{b}, {length}]" + (f" or [{length}]" if allow_1d else "")
+    raise ValueError(f"`{name}` has shape {shape}; expected {want} to match the sequence it "
+                     "describes.")
+  if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+    raise TypeError(f"`{name}` has dtype {jnp.result_type(x)}; it must be an integer array "
+                    f"(cast with `.astype(jnp.int32)`).")
+
+
+def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):
+  """Broadcasts a dense mask to ``[Bm, Nm, T, S]`` bool with Bm in {1, B}, Nm in {1, N}."""
+  if dense_mask is None:
+    return None
+  shape = _shape(dense_mask)
+  if len(shape) > 4:
+    raise ValueError(f"`dense_mask` has shape {shape}; it must broadcast to [B, N, T, S] = "
+                     f"{(b, n, t, s)}.")
+  full = (1,) * (4 - len(shape)) + shape
+  for dim, want, name in zip(full, (b, n, t, s), "BNTS"):
+    if dim not in (1, want):
+      raise ValueError(f"`dense_mask` has shape {shape}, which does not broadcast to [B, N, T, S]"
+                       f" = {(b, n, t, s)}: axis {name} is {dim}, expected 1 or {want}.")
+  m = jnp.asarray(dense_mask)
+  m = m.reshape(full) if m.dtype == bool else (m.reshape(full) != 0)
+  return jnp.broadcast_to(m, (full[0], full[1], t, s))
+
+
+def check_sinks(sinks, n: int) -> None:
+  if _shape(sinks) != (n,):
+    raise ValueError(f"`sinks` has shape {_shape(sinks)}; expected [N] = ({n},), one logit per "
+                     "query head.")
+  _check_float("sinks", sinks)

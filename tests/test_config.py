@@ -1,0 +1,68 @@
+import glob
+import os
+
+import pytest
+
+from pallas_ring.config import BlockSizes, SequenceParallelConfig
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def test_defaults_and_hashable():
+  cfg = SequenceParallelConfig()
+  assert cfg.axis_name == "sp" and cfg.layout == "contiguous" and cfg.strategy == "ring"
+  assert hash(cfg) == hash(SequenceParallelConfig())
+
+
+def test_from_dict_with_nested_block_sizes():
+  cfg = SequenceParallelConfig.from_dict({"axis_name": "seq", "layout": "zigzag",
+                                          "batch_axes": ["dp"], "block_sizes": {"block_q": 128}})
+  assert cfg.batch_axes == ("dp",)
+  assert cfg.block_sizes == BlockSizes(block_q=128)
+
+
+def test_unknown_key_suggests_closest():
+  with pytest.raises(ValueError, match="unknown key 'layuot'.*Did you mean 'layout'"):
+    SequenceParallelConfig.from_dict({"layuot": "zigzag"})
+  with pytest.raises(ValueError, match="'block_kv'"):
+    BlockSizes.from_dict({"block_k": 64})
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layout="spiral"), r"layout='spiral'.*zigzag"),
+    (dict(strategy="tree"), r"strategy='tree'.*all_gather"),
+    (dict(backend="cuda"), r"backend='cuda'.*pallas_triton"),
+    (dict(scan_unroll=0), r"scan_unroll=0.*>= 1"),
+    (dict(axis_name=""), r"axis_name=''"),
+    (dict(axis_name="sp", batch_axes=("sp",)), r"axis_name='sp' is also used"),
+])
+def test_invalid_values(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SequenceParallelConfig(**kw)
+
+
+def test_invalid_block_size():
+  with pytest.raises(ValueError, match=r"BlockSizes.block_q=0"):
+    BlockSizes(block_q=0)
+
+
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_presets_exist():
+  names = {os.path.basename(p) for p in PRESETS}
+  assert {"cpu_8.yaml", "tpu_v5e_8.yaml", "tpu_v6e_8.yaml", "gpu_8xh100.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_presets_parse(path):
+  cfg = SequenceParallelConfig.from_yaml(path)
+  assert isinstance(cfg, SequenceParallelConfig)
+  assert cfg.axis_name
+
+
+def test_yaml_unknown_key(tmp_path):
+  p = tmp_path / "bad.yaml"
+  p.write_text("sequence_parallel:\n  axis_name: sp\n  stratgy: ring\n")
+  with pytest.raises(ValueError, match="Did you mean 'strategy'"):
+    SequenceParallelConfig.from_yaml(p)
