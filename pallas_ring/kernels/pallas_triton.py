@@ -1,0 +1,296 @@
+"""Pallas kernels lowered through Triton (GPU), implementing ``kernels.common``'s contract.
+
+Triton has no scalar prefetch and no dynamic grid, so the plan's per-row lists are ordinary inputs
+and each program loops over its live blocks: ``[0, n_full)`` with no mask arithmetic, then
+``[n_full, n_live)`` with the elementwise mask. K/V (forward, dQ) or Q/dO (dK/dV) are whole-
+sequence BlockSpecs sliced with ``pl.ds(pl.multiple_of(j * b, b), b)``. Every in-kernel array has
+power-of-two sizes: the caller pads the head dim, and the lists are padded here.
+
+Grids: forward and dQ ``(nq, B, N)``; dK/dV ``(nk, B, N)``, one program per query head; the query
+heads of a K/V group are summed afterwards (GQA never repeats K/V in memory).
+
+Exponentials run in base 2 (``exp2`` of logits pre-scaled by log2(e)); lse is returned in natural
+log as the contract says.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_ring.kernels import common
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _pad_last(x, n):
+  return x if x.shape[-1] == n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])],
+                                            mode="edge")
+
+
+def _sel(size: int, idx):
+  """Index into a plan / info axis that is either full-size or broadcast (size 1)."""
+  return idx if size > 1 else 0
+
+
+def _dot_nt(a, b):
+  """``a @ b.T`` in float32."""
+  return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _logits2(q, k, cfg):
+  """Base-2 logits ``[bq, bk]``: natural (soft-capped) logits times log2(e)."""
+  s = _dot_nt(q, k) * cfg.scale
+  if cfg.softcap is not None:
+    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+  return s * LOG2E
+
+
+def _visible(cfg, q_pos, k_pos, k0, bk, q_seg, k_seg, dense):
+  k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
+  return common.tile_visible(
+      cfg, q_pos[:, None], k_pos[None, :], k_index,
+      None if q_seg is None else q_seg[:, None], None if k_seg is None else k_seg[None, :], dense)
+
+
+# ----------------------------------------------------------------------------------- forward --
+
+def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+                q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
+  bq, bk = cfg.block_q, cfg.block_kv
+  hp = q_ref.shape[-1]
+  q = q_ref[...]
+  q_pos = qpos_ref[...]
+  q_seg = None if qseg_ref is None else qseg_ref[...]
+
+  def step(j, carry, masked):
+    m, l, acc = carry
+    k0 = pl.multiple_of(idx_ref[j] * bk, bk)
+    kv_slice = pl.ds(k0, bk)
+    k = k_ref[kv_slice, :]
+    v = v_ref[kv_slice, :]
+    s = _logits2(q, k, cfg)
+    if masked:
+      vis = _visible(cfg, q_pos, kpos_ref[kv_slice], k0, bk, q_seg,
+                     None if kseg_ref is None else kseg_ref[kv_slice],
+                     None if dense_ref is None else dense_ref[:, kv_slice])
+      s = jnp.where(vis, s, common.NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_new[:, None])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    alpha = jnp.exp2(m - m_new)
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+  carry = (jnp.full((bq,), common.NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+           jnp.zeros((bq, hp), jnp.float32))
+  n_full, n_live = nfull_ref[0], cnt_ref[0]
+  carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  m, l, acc = jax.lax.fori_loop(n_full, n_live, functools.partial(step, masked=True), carry)
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+
+
+def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
+  """BlockSpecs of positions / segment ids / dense mask for grids ``(i, b, n)``.
+
+  ``tp_block`` / ``sp_block`` are the query / key extents one program sees; the grid axis 0
+  indexes the query side when ``q_grid_axis`` else the key side.
+  """
+  qp, kp = ops.q_info.positions, ops.kv_info.positions
+  tp, sp = qp.shape[-1], kp.shape[-1]
+
+  def seq_spec(arr, block, blocked):
+    bsz = arr.shape[0]
+    if blocked:
+      return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), i))
+    return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), 0))
+
+  specs = [seq_spec(qp, tp_block, q_grid_axis), seq_spec(kp, sp_block, kv_grid_axis)]
+  for arr, block, blocked in ((ops.q_info.segment_ids, tp_block, q_grid_axis),
+                              (ops.kv_info.segment_ids, sp_block, kv_grid_axis)):
+    specs.append(None if arr is None else seq_spec(arr, block, blocked))
+  if ops.dense is None:
+    specs.append(None)
+  else:
+    bm, nm = ops.dense.shape[:2]
+    if q_grid_axis:
+      idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), i, 0)
+    else:
+      idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), 0, i)
+    specs.append(pl.BlockSpec((None, None, tp_block, sp_block), idx))
+  args = [qp, kp, ops.q_info.segment_ids, ops.kv_info.segment_ids,
+          None if ops.dense is None else ops.dense.astype(jnp.int8)]
+  return specs, args
+
+
+def _list_specs(index, count, nfull):
+  """BlockSpecs for one program's list row: ``index [Bp, Np, nrows, L]`` (L padded to pow2)."""
+  bp, np_ = index.shape[:2]
+  length = _pow2(index.shape[-1])
+  index = _pad_last(index, length)
+  row = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i, 0)
+  one = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i)
+  specs = [pl.BlockSpec((None, None, None, length), row),
+           pl.BlockSpec((None, None, 1), one), pl.BlockSpec((None, None, 1), one)]
+  return specs, [index, count, nfull]
+
+
+def _params(cfg, bwd=False):
+  warps = cfg.num_warps or 4
+  stages = cfg.num_stages or (2 if bwd else 3)
+  return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``."""
+  b, tp, n, hp = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bq = cfg.block_q
+  list_specs, list_args = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
+  info_specs, info_args = _info_specs(ops, bq, sp, True, False)
+  in_specs = list_specs + info_specs + [
+      pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
+      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
+      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
+  ]
+  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
+               pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))]
+  out_shape = [jax.ShapeDtypeStruct((b, tp, n, hp), cfg.out_dtype),
+               jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+  o, lse = pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
+      interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
+  return o, lse
+
+
+# ---------------------------------------------------------------------------------- backward --
+
+def _dq_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+  bk = cfg.block_kv_bwd
+  q, do = q_ref[...], do_ref[...]
+  lse2 = common.safe_lse(lse_ref[...]) * LOG2E
+  delta = delta_ref[...]
+  q_pos = qpos_ref[...]
+  q_seg = None if qseg_ref is None else qseg_ref[...]
+
+  def step(j, dq, masked):
+    k0 = pl.multiple_of(idx_ref[j] * bk, bk)
+    kv_slice = pl.ds(k0, bk)
+    k = k_ref[kv_slice, :]
+    v = v_ref[kv_slice, :]
+    s = _logits2(q, k, cfg)
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      vis = _visible(cfg, q_pos, kpos_ref[kv_slice], k0, bk, q_seg,
+                     None if kseg_ref is None else kseg_ref[kv_slice],
+                     None if dense_ref is None else dense_ref[:, kv_slice])
+      p = jnp.where(vis, p, 0.0)
+    dp = _dot_nt(do, v)
+    ds = p * (dp - delta[:, None]) * common.softcap_grad(s * LN2, cfg)
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = jnp.zeros(dq_ref.shape, jnp.float32)
+  dq = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), dq)
+  dq = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), dq)
+  dq_ref[...] = dq * cfg.scale
+
+
+def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+  bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+  k, v = k_ref[...], v_ref[...]
+  k0 = pl.program_id(0) * bk
+  k_pos = kpos_ref[...]
+  k_seg = None if kseg_ref is None else kseg_ref[...]
+
+  def step(i, carry, masked):
+    dk, dv = carry
+    q0 = pl.multiple_of(idx_ref[i] * bq, bq)
+    q_slice = pl.ds(q0, bq)
+    q = q_ref[q_slice, :]
+    do = do_ref[q_slice, :]
+    lse2 = common.safe_lse(lse_ref[q_slice]) * LOG2E
+    delta = delta_ref[q_slice]
+    s = _logits2(q, k, cfg)
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      vis = _visible(cfg, qpos_ref[q_slice], k_pos, k0, bk,
+                     None if qseg_ref is None else qseg_ref[q_slice], k_seg,
+                     None if dense_ref is None else dense_ref[q_slice, :])
+      p = jnp.where(vis, p, 0.0)
+    dv = dv + _dot(p.astype(do.dtype).T, do)
+    dp = _dot_nt(do, v)
+    ds = p * (dp - delta[:, None]) * common.softcap_grad(s * LN2, cfg)
+    dk = dk + _dot(ds.astype(q.dtype).T, q)
+    return dk, dv
+
+  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+  carry = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), (zeros, zeros))
+  dk, dv = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), carry)
+  dk_ref[...] = dk * cfg.scale
+  dv_ref[...] = dv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: returns float32 ``(dq, dk, dv)``."""
+  b, tp, n, hp = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+  params = _params(cfg, bwd=True)
+
+  list_specs, list_args = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
+  info_specs, info_args = _info_specs(ops, bq, sp, True, False)
+  q_block = pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0))
+  kv_whole = pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0))
+  row_block = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg), grid=(tp // bq, b, n),
+      in_specs=list_specs + info_specs + [q_block, kv_whole, kv_whole, q_block, row_block,
+                                          row_block],
+      out_specs=q_block, out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), jnp.float32),
+      compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dq",
+  )(*list_args, *info_args, q, k, v, do, lse, delta)
+
+  list_specs, list_args = _list_specs(plan.q_index, plan.q_count, plan.q_full)
+  info_specs, info_args = _info_specs(ops, tp, bk, False, True)
+  q_whole = pl.BlockSpec((None, tp, None, hp), lambda j, b_, n_: (b_, 0, n_, 0))
+  kv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, n_: (b_, j, n_ // g, 0))
+  rows_whole = pl.BlockSpec((None, None, tp), lambda j, b_, n_: (b_, n_, 0))
+  dkv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, n_: (b_, j, n_, 0))
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, n, hp), jnp.float32)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg), grid=(sp // bk, b, n),
+      in_specs=list_specs + info_specs + [q_whole, kv_block, kv_block, q_whole, rows_whole,
+                                          rows_whole],
+      out_specs=[dkv_block, dkv_block], out_shape=[dkv_shape, dkv_shape],
+      compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
+  )(*list_args, *info_args, q, k, v, do, lse, delta)
+  if g > 1:  # sum the query heads of each K/V group
+    dk = dk.reshape(b, sp, kh, g, hp).sum(axis=3)
+    dv = dv.reshape(b, sp, kh, g, hp).sum(axis=3)
+  return dq, dk, dv
