@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 
 Array = Any
@@ -73,6 +74,13 @@ def as_spec(mask: Optional[MaskSpec], argname: str = "mask") -> MaskSpec:
   if mask is None:
     return Full()
   return _check_spec(mask, f"`{argname}`")
+
+
+def _floordiv(x, c: int):
+  """Floor division by a positive constant without ``sign`` (which Mosaic cannot lower offline)."""
+  x = jnp.asarray(x)
+  d = jax.lax.div(x, jnp.asarray(c, x.dtype))
+  return d - (x - d * c < 0).astype(x.dtype)
 
 
 def _check_int(cls: str, field: str, value, minimum: int, fix: str) -> None:
@@ -148,13 +156,13 @@ class ChunkedCausal(MaskSpec):
     _check_int("ChunkedCausal", "chunk", self.chunk, 1, "Use a chunk length of at least 1 token.")
 
   def visible(self, q, k):
-    return (q // self.chunk == k // self.chunk) & (k <= q)
+    return (_floordiv(q, self.chunk) == _floordiv(k, self.chunk)) & (k <= q)
 
   def block_test(self, qb, kb):
-    c = self.chunk
-    overlap = (qb.lo // c <= kb.hi // c) & (kb.lo // c <= qb.hi // c)
+    c = lambda x: _floordiv(x, self.chunk)
+    overlap = (c(qb.lo) <= c(kb.hi)) & (c(kb.lo) <= c(qb.hi))
     any_ = overlap & (kb.lo <= qb.hi)
-    one_chunk = (qb.lo // c == qb.hi // c) & (kb.lo // c == kb.hi // c) & (qb.lo // c == kb.lo // c)
+    one_chunk = (c(qb.lo) == c(qb.hi)) & (c(kb.lo) == c(kb.hi)) & (c(qb.lo) == c(kb.lo))
     all_ = one_chunk & (kb.hi <= qb.lo)
     return any_, all_
 

@@ -127,7 +127,7 @@ def test_one_token_and_default_blocks(backend):
   q = jnp.asarray(rng.standard_normal((1, 1, 4, 64)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((1, 1, 2, 64)), jnp.float32)
   out = flash_attention(q, k, k, mask=masks.Causal(), backend=backend)
-  np.testing.assert_allclose(np.asarray(out)[0, 0], np.repeat(np.asarray(k)[0, 0], 2, 0), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out)[0, 0], np.repeat(np.asarray(k)[0, 0], 2, 0), rtol=2e-3, atol=2e-3)  # TF32 on GPU
 
 
 def test_jit_vmap_checkpoint_xla():

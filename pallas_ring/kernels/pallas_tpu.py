@@ -1,0 +1,311 @@
+"""Pallas kernels lowered through Mosaic (TPU), implementing ``kernels.common``'s contract.
+
+The plan's lists arrive through scalar prefetch (SMEM, flattened to 1-D). Grids are
+``(B, N, rows, slots)`` with the reduction (slot) axis last and "arbitrary". Slot ``j`` of row ``i``
+visits the ``j``-th live block of that row; slots past the row's count have class EMPTY and their
+index maps repeat the last live block, so the pipeline issues no copy and the body does nothing.
+FULL tiles run with no mask arithmetic; PARTIAL tiles apply the elementwise mask.
+
+Mosaic tiling: blocks are ``(bq, H)`` / ``(bk, H)``; row statistics live in ``(bq, 128)``
+lane-broadcast scratch; query-side vectors are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks
+of ``[., T, 1]`` / ``[., 1, S]`` arrays (their unit axis equals the array's, which Mosaic allows).
+Block sizes must be multiples of 8 (queries) and 128 (keys).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_ring.kernels import common
+
+FULL, PARTIAL = 2, 1
+LANES = 128
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def _sel(size, idx):
+  return idx if size > 1 else 0
+
+
+class _Lists:
+  """Flattened ``[Bp, Np, rows, slots]`` plan lists and how to index them from grid ids."""
+
+  def __init__(self, index, klass, count):
+    self.bp, self.np, self.rows, self.slots = index.shape
+    self.arrays = (index.reshape(-1), klass.reshape(-1), count.reshape(-1))
+
+  def row(self, b, n, i):
+    return (_sel(self.bp, b) * self.np + _sel(self.np, n)) * self.rows + i
+
+  def slot(self, b, n, i, j):
+    return self.row(b, n, i) * self.slots + j
+
+
+def _head_major(q, k, v):
+  return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _info_arrays(ops):
+  """Query-side ``[., Tp, 1]`` and key-side ``[., 1, Sp]`` int32 arrays (None when absent)."""
+  col = lambda x: None if x is None else x[:, :, None]
+  row = lambda x: None if x is None else x[:, None, :]
+  dense = None if ops.dense is None else ops.dense.astype(jnp.int8)
+  return (col(ops.q_info.positions), row(ops.kv_info.positions),
+          col(ops.q_info.segment_ids), row(ops.kv_info.segment_ids), dense)
+
+
+def _info_specs(arrays, bq, bk, q_block, k_block):
+  """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` map grid ids to block indices."""
+  qpos, kpos, qseg, kseg, dense = arrays
+
+  def qspec(x):
+    if x is None:
+      return None
+    return pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *r: (_sel(x.shape[0], b),
+                                                              q_block(b, n, i, j, *r), 0))
+
+  def kspec(x):
+    if x is None:
+      return None
+    return pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *r: (_sel(x.shape[0], b), 0,
+                                                              k_block(b, n, i, j, *r)))
+
+  dspec = None
+  if dense is not None:
+    bm, nm = dense.shape[:2]
+    dspec = pl.BlockSpec((None, None, bq, bk), lambda b, n, i, j, *r: (
+        _sel(bm, b), _sel(nm, n), q_block(b, n, i, j, *r), k_block(b, n, i, j, *r)))
+  return [qspec(qpos), kspec(kpos), qspec(qseg), kspec(kseg), dspec]
+
+
+def _tile_mask(cfg, k_block_index, bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref):
+  k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
+  return common.tile_visible(
+      cfg, qpos_ref[...], kpos_ref[...], k_index,
+      None if qseg_ref is None else qseg_ref[...], None if kseg_ref is None else kseg_ref[...],
+      None if dense_ref is None else dense_ref[...])
+
+
+def _params():
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+# ----------------------------------------------------------------------------------- forward --
+
+def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+                q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg, lists):
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+  bq, bk = cfg.block_q, cfg.block_kv
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, common.NEG_INF, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  slot = lists.slot(b, n, i, j)
+  klass = cls_ref[slot]
+
+  def compute(masked):
+    s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+    s = s * cfg.scale
+    if cfg.softcap is not None:
+      s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+    if masked:
+      vis = _tile_mask(cfg, idx_ref[slot], bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+                       dense_ref)
+      s = jnp.where(vis, s, common.NEG_INF)
+    m_prev = m_sc[...]  # [bq, 128]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new[:, :1])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
+    m_sc[...] = m_new
+
+  pl.when(klass == FULL)(lambda: compute(False))
+  pl.when(klass == PARTIAL)(lambda: compute(True))
+
+  @pl.when(j == lists.slots - 1)
+  def _finish():
+    o, lse = common.finalize(acc_sc[...], m_sc[:, :1], l_sc[:, :1])
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
+  b, tp, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  bq, bk = cfg.block_q, cfg.block_kv
+  lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
+  qt, kt, vt = _head_major(q, k, v)
+  info = _info_arrays(ops)
+
+  q_blk = lambda b_, n_, i, j, *r: i
+  k_blk = lambda b_, n_, i, j, idx, *r: idx[lists.slot(b_, n_, i, j)]
+  in_specs = _info_specs(info, bq, bk, q_blk, k_blk) + [
+      pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
+      pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
+          b_, lax.div(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
+      pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
+          b_, lax.div(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
+  ]
+  out_specs = [pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
+               pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots), in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                      pltpu.VMEM((bq, h), jnp.float32)])
+  o, lse = pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg, lists=lists), grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((b, n, tp, h), cfg.out_dtype),
+                 jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)],
+      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_fwd",
+  )(*lists.arrays, *info, qt, kt, vt)
+  return o.transpose(0, 2, 1, 3), lse[..., 0]
+
+
+# ---------------------------------------------------------------------------------- backward --
+
+def _probs(cfg, q, k, lse, masked, mask_args):
+  """Recomputed probabilities ``p [bq, bk]`` and capped logits ``s`` of one tile."""
+  s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
+  if cfg.softcap is not None:
+    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+  p = jnp.exp(s - common.safe_lse(lse))
+  if masked:
+    p = jnp.where(_tile_mask(cfg, *mask_args), p, 0.0)
+  return p, s
+
+
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, cfg, lists):
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  slot = lists.slot(b, n, i, j)
+  klass = cls_ref[slot]
+
+  def compute(masked):
+    mask_args = (idx_ref[slot], cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref,
+                 kseg_ref, dense_ref)
+    p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
+    dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_ref[...]) * common.softcap_grad(s, cfg)
+    dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
+
+  pl.when(klass == FULL)(lambda: compute(False))
+  pl.when(klass == PARTIAL)(lambda: compute(True))
+
+  @pl.when(j == lists.slots - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...] * cfg.scale
+
+
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc,
+                *, cfg, lists):
+  b, n, jk, i = (pl.program_id(a) for a in range(4))
+
+  @pl.when(i == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  slot = lists.slot(b, n, jk, i)
+  klass = cls_ref[slot]
+
+  def compute(masked):
+    mask_args = (jk, cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+                 dense_ref)
+    p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
+    do = do_ref[...]
+    dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, _TN,
+                                      preferred_element_type=jnp.float32)
+    dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_ref[...]) * common.softcap_grad(s, cfg)
+    dk_sc[...] += jax.lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], _TN,
+                                      preferred_element_type=jnp.float32)
+
+  pl.when(klass == FULL)(lambda: compute(False))
+  pl.when(klass == PARTIAL)(lambda: compute(True))
+
+  @pl.when(i == lists.slots - 1)
+  def _finish():
+    dk_ref[...] = dk_sc[...] * cfg.scale
+    dv_ref[...] = dv_sc[...]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: returns float32 ``(dq, dk, dv)``."""
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+  qt, kt, vt = _head_major(q, k, v)
+  dot = do.transpose(0, 2, 1, 3)
+  rows = lse[..., None], delta[..., None]  # [B, N, Tp, 1]
+  info = _info_arrays(ops)
+  scratch = lambda rows_: [pltpu.VMEM((rows_, h), jnp.float32)]
+
+  # dQ: rows are q blocks, slots walk the live kv blocks.
+  lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
+  kv_at = lambda b_, n_, i, j, idx, *r: idx[lists.slot(b_, n_, i, j)]
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
+      b_, lax.div(n_, g), kv_at(b_, n_, i, j, idx), 0))
+  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, lists=lists),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots),
+          in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: i, kv_at)
+          + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+          out_specs=q_spec, scratch_shapes=scratch(bq)),
+      out_shape=jax.ShapeDtypeStruct((b, n, tp, h), jnp.float32),
+      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dq",
+  )(*lists.arrays, *info, qt, kt, vt, dot, *rows)
+
+  # dK/dV: rows are kv blocks, slots walk the live q blocks; one program per query head.
+  lists = _Lists(plan.q_index, plan.q_class, plan.q_count)
+  q_at = lambda b_, n_, jk, i, idx, *r: idx[lists.slot(b_, n_, jk, i)]
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda b_, n_, jk, i, idx, *r: (
+      b_, n_, q_at(b_, n_, jk, i, idx), 0))
+  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, jk, i, idx, *r: (
+      b_, n_, q_at(b_, n_, jk, i, idx), 0))
+  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, lax.div(n_, g), jk, 0))
+  out_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, n_, jk, 0))
+  dkv_shape = jax.ShapeDtypeStruct((b, n, sp, h), jnp.float32)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg, lists=lists),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(b, n, sp // bk, lists.slots),
+          in_specs=_info_specs(info, bq, bk, q_at, lambda b_, n_, jk, i, *r: jk)
+          + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+          out_specs=[out_spec, out_spec], scratch_shapes=scratch(bk) * 2),
+      out_shape=[dkv_shape, dkv_shape],
+      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dkv",
+  )(*lists.arrays, *info, qt, kt, vt, dot, *rows)
+  # [B, N, Sp, H] per query head -> sum each group's heads -> [B, Sp, K, H]
+  dk = dk.reshape(b, kh, g, sp, h).sum(axis=2).transpose(0, 2, 1, 3)
+  dv = dv.reshape(b, kh, g, sp, h).sum(axis=2).transpose(0, 2, 1, 3)
+  return dq.transpose(0, 2, 1, 3), dk, dv
