@@ -4,8 +4,10 @@ from pallas_ring import layouts, masks
 from pallas_ring.attention import flash_attention
 from pallas_ring.block_sparse import TokenInfo
 from pallas_ring.config import BlockSizes, SequenceParallelConfig
+from pallas_ring.ring import ring_attention
+from pallas_ring.sharded import sharded_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "masks", "layouts", "BlockSizes", "SequenceParallelConfig",
+__all__ = ["flash_attention", "ring_attention", "sharded_attention", "masks", "layouts", "BlockSizes", "SequenceParallelConfig",
            "TokenInfo"]

@@ -15,8 +15,9 @@ positions returned by ``positions``.
 
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -71,16 +72,25 @@ def positions(seq_len: int, layout: str, ring_size: int, rank=None):
   return table[rank]
 
 
+def _take(x, index: np.ndarray, axis: int):
+  """``jnp.take`` that keeps an explicitly sharded array's sharding."""
+  x = jnp.asarray(x)
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is not None and any(p is not None for p in spec):
+    idx = (slice(None),) * (axis % x.ndim) + (jnp.asarray(index),)
+    return x.at[idx].get(out_sharding=sharding)
+  return jnp.take(x, jnp.asarray(index), axis=axis)
+
+
 def permute(x, layout: str, ring_size: int, axis: int = 1):
   """Reorders ``x`` along ``axis`` from natural order into layout order."""
-  order = global_order(x.shape[axis], layout, ring_size)
-  return jnp.take(x, jnp.asarray(order), axis=axis)
+  return _take(x, global_order(x.shape[axis], layout, ring_size), axis)
 
 
 def unpermute(x, layout: str, ring_size: int, axis: int = 1):
   """Inverse of ``permute``: from layout order back to natural order."""
-  order = global_order(x.shape[axis], layout, ring_size)
-  return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)
+  return _take(x, np.argsort(global_order(x.shape[axis], layout, ring_size)), axis)
 
 
 __all__ = ["LAYOUTS", "positions", "permute", "unpermute", "divisor", "check_length"]

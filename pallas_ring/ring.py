@@ -1,0 +1,305 @@
+"""Ring attention: the kernel contract run over the R shards of a sequence-parallel mesh axis.
+
+``ring_attention`` is called per shard inside ``shard_map``. Forward: ``lax.scan`` over ring steps;
+each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the kv positions
+and segment ids beside it), then builds that step's block plan from *global* positions and runs
+the kernel on the current K/V; a step with no live block is skipped (``lax.cond``); partial
+``(o, lse)`` merge in float32 with guards for ``-inf``. Sinks enter once, after the last step.
+
+Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse). A second
+scan rotates K/V together with the dK/dV accumulators, reusing the final lse and
+``delta = sum(o * do)``; dQ accumulates locally. Forward and backward build their plans from the
+same positions, so they make the same skip decisions.
+
+``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
+reduce-scatters dK/dV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_ring import attention, block_sparse, kernels, layouts, validation
+from pallas_ring import masks as masks_lib
+from pallas_ring.config import STRATEGIES, BlockSizes
+from pallas_ring.kernels import common, tuning
+
+
+def merge(o1, lse1, o2, lse2):
+  """Merges two normalised partial results of the same rows over disjoint keys.
+
+  Args:
+    o1, o2: ``[B, T, N, H]`` float32; lse1, lse2: ``[B, N, T]`` float32 (``-inf`` = no keys).
+
+  Returns:
+    ``(o, lse)`` over the union of the keys; rows empty in both stay ``(0, -inf)``, never NaN.
+  """
+  m = jnp.maximum(lse1, lse2)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
+  total = w1 + w2
+  empty = total == 0.0
+  lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+  inv = 1.0 / jnp.where(empty, 1.0, total)
+  rows = lambda w: jnp.swapaxes(w * inv, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
+  return o1 * rows(w1) + o2 * rows(w2), lse
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingStatic:
+  """Static description of one ring call."""
+
+  cfg: common.KernelConfig  # kernel config of one (q shard, kv shard) pair
+  backend: str  # resolved kernel backend
+  axis_name: Any  # mesh axis of the ring
+  ring_size: int  # R
+  strategy: str  # "ring" | "all_gather"
+  unroll: int  # scan unroll
+  kv_padded: int  # all_gather: padded length of the gathered K/V (ring: padded shard length)
+
+
+def _perm(r):
+  return [(i, (i + 1) % r) for i in range(r)]
+
+
+def _dense_cols(dense, src, width):
+  """Columns of kv shard ``src`` from a ``[Bm, Nm, Tp, R * width]`` dense mask (or None)."""
+  if dense is None:
+    return None
+  return lax.dynamic_slice_in_dim(dense, src * width, width, axis=3)
+
+
+def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
+  """Kernel forward of one (q shard, kv shard) pair, skipped when its plan has nothing live."""
+  ops = common.Operands(q_info, kv_info, dense)
+  plan, _ = attention.make_plans(ops, st.cfg)
+  b, tp, n, h = q.shape
+
+  def run():
+    o, lse = kernels.get(st.backend).forward(q, k, v, ops, plan, st.cfg)
+    return o.astype(jnp.float32), lse
+
+  def skip():
+    return jnp.zeros((b, tp, n, h), jnp.float32), jnp.full((b, n, tp), -jnp.inf, jnp.float32)
+
+  return lax.cond(plan.any_live, run, skip)
+
+
+def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
+  ops = common.Operands(q_info, kv_info, dense)
+  _, plan = attention.make_plans(ops, st.cfg)
+
+  def run():
+    return kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
+
+  def skip():
+    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+    return f32(q), f32(k), f32(v)
+
+  return lax.cond(plan.any_live, run, skip)
+
+
+def _gather(x, st):
+  """All-gathers a ``[B, L, ...]`` shard along the sequence and pads it to ``st.kv_padded``."""
+  if x is None:
+    return None
+  x = lax.all_gather(x, st.axis_name, axis=1, tiled=True)
+  return jnp.pad(x, [(0, 0), (0, st.kv_padded - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _gather_info(info, st):
+  return block_sparse.TokenInfo(_gather(info.positions, st), _gather(info.segment_ids, st))
+
+
+def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
+  """Returns float32 ``(o, lse)`` over all kv shards (before sinks)."""
+  r = st.ring_size
+  rank = lax.axis_index(st.axis_name)
+  sp = k.shape[1]
+  if st.strategy == "all_gather":
+    return _pair_forward(st, q, _gather(k, st), _gather(v, st), q_info, _gather_info(kv_info, st),
+                         dense)
+
+  def compute(carry, kv, kv_pos, kv_seg, step):
+    o, lse = carry
+    src = (rank - step) % r
+    info = block_sparse.TokenInfo(kv_pos, kv_seg)
+    o_s, lse_s = _pair_forward(st, q, kv[0], kv[1], q_info, info, _dense_cols(dense, src, sp))
+    return merge(o, lse, o_s, lse_s)
+
+  def body(carry, step):
+    acc, kv, kv_pos, kv_seg = carry
+    # Issue the send of the next K/V first so it overlaps this step's kernel.
+    nxt = lax.ppermute((kv, kv_pos, kv_seg), st.axis_name, _perm(r))
+    acc = compute(acc, kv, kv_pos, kv_seg, step)
+    return (acc, *nxt), None
+
+  b, tp, n, h = q.shape
+  acc = (jnp.zeros((b, tp, n, h), jnp.float32), jnp.full((b, n, tp), -jnp.inf, jnp.float32))
+  kv = jnp.stack([k, v])  # one buffer per send
+  carry = (acc, kv, kv_info.positions, kv_info.segment_ids)
+  (acc, kv, kv_pos, kv_seg), _ = lax.scan(body, carry, jnp.arange(r - 1), unroll=st.unroll)
+  return compute(acc, kv, kv_pos, kv_seg, r - 1)  # the last shard needs no send
+
+
+def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
+  r = st.ring_size
+  rank = lax.axis_index(st.axis_name)
+  sp = k.shape[1]
+  if st.strategy == "all_gather":
+    dq, dk, dv = _pair_backward(st, q, _gather(k, st), _gather(v, st), do, lse, delta, q_info,
+                                _gather_info(kv_info, st), dense)
+    scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
+                                         tiled=True)
+    return dq, scatter(dk), scatter(dv)
+
+  def body(carry, step):
+    dq, kv, dkv, kv_pos, kv_seg = carry
+    nxt_kv = lax.ppermute((kv, kv_pos, kv_seg), st.axis_name, _perm(r))
+    src = (rank - step) % r
+    info = block_sparse.TokenInfo(kv_pos, kv_seg)
+    dq_s, dk_s, dv_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, q_info, info,
+                                      _dense_cols(dense, src, sp))
+    # dK/dV travel with the shard they belong to; after R hops they are back at its owner.
+    dkv = lax.ppermute(dkv + jnp.stack([dk_s, dv_s]), st.axis_name, _perm(r))
+    return (dq + dq_s, nxt_kv[0], dkv, nxt_kv[1], nxt_kv[2]), None
+
+  kv = jnp.stack([k, v])
+  carry = (jnp.zeros(q.shape, jnp.float32), kv, jnp.zeros(kv.shape, jnp.float32),
+           kv_info.positions, kv_info.segment_ids)
+  (dq, _, dkv, _, _), _ = lax.scan(body, carry, jnp.arange(r), unroll=st.unroll)
+  return dq, dkv[0], dkv[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, sinks, q_info, kv_info, dense, st):
+  return _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st)[0]
+
+
+def _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st):
+  o, lse = _ring_forward(st, q, k, v, q_info, kv_info, dense)
+  if sinks is not None:
+    o, lse = attention.merge_sinks(o, lse, sinks)
+  o = o.astype(q.dtype)
+  return (o, lse), (q, k, v, sinks, q_info, kv_info, dense, o, lse)
+
+
+def _ring_bwd(st, res, cts):
+  q, k, v, sinks, q_info, kv_info, dense, o, lse = res
+  do, _ = cts
+  delta = jnp.swapaxes(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
+  dq, dk, dv = _ring_backward(st, q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info,
+                              dense)
+  dsinks = None
+  if sinks is not None:
+    # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
+    dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
+  none = lambda tree: jax.tree.map(lambda _: None, tree)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
+          none(kv_info), None if dense is None else None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous", segment_ids=None,
+                   positions=None, dense_mask=None, sinks=None, softcap=None, scale=None,
+                   block_sizes: Optional[BlockSizes] = None, backend: str = "auto",
+                   interpret=None, strategy: str = "ring", scan_unroll: int = 1,
+                   return_lse: bool = False):
+  """Attention of this device's query shard against the K/V shards of the whole ring.
+
+  Call inside ``shard_map`` (or any context where ``axis_name`` is bound).
+
+  Args:
+    q: ``[B, T/R, N, H]`` this device's queries, in layout order.
+    k, v: ``[B, T/R, K, H]`` this device's keys and values.
+    axis_name: the sequence-parallel mesh axis.
+    mask: a mask spec in global positions (default Full).
+    layout: ``"contiguous" | "zigzag" | "striped"``: which global positions this shard holds.
+    segment_ids: ``[B, T/R]`` this shard's segment ids (sharded like the tokens); they rotate
+      with K/V.
+    positions: ``[T/R]`` or ``[B, T/R]`` global positions of this shard; default from
+      ``layouts.positions(T, layout, R, rank)``.
+    dense_mask: bool broadcastable to ``[B, N, T/R, T]``: this shard's query rows against all
+      keys in layout order.
+    sinks, softcap, scale, block_sizes, backend, interpret: as ``flash_attention``.
+    strategy: ``"ring"`` (ppermute K/V each step) or ``"all_gather"`` (gather K/V once).
+    scan_unroll: unroll factor of the ring scan.
+    return_lse: also return this shard's ``lse [B, N, T/R]``.
+
+  Returns:
+    ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
+  """
+  mask = masks_lib.as_spec(mask)
+  layouts.check_layout(layout)
+  if strategy not in STRATEGIES:
+    raise ValueError(f"`strategy`={strategy!r} is not known; use one of {STRATEGIES}.")
+  r = lax.axis_size(axis_name)
+  validation.check_qkv(q, k, v)
+  b, t, n, h = q.shape
+  if k.shape[1] != t:
+    raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
+                     f"one sharded sequence), got q {t} and k/v {k.shape[1]}.")
+  if r == 1:
+    pos = positions if positions is not None else jnp.arange(t, dtype=jnp.int32)
+    return attention.flash_attention(
+        q, k, v, mask=mask, segment_ids=segment_ids, q_positions=pos, kv_positions=pos,
+        dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale,
+        block_sizes=block_sizes, backend=backend, interpret=interpret, return_lse=return_lse)
+  backend = kernels.resolve_backend(validation.check_backend(backend))
+  interpret = kernels.resolve_interpret(backend, interpret)
+  scale = validation.check_positive("scale", scale, h ** -0.5)
+  softcap = validation.check_positive("softcap", softcap, None)
+  validation.check_token_array("segment_ids", segment_ids, b, t)
+  validation.check_token_array("positions", positions, b, t, allow_1d=True)
+  if sinks is not None:
+    validation.check_sinks(sinks, n)
+  if positions is None:
+    positions = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
+  dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
+
+  gather = strategy == "all_gather"
+  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h,
+                         jnp.dtype(q.dtype).itemsize)
+  info = block_sparse.make_token_info(t, b, positions, segment_ids)
+  blocks_q = (tiles.block_q, tiles.block_q_bwd)
+  blocks_kv = (tiles.block_kv, tiles.block_kv_bwd)
+  if gather:  # K/V are gathered unpadded and padded once as a whole
+    tp = tuning.padded_len(t, *blocks_q)
+    kv_padded, shard_len, kv_info = tuning.padded_len(t * r, *blocks_kv), t, info
+  else:  # every shard is padded alike; its padding is masked by the local key index
+    tp = tuning.padded_len(t, *blocks_q, *blocks_kv)
+    kv_padded, shard_len = tp, tp
+    kv_info = block_sparse.pad_token_info(info, tp)
+  q_info = block_sparse.pad_token_info(info, tp)
+  hp = h
+  if backend == "pallas_triton":
+    hp = max(16, 1 << (h - 1).bit_length())
+  cfg = common.KernelConfig(
+      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
+      q_len=t, kv_len=t * r if gather else t, block_q=tiles.block_q, block_kv=tiles.block_kv,
+      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=jnp.float32,
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+  st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded)
+  if dense is not None:
+    # Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
+    # gathered axis padded once (all_gather).
+    d = dense.reshape(*dense.shape[:3], r, t)
+    d = jnp.pad(d, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0 if gather else tp - t)))
+    d = d.reshape(*d.shape[:3], -1)
+    dense = jnp.pad(d, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else d
+  pad = lambda x, n_: jnp.pad(x, ((0, 0), (0, n_ - t), (0, 0), (0, hp - h)))
+  out, lse = _ring(pad(q, tp), pad(k, shard_len), pad(v, shard_len), sinks, q_info, kv_info,
+                   dense, st)
+  out = out[:, :t, :, :h]
+  return (out, lse[:, :, :t]) if return_lse else out
+
+
+__all__ = ["ring_attention", "merge"]

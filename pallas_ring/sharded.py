@@ -1,0 +1,106 @@
+"""``sharded_attention``: global arrays + a mesh + a SequenceParallelConfig -> shard_map(ring)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_ring import layouts, ring
+from pallas_ring.config import SequenceParallelConfig
+
+
+def _check_axes(mesh, config: SequenceParallelConfig):
+  names = tuple(mesh.axis_names)
+  fields = [("axis_name", config.axis_name)] + [("batch_axes", a) for a in config.batch_axes]
+  if config.head_axis is not None:
+    fields.append(("head_axis", config.head_axis))
+  for field, axis in fields:
+    if axis not in names:
+      raise ValueError(f"SequenceParallelConfig.{field}={axis!r} is not an axis of the mesh, whose "
+                       f"axes are {names}. Name an existing axis or build the mesh with it, e.g. "
+                       f"jax.make_mesh((..), {names[:-1] + (axis,)}).")
+
+
+def _size(mesh, axes):
+  n = 1
+  for a in (axes if isinstance(axes, tuple) else (axes,)):
+    n *= mesh.shape[a]
+  return n
+
+
+def _constrain(x, mesh, spec):
+  """Puts ``x`` on ``mesh`` with ``spec`` (Explicit axes: reshard; Auto axes: a constraint)."""
+  if x is None:
+    return None
+  sharding = NamedSharding(mesh, spec)
+  explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
+  if explicit and hasattr(jax, "reshard"):
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def sharded_attention(q, k, v, *, mesh, config: SequenceParallelConfig, mask=None,
+                      segment_ids=None, positions=None, sinks=None, softcap=None, scale=None,
+                      interpret=None, return_lse: bool = False):
+  """Sequence-parallel attention over global arrays in layout order.
+
+  Args:
+    q: ``[B, T, N, H]``; k, v: ``[B, T, K, H]``, tokens in ``config.layout`` order (see
+      ``layouts.permute``).
+    mesh: a ``jax.sharding.Mesh`` holding ``config.axis_name`` (and batch / head axes).
+    config: the SequenceParallelConfig.
+    mask: a mask spec in global positions.
+    segment_ids: ``[B, T]`` in layout order; sharded with the tokens.
+    positions: ``[T]`` or ``[B, T]`` global positions in layout order; default from the layout.
+    sinks: ``[N]``; softcap, scale, interpret: as ``flash_attention``.
+    return_lse: also return ``lse [B, N, T]``.
+
+  Returns:
+    ``[B, T, N, H]`` in layout order (and lse).
+  """
+  if not isinstance(config, SequenceParallelConfig):
+    raise TypeError(f"`config` must be a SequenceParallelConfig, got {type(config).__name__}.")
+  _check_axes(mesh, config)
+  r = mesh.shape[config.axis_name]
+  b, t, n, _ = q.shape
+  layouts.check_length(t, config.layout, r, argname="q.shape[1] (sequence length)")
+  batch = config.batch_axes or None
+  if batch is not None and len(batch) == 1:
+    batch = batch[0]
+  if batch is not None and b % _size(mesh, batch):
+    raise ValueError(f"batch size {b} is not divisible by the {_size(mesh, batch)} devices of "
+                     f"batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
+  head = config.head_axis
+  if head is not None:
+    hs = mesh.shape[head]
+    if n % hs or k.shape[2] % hs:
+      raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
+                       f"{k.shape[2]}: both must be multiples of {hs}.")
+
+  sp = config.axis_name
+  tok = P(batch, sp, head, None)
+  seq = P(batch, sp)
+  pos_spec = None
+  if positions is not None:
+    pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
+  sink_spec = None if sinks is None else P(head)
+  out_specs = (tok, P(batch, head, sp)) if return_lse else tok
+
+  def per_shard(q_, k_, v_, seg_, pos_, sinks_):
+    return ring.ring_attention(
+        q_, k_, v_, axis_name=sp, mask=mask, layout=config.layout, segment_ids=seg_,
+        positions=pos_, sinks=sinks_, softcap=softcap, scale=scale,
+        block_sizes=config.block_sizes, backend=config.backend, interpret=interpret,
+        strategy=config.strategy, scan_unroll=config.scan_unroll, return_lse=return_lse)
+
+  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, sink_spec)
+  args = [_constrain(x, mesh, s) for x, s in zip((q, k, v, segment_ids, positions, sinks),
+                                                  in_specs)]
+  fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     check_vma=False)
+  return fn(*args)
+
+
+__all__ = ["sharded_attention"]
