@@ -1,0 +1,194 @@
+"""Ring and all-gather sequence parallelism on 8 / 4 virtual CPU devices against the reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from pallas_ring import SequenceParallelConfig, layouts, masks, reference, ring_attention
+from pallas_ring import sharded_attention
+from conftest import rel_err
+
+MASKS = {
+    "causal": (masks.Causal(), False),
+    "window": (masks.SlidingWindow(13), False),
+    "documents": (masks.Causal(), True),
+    "full": (masks.Full(), False),
+}
+
+
+def _problem(seed, b=2, t=64, n=4, kh=2, h=32, docs=False):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  seg = None
+  if docs:
+    seg = jnp.asarray(np.sort(rng.integers(0, 5, (b, t)), axis=1), jnp.int32)
+  return q, k, v, seg
+
+
+def _check(mesh, cfg, mask, q, k, v, seg, sinks=None, softcap=None, interpret=None, tol=2e-5):
+  r = mesh.shape[cfg.axis_name]
+  perm = lambda x: None if x is None else layouts.permute(x, cfg.layout, r)
+  unperm = lambda x: layouts.unpermute(x, cfg.layout, r)
+
+  def ours(q_, k_, v_, sk):
+    out = sharded_attention(perm(q_), perm(k_), perm(v_), mesh=mesh, config=cfg, mask=mask,
+                            segment_ids=perm(seg), sinks=sk, softcap=softcap, interpret=interpret)
+    return unperm(out)
+
+  def ref(q_, k_, v_, sk):
+    return reference.attention(q_, k_, v_, mask=mask, segment_ids=seg, sinks=sk, softcap=softcap)[0]
+
+  w = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32))
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)
+  args = (q, k, v, sinks)
+  argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+  out = jax.jit(ours)(*args)
+  assert rel_err(out, ref(*args)) < tol
+  g1 = jax.jit(jax.grad(loss(ours), argnums=argnums))(*args)
+  g2 = jax.grad(loss(ref), argnums=argnums)(*args)
+  for name, a, b_ in zip("qkvs", g1, g2):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert rel_err(a, b_) < tol, (name, rel_err(a, b_))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+def test_sharded_8_devices(layout, mask_name, strategy):
+  mask, docs = MASKS[mask_name]
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy,
+                               batch_axes=("dp",), backend="xla")
+  _check(mesh, cfg, mask, *_problem(1, docs=docs))
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+def test_ring_of_8_with_sinks_softcap_and_odd_shards(layout):
+  # T=72 over 8 ranks: 9 tokens a shard (zigzag: two chunks of 4.5 -> use 80 there).
+  t = 80 if layout == "zigzag" else 72
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
+                               block_sizes={"block_q": 4, "block_kv": 4, "block_q_bwd": 4,
+                                            "block_kv_bwd": 4})
+  q, k, v, seg = _problem(2, b=1, t=t, docs=True)
+  sinks = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+  _check(mesh, cfg, masks.Causal() | masks.PrefixLM(7), q, k, v, seg, sinks=sinks, softcap=5.0)
+
+
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu"])
+def test_pallas_backends_in_ring(backend):
+  mesh = jax.make_mesh((4,), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend=backend)
+  t = 512 if backend == "pallas_tpu" else 128
+  q, k, v, seg = _problem(4, b=1, t=t, n=2, kh=1, h=64, docs=True)
+  _check(mesh, cfg, masks.Causal(), q, k, v, seg, interpret=True, tol=2e-3)
+
+
+def test_heads_over_a_tensor_axis_and_checkpoint():
+  mesh = jax.make_mesh((2, 4), ("tp", "sp"), axis_types=(AxisType.Auto,) * 2)
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", head_axis="tp", backend="xla")
+  q, k, v, seg = _problem(5, b=1, docs=True)
+  perm = lambda x: layouts.permute(x, "zigzag", 4)
+  f = jax.checkpoint(lambda q_, k_, v_: sharded_attention(
+      q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal(), segment_ids=perm(seg)))
+  out = layouts.unpermute(jax.jit(f)(perm(q), perm(k), perm(v)), "zigzag", 4)
+  assert rel_err(out, reference.attention(q, k, v, mask=masks.Causal(), segment_ids=seg)[0]) < 2e-5
+  g = jax.jit(jax.grad(lambda x: jnp.sum(f(x, perm(k), perm(v)) ** 2)))(perm(q))
+  g_ref = jax.grad(lambda x: jnp.sum(reference.attention(
+      x, k, v, mask=masks.Causal(), segment_ids=seg)[0] ** 2))(q)
+  assert rel_err(layouts.unpermute(g, "zigzag", 4), g_ref) < 2e-5
+
+
+def test_segment_ids_split_across_shards_rotate_with_kv():
+  """One document spans shards 0-2: replicating shard-local ids would be wrong (PRIOR_ART)."""
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  t = 32
+  seg = jnp.asarray([[0] * 5 + [1] * 20 + [2] * 7], jnp.int32)  # doc 1 crosses 3 shards
+  q, k, v, _ = _problem(6, b=1, t=t)
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  out = jax.jit(lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                              segment_ids=seg))(q, k, v)
+  ref = reference.attention(q, k, v, mask=masks.Causal(), segment_ids=seg)[0]
+  assert rel_err(out, ref) < 2e-5
+  # What a ring that compares every kv shard against the *local* segment ids would compute:
+  wrong = reference.attention(q, k, v, mask=masks.Causal(),
+                              segment_ids=seg, kv_segment_ids=jnp.roll(seg, 8, axis=1))[0]
+  assert rel_err(wrong, ref) > 0.1
+
+
+def test_empty_steps_and_shards_are_zero_not_nan():
+  """Causal + window: most ring steps are empty; a shard whose rows see nothing returns 0."""
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  q, k, v, _ = _problem(7, b=1, t=32)
+  pos = jnp.arange(32) + 1000  # positions need not start at 0
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  mask = masks.SlidingWindow(0)  # each token sees only itself
+  out = jax.jit(lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=mask,
+                                              positions=pos))(q, k, v)
+  ref = reference.attention(q, k, v, mask=mask, q_positions=pos, kv_positions=pos)[0]
+  assert rel_err(out, ref) < 2e-5
+  # Keys entirely in the future of every query on every shard: all rows empty.
+  mask2 = masks.Custom(lambda a, b: b > a + 100)
+  out2, lse2 = jax.jit(lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=mask2,
+                                                     return_lse=True))(q, k, v)
+  assert np.all(np.asarray(out2) == 0) and np.all(np.isneginf(np.asarray(lse2)))
+  g = jax.jit(jax.grad(lambda x: jnp.sum(sharded_attention(x, k, v, mesh=mesh, config=cfg,
+                                                           mask=mask2))))(q)
+  assert np.all(np.asarray(g) == 0)
+
+
+def test_ring_jaxpr_has_ppermute_in_scan_and_no_repeated_kv():
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  q, k, v, _ = _problem(8, b=1, t=64)
+  f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal())
+  text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2)))(q, k, v))
+  scans = text.split("scan[")
+  assert len(scans) >= 3  # forward scan and backward scan
+  assert any("ppermute" in s for s in scans[1:])
+
+
+def test_ring_of_one_calls_flash_attention():
+  mesh = jax.make_mesh((1,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla")
+  q, k, v, seg = _problem(9, b=1, t=24, docs=True)
+  out = jax.jit(lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                              segment_ids=seg))(q, k, v)
+  assert rel_err(out, reference.attention(q, k, v, mask=masks.Causal(), segment_ids=seg)[0]) < 2e-5
+
+
+def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
+  """Compile the ring (forward + backward) for a v5e 2x4 slice through libtpu; the schedule
+  brackets the kernels' custom calls with collective-permute-start / -done."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v5e:2x4", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="pallas_tpu")
+  sh = jax.sharding.NamedSharding(mesh, P(None, "sp"))
+  t = 8 * 1024
+  q = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16, sharding=sh)
+  kv = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16, sharding=sh)
+  f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                           interpret=False)
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  compiled = jax.jit(g).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile()
+  text = compiled.as_text()
+  assert "collective-permute-start" in text and "collective-permute-done" in text
+  assert text.count("tpu_custom_call") >= 3
+  # In some scheduled computation a permute is started, then a kernel runs, then it completes.
+  overlapped = False
+  for comp in text.split("\n\n"):
+    lines = comp.splitlines()
+    starts = [i for i, l in enumerate(lines) if "collective-permute-start" in l]
+    dones = [i for i, l in enumerate(lines) if "collective-permute-done" in l]
+    kernels_ = [i for i, l in enumerate(lines) if "tpu_custom_call" in l or "conditional" in l]
+    if any(s < c < d for s in starts for d in dones for c in kernels_):
+      overlapped = True
+  assert overlapped
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
