@@ -23,8 +23,10 @@ positions, segment ids or the dense mask vary along it):
   (so a TPU pipeline issues no copy for it)
 * ``kv_class``         ``[Bp, Np, nq, nk]`` int32  class of each listed kv block (0 on padding)
 * ``kv_count``         ``[Bp, Np, nq]``     int32  number of live kv blocks of each q block
-* ``kv_full``          ``[Bp, Np, nq]``     int32  how many of them are FULL (a GPU kernel runs
-  two branch-free loops: ``[0, kv_full)`` without and ``[kv_full, kv_count)`` with the mask)
+* ``kv_full``          ``[Bp, Np, nq]``     int32  length of the leading run of FULL blocks with
+  consecutive indices ``kv_index[0] + j`` (a GPU kernel runs two branch-free loops:
+  ``[0, kv_full)`` directly addressed and unmasked, ``[kv_full, kv_count)`` through the list
+  with the mask; FULL blocks outside the run are masked too, which is correct, just slower)
 * ``q_index``, ``q_class`` ``[Bp, Np, nk, nq]``, ``q_count``, ``q_full`` ``[Bp, Np, nk]``: the
   transposed lists, per kv block, for the dK/dV pass
 * ``any_live`` / ``all_full``  ``[]`` bool: step-level flags (a ring step with nothing live is
@@ -125,8 +127,10 @@ def _compact(cls: Array) -> tuple[Array, Array, Array, Array]:
   rank = jnp.where(cls == FULL, 0, jnp.where(live, 1, 2))
   order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
   count = jnp.sum(live, axis=-1, dtype=jnp.int32)
-  full = jnp.sum(cls == FULL, axis=-1, dtype=jnp.int32)
+  n_full = jnp.sum(cls == FULL, axis=-1, dtype=jnp.int32)
   slot = jnp.arange(n, dtype=jnp.int32)
+  in_run = (order == order[..., :1] + slot) & (slot < n_full[..., None])
+  full = jnp.sum(jnp.cumprod(in_run.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
   last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
   index = jnp.where(slot < count[..., None], order, last)
   klass = jnp.where(slot < count[..., None], jnp.take_along_axis(cls, order, axis=-1), EMPTY)

@@ -163,3 +163,14 @@ def test_plan_cost_is_blockwise():
                                                    q_len=t, kv_len=t))(qi, qi)
   biggest = max(int(np.prod(v.aval.shape)) for eq in jaxpr.eqns for v in eq.outvars)
   assert biggest <= max(2 * t, (t // b) ** 2)  # O(T + nq*nk), never T*S = 2**40
+
+
+def test_full_run_is_the_leading_consecutive_full_blocks():
+  dense = np.ones((1, 1, 16, 16), bool)
+  dense[0, 0, 4:8, 4:8] = False  # q block 1 (size 4): kv block 1 masked
+  dense[0, 0, 4, 5] = True  # ... but not entirely: PARTIAL
+  plan = _plan(masks.Full(), jnp.arange(16), jnp.arange(16), 4, 4, dense=jnp.asarray(dense))
+  np.testing.assert_array_equal(np.asarray(plan.block_class)[0, 0][1], [2, 1, 2, 2])
+  np.testing.assert_array_equal(np.asarray(plan.kv_index)[0, 0][1], [0, 2, 3, 1])
+  # Row 1: FULL blocks 0, 2, 3; only block 0 starts a consecutive run.
+  np.testing.assert_array_equal(np.asarray(plan.kv_full)[0, 0], [4, 1, 4, 4])

@@ -34,6 +34,10 @@ CASES = {
     "prefix_or_window": (masks.PrefixLM(20) | masks.SlidingWindow(5), 50, 50, 2, 2, 128,
                          jnp.float32, {}),
     "documents_causal_bf16": (masks.Causal(), 96, 96, 4, 4, 64, jnp.bfloat16, {"segments": True}),
+    # FULL blocks that are not consecutive (prefix blocks, then a gap, then the window): only the
+    # leading run is directly addressed, the rest go through the masked loop.
+    "prefix_or_wide_window": (masks.PrefixLM(32) | masks.SlidingWindow(40), 128, 128, 2, 1, 32,
+                              jnp.float32, {}),
     "dense_and_causal": (masks.Causal(), 48, 48, 2, 2, 64, jnp.float32, {"dense": True}),
     "custom_positions_sinks_softcap": (
         masks.Custom(lambda q, k: (q - k) % 3 != 1), 33, 65, 2, 1, 32, jnp.float32,
