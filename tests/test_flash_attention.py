@@ -137,7 +137,8 @@ def test_one_token_and_default_blocks(backend):
 def test_jit_vmap_checkpoint_xla():
   rng = np.random.default_rng(5)
   q = jnp.asarray(rng.standard_normal((3, 2, 24, 2, 32)), jnp.float32)
-  f = lambda x: flash_attention(x, x, x, mask=masks.Causal(), block_sizes=BlockSizes(8, 8, 8, 8))
+  f = lambda x: flash_attention(x, x, x, mask=masks.Causal(), block_sizes=BlockSizes(8, 8, 8, 8),
+                                backend="xla")
   ref = jax.vmap(lambda x: reference.attention(x, x, x, mask=masks.Causal())[0])(q)
   assert rel_err(jax.jit(jax.vmap(f))(q), ref) < 1e-5
   g1 = jax.grad(lambda x: jnp.sum(jax.checkpoint(f)(x) ** 2))(q[0])

@@ -60,11 +60,10 @@ def _logits2(q, k, cfg):
   return (cfg.softcap * LOG2E) * jnp.tanh(s / cfg.softcap)
 
 
-def _block_start(idx_ref, j, masked, block):
-  """Row offset of the j-th listed block: the FULL run is consecutive, so its address needs no
-  load from the list (which would make every K/V load of the hot loop an indirect one)."""
-  first = idx_ref[j] if masked else idx_ref[0] + j
-  return pl.multiple_of(first * block, block)
+def _block_start(idx_ref, j, block):
+  """Row offset of the j-th listed block. (Addressing the plan's consecutive FULL run as
+  ``idx_ref[0] + j`` was measured 15-20% slower on the sparse cases on H100: see BENCHMARKS.md.)"""
+  return pl.multiple_of(idx_ref[j] * block, block)
 
 
 def _visible(cfg, q_pos, k_pos, k0, bk, q_seg, k_seg, dense):
@@ -86,7 +85,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
 
   def step(j, carry, masked):
     m, l, acc = carry
-    k0 = _block_start(idx_ref, j, masked, bk)
+    k0 = _block_start(idx_ref, j, bk)
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
@@ -204,7 +203,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_r
   q_seg = None if qseg_ref is None else qseg_ref[...]
 
   def step(j, dq, masked):
-    k0 = _block_start(idx_ref, j, masked, bk)
+    k0 = _block_start(idx_ref, j, bk)
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
@@ -235,7 +234,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
 
   def step(i, carry, masked):
     dk, dv = carry
-    q0 = _block_start(idx_ref, i, masked, bq)
+    q0 = _block_start(idx_ref, i, bq)
     q_slice = pl.ds(q0, bq)
     q = q_ref[q_slice, :]
     do = do_ref[q_slice, :]
