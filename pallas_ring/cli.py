@@ -71,8 +71,10 @@ def demo(args) -> int:
     if args.verbose:
       print("  live fraction [device x step]:\n" + "\n".join(
           "   " + " ".join(f"{x:4.2f}" for x in row) for row in per_device))
-  ok = worst < 1e-4
-  print(f"\nmax |err| against the dense reference: {worst:.2e} -> {'OK' if ok else 'FAILED'}")
+  tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2  # GPU float32 dots run as TF32
+  ok = worst < tol
+  print(f"\nmax |err| against the dense reference: {worst:.2e} (tolerance {tol:g}) -> "
+        f"{'OK' if ok else 'FAILED'}")
   return 0 if ok else 1
 
 
