@@ -7,7 +7,7 @@ import functools
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import layouts, ring
+from pallas_ring import layouts, ring, validation
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -34,26 +34,30 @@ def _constrain(x, mesh, spec):
   """Puts ``x`` on ``mesh`` with ``spec`` (Explicit axes: reshard; Auto axes: a constraint)."""
   if x is None:
     return None
-  sharding = NamedSharding(mesh, spec)
+  abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+  sharding = spec if abstract else NamedSharding(mesh, spec)
   explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
   if explicit and hasattr(jax, "reshard"):
     return jax.reshard(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def sharded_attention(q, k, v, *, mesh, config: SequenceParallelConfig, mask=None,
-                      segment_ids=None, positions=None, sinks=None, softcap=None, scale=None,
-                      interpret=None, return_lse: bool = False):
+def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mask=None,
+                      segment_ids=None, positions=None, dense_mask=None, sinks=None, softcap=None,
+                      scale=None, interpret=None, return_lse: bool = False):
   """Sequence-parallel attention over global arrays in layout order.
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, T, K, H]``, tokens in ``config.layout`` order (see
       ``layouts.permute``).
-    mesh: a ``jax.sharding.Mesh`` holding ``config.axis_name`` (and batch / head axes).
+    mesh: a ``jax.sharding.Mesh`` holding ``config.axis_name`` (and batch / head axes); None
+      uses the mesh set with ``jax.set_mesh``.
     config: the SequenceParallelConfig.
     mask: a mask spec in global positions.
     segment_ids: ``[B, T]`` in layout order; sharded with the tokens.
     positions: ``[T]`` or ``[B, T]`` global positions in layout order; default from the layout.
+    dense_mask: bool (or 0/1) broadcastable to ``[B, N, T, T]``, rows and columns in layout order
+      (O(T^2) memory: prefer mask specs and segment ids).
     sinks: ``[N]``; softcap, scale, interpret: as ``flash_attention``.
     return_lse: also return ``lse [B, N, T]``.
 
@@ -62,6 +66,11 @@ def sharded_attention(q, k, v, *, mesh, config: SequenceParallelConfig, mask=Non
   """
   if not isinstance(config, SequenceParallelConfig):
     raise TypeError(f"`config` must be a SequenceParallelConfig, got {type(config).__name__}.")
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
+                       "`with jax.set_mesh(mesh):`.")
   _check_axes(mesh, config)
   r = mesh.shape[config.axis_name]
   b, t, n, _ = q.shape
@@ -86,18 +95,24 @@ def sharded_attention(q, k, v, *, mesh, config: SequenceParallelConfig, mask=Non
   if positions is not None:
     pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
   sink_spec = None if sinks is None else P(head)
+  dense_spec = None
+  if dense_mask is not None:
+    dense_mask = validation.normalize_dense_mask(dense_mask, b, n, t, t)
+    dense_spec = P(batch if dense_mask.shape[0] > 1 else None,
+                   head if dense_mask.shape[1] > 1 else None, sp, None)
   out_specs = (tok, P(batch, head, sp)) if return_lse else tok
 
-  def per_shard(q_, k_, v_, seg_, pos_, sinks_):
+  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_):
     return ring.ring_attention(
         q_, k_, v_, axis_name=sp, mask=mask, layout=config.layout, segment_ids=seg_,
-        positions=pos_, sinks=sinks_, softcap=softcap, scale=scale,
+        positions=pos_, dense_mask=dense_, sinks=sinks_, softcap=softcap, scale=scale,
         block_sizes=config.block_sizes, backend=config.backend, interpret=interpret,
         strategy=config.strategy, scan_unroll=config.scan_unroll, return_lse=return_lse)
 
-  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, sink_spec)
-  args = [_constrain(x, mesh, s) for x, s in zip((q, k, v, segment_ids, positions, sinks),
-                                                  in_specs)]
+  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, dense_spec,
+              sink_spec)
+  args = [_constrain(x, mesh, s)
+          for x, s in zip((q, k, v, segment_ids, positions, dense_mask, sinks), in_specs)]
   fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

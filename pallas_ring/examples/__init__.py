@@ -1,0 +1,1 @@
+"""Small example models built on pallas_ring."""

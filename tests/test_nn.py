@@ -1,0 +1,152 @@
+"""Flax: RingAttention and make_attention_fn against the stock linen / nnx modules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.linen as nn
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from pallas_ring import SequenceParallelConfig, layouts, masks
+from pallas_ring.examples.transformer import TransformerLM, train
+from pallas_ring.nn import RingAttention, make_attention_fn
+from conftest import rel_err
+
+B, T, D, N = 2, 32, 32, 4
+
+
+def _x(seed=0, t=T):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((B, t, D)), jnp.float32)
+
+
+def test_parameter_tree_parity_and_checkpoint_interchange():
+  x = _x()
+  stock = nn.MultiHeadDotProductAttention(num_heads=N)
+  ours = RingAttention(num_heads=N, mask=masks.Causal())
+  p_stock = stock.init(jax.random.key(0), x)
+  p_ours = ours.init(jax.random.key(0), x)
+  shapes = lambda p: jax.tree.map(lambda a: a.shape, p)
+  assert shapes(p_stock) == shapes(p_ours)
+  # The stock checkpoint runs unchanged in RingAttention.
+  mask = nn.make_causal_mask(jnp.ones((B, T)))
+  ref = stock.apply(p_stock, x, mask=mask)
+  out = jax.jit(ours.apply)(p_stock, x)
+  assert rel_err(out, ref) < 1e-5
+  # Gradients with respect to the parameters agree.
+  g_ref = jax.grad(lambda p: jnp.sum(stock.apply(p, x, mask=mask) ** 2))(p_stock)
+  g_ours = jax.grad(lambda p: jnp.sum(ours.apply(p, x) ** 2))(p_stock)
+  assert rel_err(_flat(g_ours), _flat(g_ref)) < 1e-5  # (the key bias' gradient is ~0 in both)
+
+
+def _flat(tree):
+  return np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
+
+
+def test_ring_attention_module_dtype_and_segments():
+  x = _x(1)
+  seg = jnp.asarray(np.repeat([[0, 1, 2, 2]], 8, axis=1).repeat(B, 0), jnp.int32)
+  ours = RingAttention(num_heads=N, mask=masks.Causal(), dtype=jnp.bfloat16)
+  params = ours.init(jax.random.key(1), x)
+  out = ours.apply(params, x, segment_ids=seg)
+  assert out.dtype == jnp.bfloat16
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, dtype=jnp.bfloat16)
+  mask = nn.combine_masks(nn.make_causal_mask(seg), nn.make_attention_mask(seg, seg, jnp.equal))
+  assert rel_err(out, stock.apply(params, x, mask=mask)) < 2e-2
+
+
+@pytest.mark.parametrize("mask_kind", ["float_causal", "bool_padding"])
+def test_linen_attention_fn_honours_flax_masks(mask_kind):
+  x = _x(2)
+  if mask_kind == "float_causal":
+    mask = nn.make_causal_mask(jnp.ones((B, T)), dtype=jnp.float32)  # 0/1 floats
+  else:
+    # Key padding as a bool mask (every query keeps a visible key: Flax would average V over a
+    # fully masked row, pallas_ring returns 0 there).
+    valid = jnp.arange(T)[None, :] < jnp.asarray([[T], [T - 7]])
+    mask = nn.make_attention_mask(jnp.ones((B, T), bool), valid, dtype=bool)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N)
+  ours = nn.MultiHeadDotProductAttention(num_heads=N, attention_fn=make_attention_fn())
+  params = stock.init(jax.random.key(2), x)
+  f = lambda m: jax.jit(lambda p, x_: m.apply(p, x_, mask=mask))
+  assert rel_err(f(ours)(params, x), f(stock)(params, x)) < 1e-5
+  g = lambda m: jax.grad(lambda x_: jnp.sum(m.apply(params, x_, mask=mask) ** 2))(x)
+  assert rel_err(g(ours), g(stock)) < 1e-5
+
+
+def test_nnx_attention_fn_with_is_causal():
+  x = _x(3)
+  kw = dict(num_heads=N, in_features=D, decode=False)
+  stock = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  ours = nnx.MultiHeadAttention(**kw, attention_fn=make_attention_fn(), rngs=nnx.Rngs(0))
+  mask = nnx.make_causal_mask(jnp.ones((B, T)))
+  ref = stock(x, mask=mask)
+  assert rel_err(ours(x, is_causal=True), ref) < 1e-5
+  assert rel_err(ours(x, mask=mask), ref) < 1e-5
+
+
+def test_attention_fn_names_every_flax_keyword():
+  import inspect
+  params = inspect.signature(make_attention_fn()).parameters
+  for kw in ("mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype",
+             "precision", "module", "force_fp32_for_softmax", "qk_attn_weights_einsum",
+             "attn_weights_value_einsum", "is_causal", "bias"):
+    assert kw in params, kw
+
+
+def test_unsupported_features_raise_with_the_fix():
+  x = _x(4)
+  m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=False,
+                                      attention_fn=make_attention_fn())
+  with pytest.raises(NotImplementedError, match="dropout_rate=0.0"):
+    m.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+  m = nn.MultiHeadDotProductAttention(num_heads=N, attention_fn=make_attention_fn())
+  params = m.init(jax.random.key(0), x)
+  with pytest.raises(NotImplementedError, match="sow_weights=False"):
+    m.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  # dropout in eval mode is fine
+  m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=True,
+                                      attention_fn=make_attention_fn())
+  m.init(jax.random.key(0), x)
+
+
+def _mesh():
+  return jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def test_ring_attention_module_on_a_mesh_matches_and_uses_ppermute_in_scan():
+  mesh = _mesh()
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",), backend="xla")
+  x = _x(5)
+  single = RingAttention(num_heads=N, mask=masks.Causal())
+  ring = RingAttention(num_heads=N, mask=masks.Causal(), config=cfg, mesh=mesh)
+  params = single.init(jax.random.key(5), x)
+  xz = jax.device_put(layouts.permute(x, "zigzag", 4), NamedSharding(mesh, P("dp", "sp")))
+  out = layouts.unpermute(jax.jit(ring.apply)(params, xz), "zigzag", 4)
+  assert rel_err(out, single.apply(params, x)) < 1e-5
+  jaxpr = str(jax.make_jaxpr(ring.apply)(params, xz))
+  assert any("ppermute" in part for part in jaxpr.split("scan[")[1:])
+  # The active mesh (jax.set_mesh) is picked up when no mesh is given.
+  with jax.set_mesh(mesh):
+    ctx = RingAttention(num_heads=N, mask=masks.Causal(), config=cfg)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(ctx.apply(p, xz) ** 2)))(params)
+  g_ref = jax.grad(lambda p: jnp.sum(single.apply(p, x) ** 2))(params)
+  assert rel_err(_flat(g), _flat(g_ref)) < 1e-5
+
+
+def test_transformer_trains_identically_single_device():
+  stock = train(TransformerLM(), steps=50)
+  ours = train(TransformerLM(attention_fn=make_attention_fn(mask=masks.Causal())), steps=50)
+  assert stock[-1] < 0.9 * stock[0]  # it learns
+  np.testing.assert_allclose(ours, stock, rtol=1e-3)
+
+
+def test_transformer_trains_identically_on_a_zigzag_mesh():
+  mesh = _mesh()
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",), backend="xla")
+  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P("dp", "sp")))
+  stock = train(TransformerLM(), steps=50)
+  with jax.set_mesh(mesh):
+    ring = train(TransformerLM(attention_fn=make_attention_fn(cfg, mask=masks.Causal())),
+                 steps=50, layout="zigzag", ring_size=4, shard=shard)
+  np.testing.assert_allclose(ring, stock, rtol=1e-3)
