@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) -m pallas_ring demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 bench: $(STAMP)
 	$(PY) -m pallas_ring bench

@@ -62,9 +62,11 @@ class MaskSpec:
 
 def _check_spec(value, what: str) -> MaskSpec:
   if not isinstance(value, MaskSpec):
+    got = (f"an array of shape {tuple(value.shape)}" if hasattr(value, "shape")
+           else f"{type(value).__name__}: {value!r}")
     raise TypeError(
         f"{what} must be a pallas_ring.masks spec (Full, Causal, SlidingWindow, ChunkedCausal, "
-        f"PrefixLM, Custom or a combination), got {type(value).__name__}: {value!r}. "
+        f"PrefixLM, Custom or a combination), got {got}. "
         "For an array mask pass it as `dense_mask=` instead.")
   return value
 

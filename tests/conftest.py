@@ -5,7 +5,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("PALLAS_RING_TEST_GPU") is None else None
+if os.environ.get("PALLAS_RING_TEST_GPU") is None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# TPU programs are compiled (not run) through libtpu by several pytest-xdist workers at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

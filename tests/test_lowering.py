@@ -35,6 +35,7 @@ def _structs(t, sharding=None):
           s((2, t, 2, 128), jnp.bfloat16), s((2, t), jnp.int32), s((1, 1, t, t), jnp.bool_))
 
 
+@pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_mosaic_compiles_for_tpu(topology, case):

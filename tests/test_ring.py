@@ -163,6 +163,7 @@ def test_ring_of_one_calls_flash_attention():
   assert rel_err(out, reference.attention(q, k, v, mask=masks.Causal(), segment_ids=seg)[0]) < 2e-5
 
 
+@pytest.mark.xdist_group("libtpu")
 def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
   """Compile the ring (forward + backward) for a v5e 2x4 slice through libtpu; the schedule
   brackets the kernels' custom calls with collective-permute-start / -done."""

@@ -1,0 +1,128 @@
+"""Every bad input raises at trace time with the argument, its value or shape, the rule and the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_ring import (BlockSizes, SequenceParallelConfig, flash_attention, layouts, masks,
+                         ring_attention, sharded_attention)
+
+Q = jnp.zeros((2, 16, 4, 32), jnp.float32)
+K = jnp.zeros((2, 16, 2, 32), jnp.float32)
+
+
+def fa(**kw):
+  args = dict(q=Q, k=K, v=K)
+  args.update({k: kw.pop(k) for k in ("q", "k", "v") if k in kw})
+  return flash_attention(args["q"], args["k"], args["v"], backend=kw.pop("backend", "xla"), **kw)
+
+
+CASES = [
+    # (id, call, exception, regex the message must match)
+    ("q_rank", lambda: fa(q=Q[0]), ValueError, r"`q` must have rank 4.*\(16, 4, 32\)"),
+    ("kv_shapes_differ", lambda: fa(v=K[:, :8]), ValueError, r"same shape.*\(2, 8, 2, 32\)"),
+    ("batch_differs", lambda: fa(k=K[:1], v=K[:1]), ValueError, r"batch sizes differ"),
+    ("head_dims_differ", lambda: fa(k=K[..., :16], v=K[..., :16]), ValueError, r"H=32.*H=16"),
+    ("heads_do_not_divide", lambda: fa(k=jnp.zeros((2, 16, 3, 32)), v=jnp.zeros((2, 16, 3, 32))),
+     ValueError, r"N=4 must be a multiple of k/v heads K=3"),
+    ("integer_dtype", lambda: fa(q=Q.astype(jnp.int32)), TypeError, r"`q` has dtype int32.*astype"),
+    ("complex_dtype", lambda: fa(k=K.astype(jnp.complex64), v=K), TypeError, r"`k` has dtype complex64"),
+    ("segment_ids_shape", lambda: fa(segment_ids=jnp.zeros((2, 15), jnp.int32)), ValueError,
+     r"`segment_ids` has shape \(2, 15\); expected \[2, 16\]"),
+    ("segment_ids_float", lambda: fa(segment_ids=jnp.zeros((2, 16))), TypeError,
+     r"`segment_ids`.*integer"),
+    ("kv_segment_ids_needed", lambda: fa(k=K[:, :8], v=K[:, :8],
+                                         segment_ids=jnp.zeros((2, 16), jnp.int32)),
+     ValueError, r"`kv_segment_ids` is required when T != S \(T=16, S=8\)"),
+    ("only_kv_segment_ids", lambda: fa(kv_segment_ids=jnp.zeros((2, 16), jnp.int32)), ValueError,
+     r"given together"),
+    ("positions_shape", lambda: fa(q_positions=jnp.arange(15)), ValueError,
+     r"`q_positions` has shape \(15,\)"),
+    ("dense_mask_shape", lambda: fa(dense_mask=jnp.ones((2, 3, 16, 16), bool)), ValueError,
+     r"`dense_mask` has shape \(2, 3, 16, 16\).*axis N is 3, expected 1 or 4"),
+    ("sinks_shape", lambda: fa(sinks=jnp.zeros(3)), ValueError, r"`sinks` has shape \(3,\); expected \[N\] = \(4,\)"),
+    ("softcap_negative", lambda: fa(softcap=-1.0), ValueError, r"`softcap`=-1.0.*> 0"),
+    ("scale_zero", lambda: fa(scale=0.0), ValueError, r"`scale`=0.0.*> 0"),
+    ("mask_not_a_spec", lambda: fa(mask=np.ones((16, 16), bool)), TypeError,
+     r"`mask` must be a pallas_ring.masks spec.*array of shape \(16, 16\).*dense_mask="),
+    ("invalid_window", lambda: masks.SlidingWindow(-3), ValueError, r"left=-3.*>= 0"),
+    ("invalid_chunk", lambda: masks.ChunkedCausal(0), ValueError, r"chunk=0.*at least 1"),
+    ("bool_of_spec", lambda: bool(masks.Causal() | masks.Full()), TypeError, r"ambiguous.*&"),
+    ("unknown_backend", lambda: fa(backend="cuda"), ValueError, r"`backend`='cuda'.*pallas_triton"),
+    ("unknown_layout", lambda: layouts.positions(16, "snake", 2), ValueError, r"'snake'.*zigzag"),
+    ("triton_block_rule", lambda: fa(backend="pallas_triton", block_sizes=BlockSizes(block_q=48)),
+     ValueError, r"block_q=48.*powers of two.*Use 64"),
+    ("tpu_block_rule", lambda: fa(backend="pallas_tpu", block_sizes=BlockSizes(block_kv=200)),
+     ValueError, r"block_kv=200.*multiples of 128.*Use 256"),
+    ("unknown_strategy_config", lambda: SequenceParallelConfig(strategy="tree"), ValueError,
+     r"strategy='tree'"),
+    ("unknown_config_key", lambda: SequenceParallelConfig.from_dict({"axis_nam": "sp"}),
+     ValueError, r"unknown key 'axis_nam'.*Did you mean 'axis_name'"),
+    ("empty_sequence", lambda: fa(q=Q[:, :0]), ValueError, r"sequences and head_dim must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_error(case):
+  _, call, exc, match = case
+  with pytest.raises(exc, match=match):
+    call()
+
+
+def _mesh(shape=(4,), names=("sp",)):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def test_ring_length_not_divisible_contiguous_names_r():
+  q = jnp.zeros((1, 10, 2, 16))
+  with pytest.raises(ValueError, match=r"10 cannot be split.*multiple of R \(the ring size\) = 4"):
+    sharded_attention(q, q, q, mesh=_mesh(), config=SequenceParallelConfig(axis_name="sp"))
+
+
+def test_ring_length_not_divisible_zigzag_names_2r():
+  q = jnp.zeros((1, 12, 2, 16))
+  with pytest.raises(ValueError, match=r"multiple of 2R \(two chunks per rank\) = 8"):
+    sharded_attention(q, q, q, mesh=_mesh(),
+                      config=SequenceParallelConfig(axis_name="sp", layout="zigzag"))
+
+
+def test_axis_missing_from_mesh():
+  q = jnp.zeros((1, 16, 2, 16))
+  with pytest.raises(ValueError, match=r"axis_name='seq' is not an axis of the mesh.*\('sp',\)"):
+    sharded_attention(q, q, q, mesh=_mesh(), config=SequenceParallelConfig(axis_name="seq"))
+  with pytest.raises(ValueError, match=r"batch_axes='dp' is not an axis"):
+    sharded_attention(q, q, q, mesh=_mesh(),
+                      config=SequenceParallelConfig(axis_name="sp", batch_axes=("dp",)))
+
+
+def test_batch_and_heads_must_divide_their_axes():
+  mesh = _mesh((2, 4), ("dp", "sp"))
+  q = jnp.zeros((3, 16, 2, 16))
+  with pytest.raises(ValueError, match=r"batch size 3 is not divisible by the 2 devices"):
+    sharded_attention(q, q, q, mesh=mesh,
+                      config=SequenceParallelConfig(axis_name="sp", batch_axes=("dp",)))
+  mesh = _mesh((2, 4), ("tp", "sp"))
+  q = jnp.zeros((1, 16, 3, 16))
+  with pytest.raises(ValueError, match=r"head_axis='tp' has 2 devices but q has 3 heads"):
+    sharded_attention(q, q, q, mesh=mesh, config=SequenceParallelConfig(axis_name="sp",
+                                                                         head_axis="tp"))
+
+
+def test_ring_attention_unknown_strategy_and_layout():
+  q = jnp.zeros((1, 16, 2, 16))
+  for kw, match in ((dict(strategy="tree"), r"`strategy`='tree'"),
+                    (dict(layout="spiral"), r"`layout`='spiral'")):
+    f = jax.shard_map(lambda x: ring_attention(x, x, x, axis_name="sp", **kw), mesh=_mesh(),
+                      in_specs=jax.sharding.PartitionSpec(None, "sp"),
+                      out_specs=jax.sharding.PartitionSpec(None, "sp"), check_vma=False)
+    with pytest.raises(ValueError, match=match):
+      f(q)
+
+
+def test_sharded_attention_without_mesh():
+  q = jnp.zeros((1, 16, 2, 16))
+  with pytest.raises(ValueError, match=r"no mesh is active.*jax.set_mesh"):
+    sharded_attention(q, q, q, config=SequenceParallelConfig())
