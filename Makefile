@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,tpu]"
+	$(PY) -m pip install --quiet -e ".[test,tpu,notebooks]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,6 +2,7 @@ import glob
 import os
 
 import pytest
+import yaml
 
 from pallas_ring.config import BlockSizes, SequenceParallelConfig
 
@@ -51,7 +52,22 @@ PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 
 def test_presets_exist():
   names = {os.path.basename(p) for p in PRESETS}
-  assert {"cpu_8.yaml", "tpu_v5e_8.yaml", "tpu_v6e_8.yaml", "gpu_8xh100.yaml"} <= names
+  assert {"cpu_8.yaml", "tpu_v5e_8.yaml", "tpu_v6e_8.yaml", "tpu_v5p_16.yaml", "gpu_8xh100.yaml",
+          "gpu_4xh200.yaml"} <= names
+
+
+TPU_PRESETS = [p for p in PRESETS if "topology" in yaml.safe_load(open(p))]
+
+
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("path", TPU_PRESETS, ids=os.path.basename)
+def test_tpu_presets_compile_the_ring(path):
+  from pallas_ring.aot import compile_ring
+  topology = yaml.safe_load(open(path))["topology"]
+  rep = compile_ring(topology, SequenceParallelConfig.from_yaml(path), seq_len=8192, heads=4,
+                     kv_heads=4)
+  assert rep.num_devices == 8 and rep.kernels >= 3
+  assert rep.permutes_overlap_kernels
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
