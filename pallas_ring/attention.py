@@ -74,6 +74,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 _flash_jit = jax.jit(_flash, static_argnums=(5, 6))
 
 
+def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
+                  out_dtype, interpret) -> common.KernelConfig:
+  """The static KernelConfig of one call (shared by flash_attention and the ring)."""
+  return common.KernelConfig(
+      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
+      q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
+      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+
+
 def _pad_seq(x, length, axis=1):
   n = length - x.shape[axis]
   if n == 0:
@@ -135,14 +145,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   tiles = tuning.resolve(backend, block_sizes, t, s, h, jnp.dtype(q.dtype).itemsize)
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
-  hp = h
-  if backend == "pallas_triton":  # Triton arrays need power-of-two sizes: pad the head dim
-    hp = max(16, 1 << (h - 1).bit_length())
-  cfg = common.KernelConfig(
-      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
-      q_len=t, kv_len=s, block_q=tiles.block_q, block_kv=tiles.block_kv,
-      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=q.dtype,
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+  hp = tuning.padded_head_dim(backend, h)
+  cfg = kernel_config(tiles, mask=mask, scale=scale, softcap=softcap, q_len=t,
+                      kv_len=s, out_dtype=q.dtype, interpret=interpret)
 
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)

@@ -279,14 +279,10 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     kv_padded, shard_len = tp, tp
     kv_info = block_sparse.pad_token_info(info, tp)
   q_info = block_sparse.pad_token_info(info, tp)
-  hp = h
-  if backend == "pallas_triton":
-    hp = max(16, 1 << (h - 1).bit_length())
-  cfg = common.KernelConfig(
-      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
-      q_len=t, kv_len=t * r if gather else t, block_q=tiles.block_q, block_kv=tiles.block_kv,
-      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=jnp.float32,
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+  hp = tuning.padded_head_dim(backend, h)
+  cfg = attention.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
+                                q_len=t, kv_len=t * r if gather else t, out_dtype=jnp.float32,
+                                interpret=interpret)
   st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded)
   if dense is not None:
     # Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the

@@ -95,3 +95,10 @@ def padded_len(length: int, *blocks: int) -> int:
   for b in blocks:
     m = m * b // math.gcd(m, b)
   return _round_up(length, m)
+
+
+def padded_head_dim(backend: str, head_dim: int) -> int:
+  """Triton arrays need power-of-two sizes (>= 16): the head dim is zero-padded to one."""
+  if backend == "pallas_triton":
+    return max(16, _next_pow2(head_dim))
+  return head_dim
