@@ -117,6 +117,7 @@ class RingAttention(nn.Module):
     qkv_features: q/k/v projection width (default: the input width).
     out_features: output width (default: the input width).
     kernel_init, bias_init, use_bias, out_kernel_init, out_bias_init: as in Flax.
+    decode: must stay False (no KV cache; see the error's advice).
   """
 
   num_heads: int
@@ -132,6 +133,7 @@ class RingAttention(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
   out_bias_init: Optional[Callable] = None
   use_bias: bool = True
+  decode: bool = False  # autoregressive decoding: not supported (raises)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, segment_ids=None, positions=None,
@@ -145,6 +147,11 @@ class RingAttention(nn.Module):
       mask: optional dense mask broadcastable to ``[B, N, T, S]`` (Flax convention, True/1 =
         attend), ANDed with ``self.mask``.
     """
+    if self.decode:
+      raise NotImplementedError(
+          "RingAttention(decode=True): pallas_ring has no KV cache; it targets training and "
+          "prefill of long sequences. Decode with flax.linen.MultiHeadDotProductAttention("
+          "decode=True) on the same parameters (they load unchanged).")
     if inputs_k is None:
       inputs_k = inputs_q
     if inputs_v is None:

@@ -83,6 +83,9 @@ def test_nnx_attention_fn_with_is_causal():
   ref = stock(x, mask=mask)
   assert rel_err(ours(x, is_causal=True), ref) < 1e-5
   assert rel_err(ours(x, mask=mask), ref) < 1e-5
+  grad = lambda m: nnx.grad(lambda m_: (m_(x, mask=mask) ** 2).sum())(m)
+  g_ours, g_ref = grad(ours), grad(stock)
+  assert rel_err(_flat(nnx.state(g_ours)), _flat(nnx.state(g_ref))) < 1e-5
 
 
 def test_attention_fn_names_every_flax_keyword():
@@ -104,6 +107,8 @@ def test_unsupported_features_raise_with_the_fix():
   params = m.init(jax.random.key(0), x)
   with pytest.raises(NotImplementedError, match="sow_weights=False"):
     m.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  with pytest.raises(NotImplementedError, match="decode=True"):
+    RingAttention(num_heads=N, decode=True).init(jax.random.key(0), x)
   # dropout in eval mode is fine
   m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=True,
                                       attention_fn=make_attention_fn())

@@ -27,8 +27,8 @@ def test_huge_logits_and_sinks_stay_finite(backend):
   """|q.k| near 1e5 (no mask value is ever added to another), with and without softcap, with very
   negative and very large sinks."""
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.standard_normal((1, 40, 2, 32)) * 60, jnp.float32)
-  k = jnp.asarray(rng.standard_normal((1, 40, 2, 32)) * 60, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((1, 40, 2, 32)) * 130, jnp.float32)  # |q.k| ~ 1e5
+  k = jnp.asarray(rng.standard_normal((1, 40, 2, 32)) * 130, jnp.float32)
   bs = BlockSizes(32, 128, 32, 128) if backend == "pallas_tpu" else BlockSizes(16, 16, 16, 16)
   for kw in (dict(), dict(softcap=20.0), dict(sinks=jnp.asarray([-1e4, 1e4], jnp.float32))):
     out = flash_attention(q, k, k, mask=masks.Causal(), backend=backend, block_sizes=bs, **kw)
@@ -82,3 +82,24 @@ def test_deterministic_bitwise(backend):
   b, gb = f(q)
   assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   assert np.asarray(ga).tobytes() == np.asarray(gb).tobytes()
+
+
+@pytest.mark.parametrize("dtype, big", [(jnp.float16, 200.0), (jnp.bfloat16, 1e4)])
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_half_precision_near_its_limits(dtype, big, backend):
+  """q.k would overflow float16 (max 65504) or lose all bits in bfloat16 if accumulated in the
+  input dtype; the kernels accumulate in float32, judged against 2x a same-precision reference."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((1, 48, 2, 64)) * big / 8, dtype)
+  k = jnp.asarray(rng.standard_normal((1, 48, 2, 64)) * 8, dtype)
+  v = jnp.asarray(rng.standard_normal((1, 48, 2, 64)) * big, dtype)
+  out = flash_attention(q, k, v, mask=masks.Causal(), backend=backend,
+                        block_sizes=BlockSizes(16, 16, 16, 16))
+  ref64 = reference.attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask=masks.Causal())[0]
+  same_precision = reference.attention(q, k, v, mask=masks.Causal())[0]  # f32 math, cast to dtype
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  assert rel_err(out, ref64) <= 2 * rel_err(same_precision, ref64) + 1e-3
+  g = jax.grad(lambda x: jnp.sum(flash_attention(x, k, v, mask=masks.Causal(), backend=backend,
+                                                 block_sizes=BlockSizes(16, 16, 16, 16)
+                                                 ).astype(jnp.float32)))(q)
+  assert np.all(np.isfinite(np.asarray(g, np.float32)))
