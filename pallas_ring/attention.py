@@ -35,12 +35,11 @@ def sinks_grad(sinks, lse, delta):
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
-def make_plans(ops: common.Operands, cfg: common.KernelConfig):
-  """Forward and backward block plans of one (q, kv) pair."""
-  mk = lambda bq, bk: block_sparse.make_plan(
-      cfg.mask, ops.q_info, ops.kv_info, block_q=bq, block_kv=bk, q_len=cfg.q_len,
-      kv_len=cfg.kv_len, dense_mask=ops.dense)
-  return mk(cfg.block_q, cfg.block_kv), mk(cfg.block_q_bwd, cfg.block_kv_bwd)
+def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = False):
+  """The block plan of one (q, kv) pair for the forward or the backward tile sizes."""
+  bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
+  return block_sparse.make_plan(cfg.mask, ops.q_info, ops.kv_info, block_q=bq, block_kv=bk,
+                                q_len=cfg.q_len, kv_len=cfg.kv_len, dense_mask=ops.dense)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -49,7 +48,7 @@ def _flash(q, k, v, sinks, ops, cfg, backend):
 
 
 def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
-  plan, _ = make_plans(ops, cfg)
+  plan = make_plan(ops, cfg)
   o, lse = kernels.get(backend).forward(q, k, v, ops, plan, cfg)
   if sinks is not None:
     o, lse = merge_sinks(o.astype(jnp.float32), lse, sinks)
@@ -62,7 +61,7 @@ def _flash_bwd(cfg, backend, res, cts):
   do, _ = cts  # the lse output is not differentiated through
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, N]
   delta = jnp.swapaxes(delta, 1, 2)  # [B, N, Tp]
-  _, plan = make_plans(ops, cfg)
+  plan = make_plan(ops, cfg, backward=True)
   dq, dk, dv = kernels.get(backend).backward(q, k, v, do.astype(q.dtype), lse, delta, ops, plan,
                                              cfg)
   dsinks = None if sinks is None else sinks_grad(sinks, lse, delta).astype(sinks.dtype)
@@ -142,7 +141,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   if sinks is not None:
     validation.check_sinks(sinks, n)
 
-  tiles = tuning.resolve(backend, block_sizes, t, s, h, jnp.dtype(q.dtype).itemsize)
+  tiles = tuning.resolve(backend, block_sizes, t, s, h)
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)
@@ -166,4 +165,4 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   return out
 
 
-__all__ = ["flash_attention", "merge_sinks", "sinks_grad", "make_plans"]
+__all__ = ["flash_attention", "merge_sinks", "sinks_grad", "make_plan"]

@@ -78,7 +78,7 @@ def _dense_cols(dense, src, width):
 def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
   """Kernel forward of one (q shard, kv shard) pair, skipped when its plan has nothing live."""
   ops = common.Operands(q_info, kv_info, dense)
-  plan, _ = attention.make_plans(ops, st.cfg)
+  plan = attention.make_plan(ops, st.cfg)
   b, tp, n, h = q.shape
 
   def run():
@@ -93,7 +93,7 @@ def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
 
 def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
   ops = common.Operands(q_info, kv_info, dense)
-  _, plan = attention.make_plans(ops, st.cfg)
+  plan = attention.make_plan(ops, st.cfg, backward=True)
 
   def run():
     return kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
@@ -266,8 +266,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
 
   gather = strategy == "all_gather"
-  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h,
-                         jnp.dtype(q.dtype).itemsize)
+  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h)
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
   blocks_q = (tiles.block_q, tiles.block_q_bwd)
   blocks_kv = (tiles.block_kv, tiles.block_kv_bwd)

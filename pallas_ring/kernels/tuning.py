@@ -1,4 +1,4 @@
-"""Block-size heuristics per (backend, head dim, dtype, device), and the rules each backend needs.
+"""Block-size heuristics per (backend, head dim, device), and the rules each backend needs.
 
 The GPU numbers come from the sweep in ``pallas_ring.bench`` (see BENCHMARKS.md); user-given
 ``BlockSizes`` fields override them.
@@ -34,7 +34,7 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _defaults(backend: str, head_dim: int, itemsize: int, device_kind: str) -> BlockSizes:
+def _defaults(backend: str, head_dim: int, device_kind: str) -> BlockSizes:
   if backend == "pallas_triton":
     if head_dim <= 64:
       return BlockSizes(128, 128, 64, 64, 4, 3)
@@ -68,12 +68,12 @@ def check_block_sizes(backend: str, bs: BlockSizes) -> None:
 
 
 def resolve(backend: str, block_sizes: BlockSizes | None, q_len: int, kv_len: int,
-            head_dim: int, itemsize: int) -> Tiles:
+            head_dim: int) -> Tiles:
   """Tile sizes for a call: user overrides, else heuristics, clamped to the sequence lengths."""
   bs = block_sizes or BlockSizes()
   check_block_sizes(backend, bs)
   kind = jax.devices()[0].device_kind if jax.devices() else ""
-  d = _defaults(backend, head_dim, itemsize, kind)
+  d = _defaults(backend, head_dim, kind)
   pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
   bq, bk, bqb, bkb = (pick(f) for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"))
   if backend == "pallas_triton":
