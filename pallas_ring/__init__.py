@@ -9,5 +9,14 @@ from pallas_ring.sharded import sharded_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "ring_attention", "sharded_attention", "masks", "layouts", "BlockSizes", "SequenceParallelConfig",
-           "TokenInfo"]
+
+def __getattr__(name):
+  # `pallas_ring.nn` imports Flax: load it on first use, not with the package.
+  if name == "nn":
+    import importlib
+    return importlib.import_module("pallas_ring.nn")
+  raise AttributeError(f"module 'pallas_ring' has no attribute {name!r}")
+
+
+__all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "masks", "layouts",
+           "BlockSizes", "SequenceParallelConfig", "TokenInfo"]

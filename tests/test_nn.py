@@ -155,3 +155,9 @@ def test_transformer_trains_identically_on_a_zigzag_mesh():
     ring = train(TransformerLM(attention_fn=make_attention_fn(cfg, mask=masks.Causal())),
                  steps=50, layout="zigzag", ring_size=4, shard=shard)
   np.testing.assert_allclose(ring, stock, rtol=1e-3)
+
+
+def test_nn_is_reachable_from_the_package():
+  import pallas_ring
+  assert pallas_ring.nn.RingAttention is RingAttention
+  assert pallas_ring.nn.make_attention_fn is make_attention_fn
