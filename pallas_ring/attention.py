@@ -35,6 +35,24 @@ def sinks_grad(sinks, lse, delta):
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
+def finish_forward(o, lse, sinks, dtype):
+  """Merges the sinks (once per row) into a kernel's ``(o, lse)`` and casts o to ``dtype``."""
+  if sinks is not None:
+    o, lse = merge_sinks(o.astype(jnp.float32), lse, sinks)
+  return o.astype(dtype), lse
+
+
+def row_delta(o, do):
+  """``delta = sum(o * do, -1)`` in float32, ``[B, T, N, H]`` -> ``[B, N, T]``."""
+  return jnp.swapaxes(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
+
+
+def pad_tokens(x, length, head_dim):
+  """Zero-pads ``x [B, L, heads, H]`` to ``[B, length, heads, head_dim]``."""
+  pads = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))
+  return x if not any(p for _, p in pads) else jnp.pad(x, pads)
+
+
 def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = False):
   """The block plan of one (q, kv) pair for the forward or the backward tile sizes."""
   bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
@@ -49,24 +67,20 @@ def _flash(q, k, v, sinks, ops, cfg, backend):
 
 def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
   plan = make_plan(ops, cfg)
-  o, lse = kernels.get(backend).forward(q, k, v, ops, plan, cfg)
-  if sinks is not None:
-    o, lse = merge_sinks(o.astype(jnp.float32), lse, sinks)
-  o = o.astype(q.dtype)
+  o, lse = finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks, q.dtype)
   return (o, lse), (q, k, v, sinks, ops, o, lse)
 
 
 def _flash_bwd(cfg, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
   do, _ = cts  # the lse output is not differentiated through
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, N]
-  delta = jnp.swapaxes(delta, 1, 2)  # [B, N, Tp]
+  delta = row_delta(o, do)  # [B, N, Tp]
   plan = make_plan(ops, cfg, backward=True)
   dq, dk, dv = kernels.get(backend).backward(q, k, v, do.astype(q.dtype), lse, delta, ops, plan,
                                              cfg)
   dsinks = None if sinks is None else sinks_grad(sinks, lse, delta).astype(sinks.dtype)
-  zeros_like_ops = jax.tree.map(lambda x: None, ops)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, zeros_like_ops)
+  no_grad_ops = jax.tree.map(lambda _: None, ops)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, no_grad_ops)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -81,15 +95,6 @@ def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
       q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
       block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
       num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
-
-
-def _pad_seq(x, length, axis=1):
-  n = length - x.shape[axis]
-  if n == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, n)
-  return jnp.pad(x, widths)
 
 
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
@@ -156,9 +161,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
   ops = common.Operands(q_info, kv_info, dense)
 
-  pad_h = lambda x: x if hp == h else jnp.pad(x, ((0, 0),) * 3 + ((0, hp - h),))
-  qp, kp, vp = (pad_h(_pad_seq(x, L)) for x, L in ((q, tp), (k, sp), (v, sp)))
-  out, lse = _flash_jit(qp, kp, vp, sinks, ops, cfg, backend)
+  out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
+                        sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]
   if return_lse:
     return out, lse[:, :, :t]

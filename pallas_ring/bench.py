@@ -13,12 +13,10 @@ forward, 3.5x that forward+backward.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 
 from pallas_ring import masks as masks_lib

@@ -7,8 +7,6 @@ lse ``-inf``; their gradients are 0.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 

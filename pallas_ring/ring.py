@@ -183,17 +183,15 @@ def _ring(q, k, v, sinks, q_info, kv_info, dense, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st):
-  o, lse = _ring_forward(st, q, k, v, q_info, kv_info, dense)
-  if sinks is not None:
-    o, lse = attention.merge_sinks(o, lse, sinks)
-  o = o.astype(q.dtype)
+  o, lse = attention.finish_forward(*_ring_forward(st, q, k, v, q_info, kv_info, dense), sinks,
+                                    q.dtype)
   return (o, lse), (q, k, v, sinks, q_info, kv_info, dense, o, lse)
 
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, dense, o, lse = res
   do, _ = cts
-  delta = jnp.swapaxes(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
+  delta = attention.row_delta(o, do)
   dq, dk, dv = _ring_backward(st, q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info,
                               dense)
   dsinks = None
@@ -202,7 +200,7 @@ def _ring_bwd(st, res, cts):
     dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
-          none(kv_info), None if dense is None else None)
+          none(kv_info), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -290,9 +288,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     d = jnp.pad(d, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0 if gather else tp - t)))
     d = d.reshape(*d.shape[:3], -1)
     dense = jnp.pad(d, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else d
-  pad = lambda x, n_: jnp.pad(x, ((0, 0), (0, n_ - t), (0, 0), (0, hp - h)))
-  out, lse = _ring(pad(q, tp), pad(k, shard_len), pad(v, shard_len), sinks, q_info, kv_info,
-                   dense, st)
+  pad = attention.pad_tokens
+  out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
+                   kv_info, dense, st)
   out = out[:, :t, :, :h]
   return (out, lse[:, :, :t]) if return_lse else out
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -10,7 +10,6 @@ if os.environ.get("PALLAS_RING_TEST_GPU") is None:
 # TPU programs are compiled (not run) through libtpu by several pytest-xdist workers at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

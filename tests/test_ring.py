@@ -1,14 +1,12 @@
 """Ring and all-gather sequence parallelism on 8 / 4 virtual CPU devices against the reference."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
 
-from pallas_ring import SequenceParallelConfig, layouts, masks, reference, ring_attention
+from pallas_ring import SequenceParallelConfig, layouts, masks, reference
 from pallas_ring import sharded_attention
 from conftest import rel_err
 

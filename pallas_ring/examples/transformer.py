@@ -8,7 +8,7 @@ runs the same parameters on pallas_ring (a ring when a mesh with ``config.axis_n
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax

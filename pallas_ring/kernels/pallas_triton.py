@@ -122,7 +122,6 @@ def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
   indexes the query side when ``q_grid_axis`` else the key side.
   """
   qp, kp = ops.q_info.positions, ops.kv_info.positions
-  tp, sp = qp.shape[-1], kp.shape[-1]
 
   def seq_spec(arr, block, blocked):
     bsz = arr.shape[0]
