@@ -72,6 +72,11 @@ def _fwd_bwd(f):
   return jax.jit(run)
 
 
+def _peak_gib():
+  """Peak bytes in use per device so far, in GiB (0 where the backend keeps no statistics)."""
+  return [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30 for d in jax.devices()]
+
+
 @dataclasses.dataclass
 class Row:
   case: str  # e.g. "T=16384 causal"
@@ -242,9 +247,27 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
                         pass_, secs * 1e3, tf, rel))
         log(f"  ring {layout:10s} {'causal' if causal else 'dense ':6s} {pass_:8s} "
             f"{secs * 1e3:8.2f} ms {tf:7.1f} TFLOP/s/GPU {rel}")
-  peak = [d.memory_stats().get("peak_bytes_in_use", 0) / 2**30 for d in jax.devices()]
+  peak = _peak_gib()
   log(f"peak memory per device (GiB): {[round(p, 2) for p in peak]}")
   return rows
+
+
+def long_context(total_tokens=2**20, b=1, n=16, h=128, log=print):
+  """Causal zigzag forward+backward over ``total_tokens`` split across all local GPUs."""
+  from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+  from pallas_ring.sharded import sharded_attention
+  r = jax.device_count()
+  mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
+  sh = NamedSharding(mesh, P(None, "sp"))
+  q, k, v, do = jax.jit(lambda: _inputs(b, total_tokens, n, h, seed=3), out_shardings=(sh,) * 4)()
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
+  f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal())
+  secs = timeit(_fwd_bwd(f), q, k, v, do, iters=1, reps=3)
+  tf = _tflops(visible_pairs(total_tokens, "causal") / r, b, n, h, secs, "fwd+bwd")
+  peak = _peak_gib()
+  log(f"causal zigzag fwd+bwd, {total_tokens} tokens over {r} GPUs: {secs:.2f} s, "
+      f"{tf:.1f} TFLOP/s/GPU; peak memory per device (GiB): {[round(p, 1) for p in peak]}")
+  return [Row(f"{total_tokens} tokens x{r} causal", "ring zigzag", "fwd+bwd", secs * 1e3, tf)]
 
 
 def main(args) -> None:
@@ -256,8 +279,13 @@ def main(args) -> None:
   os.makedirs(out_dir, exist_ok=True)
   log = lambda s: print(s, flush=True)
   log(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
-  rows = ring(log=log) if args.ring else single_device(log=log)
-  with open(os.path.join(out_dir, "ring.json" if args.ring else "single.json"), "w") as f:
+  if args.long_context:
+    rows, name = long_context(args.long_context, log=log), "long_context"
+  elif args.ring:
+    rows, name = ring(log=log), "ring"
+  else:
+    rows, name = single_device(log=log), "single"
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
@@ -273,6 +301,6 @@ def main(args) -> None:
     ax.set_yticks(range(len(rows)), [f"{l} {r.impl}" for l, r in zip(labels, rows)], fontsize=5)
     ax.set_xlabel("TFLOP/s (visible pairs)")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "ring.png" if args.ring else "single.png"), dpi=120)
+    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
   except ImportError:
     log("matplotlib not installed: no plot")

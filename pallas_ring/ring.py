@@ -1,15 +1,21 @@
 """Ring attention: the kernel contract run over the R shards of a sequence-parallel mesh axis.
 
 ``ring_attention`` is called per shard inside ``shard_map``. Forward: ``lax.scan`` over ring steps;
-each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the kv positions
-and segment ids beside it), then builds that step's block plan from *global* positions and runs
-the kernel on the current K/V; a step with no live block is skipped (``lax.cond``); partial
-``(o, lse)`` merge in float32 with guards for ``-inf``. Sinks enter once, after the last step.
+each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the segment ids
+and caller-given positions beside it; layout positions are derived from the source rank), then
+builds that step's block plan from *global* positions and runs the kernel on the current K/V; a
+step with no live block is skipped (``lax.cond``); partial ``(o, lse)`` merge in float32 with
+guards for ``-inf``. Sinks enter once, after the last step.
 
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse). A second
-scan rotates K/V together with the dK/dV accumulators, reusing the final lse and
-``delta = sum(o * do)``; dQ accumulates locally. Forward and backward build their plans from the
-same positions, so they make the same skip decisions.
+scan rotates K/V together with the dK/dV accumulators (one step behind their shard, so every send
+overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``; dQ accumulates locally.
+Forward and backward build their plans from the same positions, so they make the same skip
+decisions.
+
+On GPU (Triton backend) two measured costs change the schedule: a ``lax.cond`` costs a host round
+trip per step, so empty steps run the kernel, which skips their tiles itself; and XLA:GPU keeps one
+collective in flight, so each step's sends are packed into one byte buffer.
 
 ``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
 reduce-scatters dK/dV.
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +68,51 @@ class _RingStatic:
   strategy: str  # "ring" | "all_gather"
   unroll: int  # scan unroll
   kv_padded: int  # all_gather: padded length of the gathered K/V (ring: padded shard length)
+  # (T, layout) when the kv positions follow the layout: each step derives them from the source
+  # rank instead of receiving them; None when the caller passed positions (they rotate).
+  layout_positions: Optional[Tuple[int, str]] = None
+  # Skip steps with no live block by lax.cond. On GPU a conditional costs a host round trip per
+  # step, so the Triton backend runs the kernel, which skips empty tiles itself.
+  use_cond: bool = True
+  # Pack each step's sends into one byte buffer: XLA:GPU keeps one collective in flight at a
+  # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
+  pack_sends: bool = False
 
 
 def _perm(r):
   return [(i, (i + 1) % r) for i in range(r)]
+
+
+def _rotate(tree, st: _RingStatic):
+  """Sends every array of ``tree`` to the next device of the ring (one collective if packed)."""
+  send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size))
+  leaves, treedef = jax.tree.flatten(tree)
+  if not st.pack_sends or len(leaves) < 2:
+    return jax.tree.unflatten(treedef, [send(x) for x in leaves])
+  as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+  buf = send(jnp.concatenate([as_bytes(x) for x in leaves]))
+  out, start = [], 0
+  for x in leaves:
+    size = x.dtype.itemsize
+    piece = buf[start:start + x.size * size].reshape(x.shape + ((size,) if size > 1 else ()))
+    out.append(lax.bitcast_convert_type(piece, x.dtype))
+    start += x.size * size
+  return jax.tree.unflatten(treedef, out)
+
+
+def _moving_info(st: _RingStatic, info: block_sparse.TokenInfo):
+  """The token info that travels with K/V: segment ids, and positions unless derived."""
+  return (info.positions if st.layout_positions is None else None, info.segment_ids)
+
+
+def _step_info(st: _RingStatic, moving, src, padded_len: int) -> block_sparse.TokenInfo:
+  """Token info of kv shard ``src`` from what travelled with it."""
+  pos, seg = moving
+  if pos is None:
+    t, layout = st.layout_positions
+    pos = layouts.positions(t, layout, st.ring_size, src)[None]
+    pos = jnp.pad(pos, ((0, 0), (0, padded_len - pos.shape[1])), mode="edge")
+  return block_sparse.TokenInfo(pos, seg)
 
 
 def _dense_cols(dense, src, width):
@@ -88,7 +135,7 @@ def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
   def skip():
     return jnp.zeros((b, tp, n, h), jnp.float32), jnp.full((b, n, tp), -jnp.inf, jnp.float32)
 
-  return lax.cond(plan.any_live, run, skip)
+  return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
 def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
@@ -102,7 +149,7 @@ def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, de
     f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
     return f32(q), f32(k), f32(v)
 
-  return lax.cond(plan.any_live, run, skip)
+  return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
 def _gather(x, st):
@@ -126,26 +173,23 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
     return _pair_forward(st, q, _gather(k, st), _gather(v, st), q_info, _gather_info(kv_info, st),
                          dense)
 
-  def compute(carry, kv, kv_pos, kv_seg, step):
-    o, lse = carry
+  def compute(kv, moving, step):
     src = (rank - step) % r
-    info = block_sparse.TokenInfo(kv_pos, kv_seg)
-    o_s, lse_s = _pair_forward(st, q, kv[0], kv[1], q_info, info, _dense_cols(dense, src, sp))
-    return merge(o, lse, o_s, lse_s)
+    return _pair_forward(st, q, kv[0], kv[1], q_info, _step_info(st, moving, src, sp),
+                         _dense_cols(dense, src, sp))
+
+  # Each step first sends its K/V on, so the send overlaps this step's kernel.
+  held = (jnp.stack([k, v]), _moving_info(st, kv_info))  # K/V in one buffer
+  nxt = _rotate(held, st)
+  acc = compute(*held, 0)
 
   def body(carry, step):
-    acc, kv, kv_pos, kv_seg = carry
-    # Issue the send of the next K/V first so it overlaps this step's kernel.
-    nxt = lax.ppermute((kv, kv_pos, kv_seg), st.axis_name, _perm(r))
-    acc = compute(acc, kv, kv_pos, kv_seg, step)
-    return (acc, *nxt), None
+    acc, held = carry
+    nxt = _rotate(held, st)
+    return (merge(*acc, *compute(*held, step)), nxt), None
 
-  b, tp, n, h = q.shape
-  acc = (jnp.zeros((b, tp, n, h), jnp.float32), jnp.full((b, n, tp), -jnp.inf, jnp.float32))
-  kv = jnp.stack([k, v])  # one buffer per send
-  carry = (acc, kv, kv_info.positions, kv_info.segment_ids)
-  (acc, kv, kv_pos, kv_seg), _ = lax.scan(body, carry, jnp.arange(r - 1), unroll=st.unroll)
-  return compute(acc, kv, kv_pos, kv_seg, r - 1)  # the last shard needs no send
+  (acc, held), _ = lax.scan(body, (acc, nxt), jnp.arange(1, r - 1), unroll=st.unroll)
+  return merge(*acc, *compute(*held, r - 1))  # the last shard needs no send
 
 
 def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
@@ -159,22 +203,30 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, de
                                          tiled=True)
     return dq, scatter(dk), scatter(dv)
 
-  def body(carry, step):
-    dq, kv, dkv, kv_pos, kv_seg = carry
-    nxt_kv = lax.ppermute((kv, kv_pos, kv_seg), st.axis_name, _perm(r))
+  def compute(kv, moving, step):
     src = (rank - step) % r
-    info = block_sparse.TokenInfo(kv_pos, kv_seg)
-    dq_s, dk_s, dv_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, q_info, info,
-                                      _dense_cols(dense, src, sp))
-    # dK/dV travel with the shard they belong to; after R hops they are back at its owner.
-    dkv = lax.ppermute(dkv + jnp.stack([dk_s, dv_s]), st.axis_name, _perm(r))
-    return (dq + dq_s, nxt_kv[0], dkv, nxt_kv[1], nxt_kv[2]), None
+    dq_s, dk_s, dv_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, q_info,
+                                      _step_info(st, moving, src, sp), _dense_cols(dense, src, sp))
+    return dq_s, jnp.stack([dk_s, dv_s])
 
-  kv = jnp.stack([k, v])
-  carry = (jnp.zeros(q.shape, jnp.float32), kv, jnp.zeros(kv.shape, jnp.float32),
-           kv_info.positions, kv_info.segment_ids)
-  (dq, _, dkv, _, _), _ = lax.scan(body, carry, jnp.arange(r), unroll=st.unroll)
-  return dq, dkv[0], dkv[1]
+  # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
+  # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernel;
+  # after the last step one more hop brings every dK/dV home.
+  held = (jnp.stack([k, v]), _moving_info(st, kv_info))
+  nxt = _rotate(held, st)
+  dq, dkv = compute(*held, 0)
+
+  def body(carry, step):
+    dq, held, dkv = carry
+    nxt, dkv_in = _rotate((held, dkv), st)
+    dq_s, dkv_s = compute(*held, step)
+    return (dq + dq_s, nxt, dkv_in + dkv_s), None
+
+  (dq, held, dkv), _ = lax.scan(body, (dq, nxt, dkv), jnp.arange(1, r - 1), unroll=st.unroll)
+  dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
+  dq_s, dkv_s = compute(*held, r - 1)
+  dkv = _rotate(dkv_in + dkv_s, st)
+  return dq + dq_s, dkv[0], dkv[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -259,7 +311,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   validation.check_token_array("positions", positions, b, t, allow_1d=True)
   if sinks is not None:
     validation.check_sinks(sinks, n)
-  if positions is None:
+  derived = positions is None
+  if derived:
     positions = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
 
@@ -280,7 +333,10 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   cfg = attention.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
                                 q_len=t, kv_len=t * r if gather else t, out_dtype=jnp.float32,
                                 interpret=interpret)
-  st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded)
+  gpu = backend == "pallas_triton"
+  st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
+                   layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
+                   pack_sends=gpu)
   if dense is not None:
     # Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
     # gathered axis padded once (all_gather).

@@ -88,6 +88,26 @@ def test_pallas_backends_in_ring(backend):
   _check(mesh, cfg, masks.Causal(), q, k, v, seg, interpret=True, tol=2e-3)
 
 
+def test_gpu_schedule_ring_of_two_with_caller_positions():
+  """The Triton schedule (no cond, one packed send of K/V, positions, segment ids and dK/dV) on a
+  ring of two, whose scan has no middle step, with caller positions that must rotate."""
+  mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="pallas_triton")
+  q, k, v, seg = _problem(10, b=1, t=64, n=2, kh=1, h=64, docs=True)
+  pos = jnp.asarray(np.random.default_rng(3).permutation(64) + 500, jnp.int32)
+  mask = masks.SlidingWindow(20)
+  f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=mask,
+                                           segment_ids=seg, positions=pos, interpret=True)
+  ref = lambda q_, k_, v_: reference.attention(q_, k_, v_, mask=mask, segment_ids=seg,
+                                               q_positions=pos, kv_positions=pos)[0]
+  assert rel_err(jax.jit(f)(q, k, v), ref(q, k, v)) < 2e-3
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) * jnp.cos(jnp.arange(64.0)))
+  g1 = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
+  g2 = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+  for name, a, b_ in zip("qkv", g1, g2):
+    assert rel_err(a, b_) < 2e-3, (name, rel_err(a, b_))
+
+
 def test_heads_over_a_tensor_axis_and_checkpoint():
   mesh = jax.make_mesh((2, 4), ("tp", "sp"), axis_types=(AxisType.Auto,) * 2)
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", head_axis="tp", backend="xla")
