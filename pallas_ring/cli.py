@@ -42,8 +42,8 @@ def demo(args) -> int:
   print(header)
   print("-" * len(header))
   worst = worst_grad = 0.0
-  w = jnp.cos(jnp.arange(h, dtype=jnp.float32))  # weights of the loss sum(out * w)
-  grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))
+  loss_w = jnp.cos(jnp.arange(h, dtype=jnp.float32))  # the loss is sum(out * loss_w)
+  grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * loss_w), argnums=(0, 1, 2))
   for (name, (mask, seg)), layout in [(c, l) for c in cases.items() for l in layouts.LAYOUTS]:
     perm = lambda x: None if x is None else layouts.permute(x, layout, r)
     seg_l = perm(seg)

@@ -65,11 +65,18 @@ def positions(seq_len: int, layout: str, ring_size: int, rank=None):
   Returns:
     ``[seq_len // ring_size]`` int32 positions of that rank, or ``[seq_len]`` in layout order.
   """
-  order = global_order(seq_len, layout, ring_size)
   if rank is None:
-    return jnp.asarray(order)
-  table = jnp.asarray(order.reshape(ring_size, seq_len // ring_size))
-  return table[rank]
+    return jnp.asarray(global_order(seq_len, layout, ring_size))
+  check_length(seq_len, layout, ring_size)
+  r, n = ring_size, seq_len // ring_size
+  i = jnp.arange(n, dtype=jnp.int32)
+  rank = jnp.asarray(rank, jnp.int32)
+  if layout == "contiguous" or r == 1:
+    return rank * n + i
+  if layout == "striped":
+    return i * r + rank
+  c = n // 2  # zigzag: chunk `rank`, then chunk `2R - 1 - rank`
+  return jnp.where(i < c, rank * c + i, (2 * r - 1 - rank) * c + i - c)
 
 
 def _take(x, index: np.ndarray, axis: int):
