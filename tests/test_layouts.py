@@ -25,6 +25,15 @@ def test_zigzag_two_ranks_table():
 
 
 @pytest.mark.parametrize("layout", list(TABLES))
+@pytest.mark.parametrize("t, r", [(8, 1), (8, 2), (48, 4), (64, 8)])
+def test_one_rank_agrees_with_the_global_order(layout, t, r):
+  """One rank's positions (computed by arithmetic) are that rank's slice of the layout order."""
+  order = np.asarray(layouts.positions(t, layout, r)).reshape(r, t // r)
+  for rank in range(r):
+    np.testing.assert_array_equal(layouts.positions(t, layout, r, rank), order[rank])
+
+
+@pytest.mark.parametrize("layout", list(TABLES))
 def test_permute_places_tokens_and_unpermute_inverts(layout):
   x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
   y = layouts.permute(x, layout, 4)
