@@ -18,33 +18,47 @@ def merge_sinks(o, lse, sinks):
   """Adds per-head sink logits ``[N]`` once to each row's denominator.
 
   Args:
-    o: ``[B, T, N, H]`` float32 normalised output; lse: ``[B, N, T]`` float32.
+    o: ``[B, T, N, H]`` normalised output; lse: ``[B, N, T]``, both in the accumulation dtype.
 
   Returns:
     ``(o', lse')`` with ``lse' = logaddexp(lse, sink)`` and ``o' = o * exp(lse - lse')``.
   """
-  sk = sinks.astype(jnp.float32)[None, :, None]
+  sk = sinks.astype(lse.dtype)[None, :, None]
   new_lse = jnp.logaddexp(lse, sk)
-  w = jnp.exp(lse - new_lse)  # 0 on empty rows (lse = -inf)
+  # 0 on empty rows (lse = -inf); a sink of -inf is "no sink", also on empty rows (-inf - -inf).
+  w = jnp.where(new_lse == -jnp.inf, 0.0, jnp.exp(lse - common.safe_lse(new_lse)))
   return o * jnp.swapaxes(w, 1, 2)[..., None], new_lse
 
 
 def sinks_grad(sinks, lse, delta):
-  """d loss / d sinks from the final lse and ``delta = sum(o * do)``, both ``[B, N, T]``."""
-  p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - common.safe_lse(lse))
+  """d loss / d sinks from the final lse and the row term ``delta`` (see ``row_delta``)."""
+  p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - common.safe_lse(lse))
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
 def finish_forward(o, lse, sinks, dtype):
   """Merges the sinks (once per row) into a kernel's ``(o, lse)`` and casts o to ``dtype``."""
   if sinks is not None:
-    o, lse = merge_sinks(o.astype(jnp.float32), lse, sinks)
+    o, lse = merge_sinks(o.astype(lse.dtype), lse, sinks)
   return o.astype(dtype), lse
 
 
-def row_delta(o, do):
-  """``delta = sum(o * do, -1)`` in float32, ``[B, T, N, H]`` -> ``[B, N, T]``."""
-  return jnp.swapaxes(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
+def row_delta(o, do, dlse=None):
+  """The backward's row term ``delta = sum(o * do, -1) - dlse``, ``[B, N, T]``.
+
+  ``d lse / d s = p``, so the cotangent of the returned lse enters every score gradient as
+  ``ds = p * (dp - delta + dlse)``: folding ``-dlse`` into delta makes the lse differentiable in
+  every kernel (and for the sinks) without touching the kernels.
+
+  Args:
+    o, do: ``[B, T, N, H]`` output and its cotangent.
+    dlse: ``[B, N, T]`` cotangent of the lse output, or None (symbolic zero).
+  """
+  acc = common.acc_dtype(o.dtype)
+  delta = jnp.swapaxes(jnp.sum(o.astype(acc) * do.astype(acc), axis=-1), 1, 2)
+  if dlse is None:
+    return delta
+  return delta - dlse.astype(acc)
 
 
 def pad_tokens(x, length, head_dim):
@@ -73,8 +87,8 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
 
 def _flash_bwd(cfg, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
-  do, _ = cts  # the lse output is not differentiated through
-  delta = row_delta(o, do)  # [B, N, Tp]
+  do, dlse = cts
+  delta = row_delta(o, do, dlse)  # [B, N, Tp]
   plan = make_plan(ops, cfg, backward=True)
   dq, dk, dv = kernels.get(backend).backward(q, k, v, do.astype(q.dtype), lse, delta, ops, plan,
                                              cfg)
@@ -128,6 +142,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   b, t, n, h = q.shape
   s = k.shape[1]
   backend = kernels.resolve_backend(validation.check_backend(backend))
+  validation.check_backend_dtype(backend, q)
   interpret = kernels.resolve_interpret(backend, interpret)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)

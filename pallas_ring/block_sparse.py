@@ -44,7 +44,6 @@ from pallas_ring import masks as masks_lib
 Array = Any
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
-_BIG = 2**30
 
 
 class TokenInfo(NamedTuple):
@@ -84,6 +83,7 @@ class BlockBoundsWithSegments(NamedTuple):
   pos: masks_lib.BlockBounds  # [Bp, nblocks] min / max global position over valid tokens
   seg: Optional[masks_lib.BlockBounds]  # [B, nblocks] min / max segment id, or None
   has_pad: Array  # [nblocks] bool: the block contains padding tokens
+  all_pad: Array  # [nblocks] bool: the block holds padding only (its bounds are meaningless)
 
 
 def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
@@ -95,12 +95,13 @@ def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSeg
 
   def bounds(x):
     x = x.reshape(x.shape[0], nb, block)
-    lo = jnp.min(jnp.where(valid, x, _BIG), axis=-1)
-    hi = jnp.max(jnp.where(valid, x, -_BIG), axis=-1)
+    lo = jnp.min(jnp.where(valid, x, masks_lib.INT32_MAX), axis=-1)
+    hi = jnp.max(jnp.where(valid, x, masks_lib.INT32_MIN), axis=-1)
     return masks_lib.BlockBounds(lo, hi)
 
   seg = None if info.segment_ids is None else bounds(info.segment_ids)
-  return BlockBoundsWithSegments(bounds(info.positions), seg, ~jnp.all(valid, axis=-1))
+  return BlockBoundsWithSegments(bounds(info.positions), seg, ~jnp.all(valid, axis=-1),
+                                 ~jnp.any(valid, axis=-1))
 
 
 class BlockPlan(NamedTuple):
@@ -172,6 +173,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
     ksl, ksh = ks.seg.lo[:, None, :], ks.seg.hi[:, None, :]
     any_ = any_ & (qsl <= ksh) & (ksl <= qsh)
     all_ = all_ & (qsl == qsh) & (ksl == ksh) & (qsl == ksl)
+  any_ = any_ & ~qs.all_pad[None, :, None] & ~ks.all_pad[None, None, :]
   all_ = all_ & ~ks.has_pad[None, None, :]
   any_, all_ = any_[:, None], all_[:, None]  # [Bp, 1, nq, nk]
   if dense_mask is not None:

@@ -85,11 +85,32 @@ def _floordiv(x, c: int):
   return d - (x - d * c < 0).astype(x.dtype)
 
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
 def _check_int(cls: str, field: str, value, minimum: int, fix: str) -> None:
   if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(f"{cls}.{field} must be a Python int, got {type(value).__name__}: {value!r}.")
   if value < minimum:
     raise ValueError(f"{cls}.{field}={value} is invalid: it must be >= {minimum}. {fix}")
+  if value > INT32_MAX:
+    raise ValueError(
+        f"{cls}.{field}={value} is invalid: positions are int32, so it must be <= 2**31 - 1 = "
+        f"{INT32_MAX}. Use {INT32_MAX} (no position pair is further apart than that on this side) "
+        "or a smaller value.")
+
+
+# Overflow-free comparisons of int32 positions against a shifted position: ``x - c`` or ``x + c``
+# may wrap around int32 for positions near the limits; where it would, the comparison's outcome
+# is already known, so the wrapped value is never used.
+def _ge_minus(a, b, c: int):
+  """Exactly ``a >= b - c`` for int32 arrays ``a, b`` and a constant ``0 <= c <= INT32_MAX``."""
+  return (b < INT32_MIN + c) | (a >= b - c)
+
+
+def _le_plus(a, b, c: int):
+  """Exactly ``a <= b + c`` for int32 arrays ``a, b`` and a constant ``0 <= c <= INT32_MAX``."""
+  return (b > INT32_MAX - c) | (a <= b + c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +155,13 @@ class SlidingWindow(MaskSpec):
     _check_int("SlidingWindow", "right", self.right, 0, fix)
 
   def visible(self, q, k):
-    return (k >= q - self.left) & (k <= q + self.right)
+    return _ge_minus(k, q, self.left) & _le_plus(k, q, self.right)
 
   def block_test(self, qb, kb):
-    # k - q ranges over [kb.lo - qb.hi, kb.hi - qb.lo] (every value when blocks are contiguous).
-    d_lo, d_hi = kb.lo - qb.hi, kb.hi - qb.lo
-    any_ = (d_lo <= self.right) & (d_hi >= -self.left)
-    all_ = (d_hi <= self.right) & (d_lo >= -self.left)
+    # k - q ranges over [kb.lo - qb.hi, kb.hi - qb.lo] (every value when blocks are contiguous),
+    # compared without forming the (possibly overflowing) differences.
+    any_ = _le_plus(kb.lo, qb.hi, self.right) & _ge_minus(kb.hi, qb.lo, self.left)
+    all_ = _le_plus(kb.hi, qb.lo, self.right) & _ge_minus(kb.lo, qb.hi, self.left)
     return any_, all_
 
 

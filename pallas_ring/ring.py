@@ -127,13 +127,14 @@ def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
   ops = common.Operands(q_info, kv_info, dense)
   plan = attention.make_plan(ops, st.cfg)
   b, tp, n, h = q.shape
+  acc = common.acc_dtype(q.dtype)
 
   def run():
     o, lse = kernels.get(st.backend).forward(q, k, v, ops, plan, st.cfg)
-    return o.astype(jnp.float32), lse
+    return o.astype(acc), lse
 
   def skip():
-    return jnp.zeros((b, tp, n, h), jnp.float32), jnp.full((b, n, tp), -jnp.inf, jnp.float32)
+    return jnp.zeros((b, tp, n, h), acc), jnp.full((b, n, tp), -jnp.inf, acc)
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -146,10 +147,15 @@ def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, de
     return kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
 
   def skip():
-    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
-    return f32(q), f32(k), f32(v)
+    zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
+    return zeros(q), zeros(k), zeros(v)
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
+
+
+def _middle_steps(r):
+  """Ring steps ``1 .. R-2`` (int32, also under x64): the scanned ones between first and last."""
+  return jnp.arange(1, r - 1, dtype=jnp.int32)
 
 
 def _gather(x, st):
@@ -165,7 +171,7 @@ def _gather_info(info, st):
 
 
 def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
-  """Returns float32 ``(o, lse)`` over all kv shards (before sinks)."""
+  """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks)."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = k.shape[1]
@@ -188,7 +194,7 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
     nxt = _rotate(held, st)
     return (merge(*acc, *compute(*held, step)), nxt), None
 
-  (acc, held), _ = lax.scan(body, (acc, nxt), jnp.arange(1, r - 1), unroll=st.unroll)
+  (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(r), unroll=st.unroll)
   return merge(*acc, *compute(*held, r - 1))  # the last shard needs no send
 
 
@@ -222,7 +228,7 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, de
     dq_s, dkv_s = compute(*held, step)
     return (dq + dq_s, nxt, dkv_in + dkv_s), None
 
-  (dq, held, dkv), _ = lax.scan(body, (dq, nxt, dkv), jnp.arange(1, r - 1), unroll=st.unroll)
+  (dq, held, dkv), _ = lax.scan(body, (dq, nxt, dkv), _middle_steps(r), unroll=st.unroll)
   dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
   dq_s, dkv_s = compute(*held, r - 1)
   dkv = _rotate(dkv_in + dkv_s, st)
@@ -242,8 +248,8 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st):
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, dense, o, lse = res
-  do, _ = cts
-  delta = attention.row_delta(o, do)
+  do, dlse = cts
+  delta = attention.row_delta(o, do, dlse)
   dq, dk, dv = _ring_backward(st, q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info,
                               dense)
   dsinks = None
@@ -304,6 +310,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale,
         block_sizes=block_sizes, backend=backend, interpret=interpret, return_lse=return_lse)
   backend = kernels.resolve_backend(validation.check_backend(backend))
+  validation.check_backend_dtype(backend, q)
   interpret = kernels.resolve_interpret(backend, interpret)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
@@ -331,7 +338,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   q_info = block_sparse.pad_token_info(info, tp)
   hp = tuning.padded_head_dim(backend, h)
   cfg = attention.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
-                                q_len=t, kv_len=t * r if gather else t, out_dtype=jnp.float32,
+                                q_len=t, kv_len=t * r if gather else t,
+                                out_dtype=common.acc_dtype(q.dtype),
                                 interpret=interpret)
   gpu = backend == "pallas_triton"
   st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,

@@ -24,7 +24,17 @@ def _check_float(name, x):
   dt = jnp.result_type(x)
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"`{name}` has dtype {dt}; attention needs a real floating dtype "
-                    "(bfloat16, float16 or float32). Cast it, e.g. `{name}.astype(jnp.bfloat16)`.")
+                    f"(bfloat16, float16 or float32). Cast it, e.g. `{name}.astype(jnp.bfloat16)`.")
+
+
+def check_backend_dtype(backend: str, q) -> None:
+  """Pallas kernels compute in at most float32: float64 inputs need the ``xla`` backend."""
+  dt = jnp.result_type(q)
+  if dt == jnp.float64 and backend != "xla":
+    raise TypeError(
+        f"`q` has dtype float64 but backend={backend!r} computes in float32 at most (Pallas "
+        "kernels have no float64 matmul). Pass backend=\"xla\" for float64 attention (it computes "
+        "in float64), or cast the inputs to float32.")
 
 
 def check_qkv(q, k, v) -> None:

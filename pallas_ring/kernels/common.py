@@ -10,11 +10,12 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
 * ``q``  ``[B, Tp, N, H]``, ``k, v`` ``[B, Sp, K, H]`` (``N % K == 0``; K/V are never repeated)
 * ``ops``: ``Operands`` (token info of both sides and the optional dense mask)
 * ``plan``: the ``BlockPlan`` for this pass's tile sizes (see ``block_sparse``)
-* ``o`` ``[B, Tp, N, H]`` in ``cfg.out_dtype``, normalised; ``lse`` ``[B, N, Tp]`` float32,
+* ``o`` ``[B, Tp, N, H]`` in ``cfg.out_dtype``, normalised; ``lse`` ``[B, N, Tp]`` float32 (float64
+  for float64 inputs, which only the ``xla`` lowering accepts; see ``acc_dtype``),
   ``-inf`` on rows with no visible key (their ``o`` is 0)
 * ``do`` ``[B, Tp, N, H]``; ``lse`` and ``delta = sum(o * do, -1)`` ``[B, N, Tp]`` are the *final*
   row statistics (after merging ring steps and sinks), so a pass over one kv shard yields exact
-  contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all float32.
+  contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``acc_dtype``.
 
 Masked probabilities are zeroed explicitly (never ``exp(mask - mask)``) and no two mask values are
 ever added, so rows with no visible key stay finite.
@@ -36,6 +37,11 @@ Array = Any
 # Finite stand-in for -inf in running maxima: exp(NEG_INF - finite) == 0, and it is never added
 # to another mask value.
 NEG_INF = -1e30
+
+
+def acc_dtype(dtype):
+  """Softmax / accumulation dtype for inputs of ``dtype``: float32, or float64 for float64."""
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +102,9 @@ def tile_visible(cfg: KernelConfig, q_pos, k_pos, k_index, q_seg=None, k_seg=Non
 
 
 def logits(q, k, cfg: KernelConfig):
-  """``[bq, bk]`` float32 scaled (and soft-capped) logits of a q tile against a k tile."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  """``[bq, bk]`` scaled (and soft-capped) logits in ``acc_dtype`` of a q tile against a k tile."""
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                          preferred_element_type=acc_dtype(q.dtype))
   s = s * cfg.scale
   if cfg.softcap is not None:
     s = cfg.softcap * jnp.tanh(s / cfg.softcap)

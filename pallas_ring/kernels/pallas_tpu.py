@@ -93,6 +93,11 @@ def _tile_mask(cfg, k_block_index, bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_re
       None if dense_ref is None else dense_ref[...])
 
 
+def _group(head, group_size: int):
+  """The kv head of query head ``head`` (int32 also under x64: no mixed-dtype division)."""
+  return lax.div(head, jnp.asarray(group_size, head.dtype))
+
+
 def _params():
   return pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
@@ -160,9 +165,9 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   in_specs = _info_specs(info, bq, bk, q_blk, k_blk) + [
       pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
       pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-          b_, lax.div(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
+          b_, _group(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
       pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-          b_, lax.div(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
+          b_, _group(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
   ]
   out_specs = [pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
                pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))]
@@ -272,7 +277,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   kv_at = lambda b_, n_, i, j, idx, *r: idx[lists.slot(b_, n_, i, j)]
   q_spec = pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
   kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-      b_, lax.div(n_, g), kv_at(b_, n_, i, j, idx), 0))
+      b_, _group(n_, g), kv_at(b_, n_, i, j, idx), 0))
   row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, lists=lists),
@@ -292,7 +297,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       b_, n_, q_at(b_, n_, jk, i, idx), 0))
   row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, jk, i, idx, *r: (
       b_, n_, q_at(b_, n_, jk, i, idx), 0))
-  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, lax.div(n_, g), jk, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, _group(n_, g), jk, 0))
   out_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, n_, jk, 0))
   dkv_shape = jax.ShapeDtypeStruct((b, n, sp, h), jnp.float32)
   dk, dv = pl.pallas_call(

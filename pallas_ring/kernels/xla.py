@@ -48,11 +48,16 @@ def _tile_mask(cfg, qpos, kpos, qseg, kseg, dense, q0, k0, bq, bk):
   sl = lambda x, s, n: jax.lax.dynamic_slice_in_dim(x, s, n)
   q_pos = sl(qpos, q0, bq)[:, None]
   k_pos = sl(kpos, k0, bk)[None, :]
-  k_index = (k0 + jnp.arange(bk))[None, :]
+  k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
   q_seg = None if qseg is None else sl(qseg, q0, bq)[:, None]
   k_seg = None if kseg is None else sl(kseg, k0, bk)[None, :]
   d = None if dense is None else jax.lax.dynamic_slice(dense, (q0, k0), (bq, bk))
   return common.tile_visible(cfg, q_pos, k_pos, k_index, q_seg, k_seg, d)
+
+
+def _block_ids(n):
+  """``[n]`` int32 block numbers (int32 also under x64, so slice starts never mix dtypes)."""
+  return jnp.arange(n, dtype=jnp.int32)
 
 
 def _fwd_head(q, k, v, qpos, kpos, qseg, kseg, dense, kv_index, kv_class, kv_count, *, cfg):
@@ -60,13 +65,14 @@ def _fwd_head(q, k, v, qpos, kpos, qseg, kseg, dense, kv_index, kv_class, kv_cou
   bq, bk = cfg.block_q, cfg.block_kv
   tp, h = q.shape
   nq = tp // bq
+  acc = common.acc_dtype(q.dtype)
 
   def q_block(i, idx_row, cls_row, count):
     q0 = i * bq
     qb = jax.lax.dynamic_slice_in_dim(q, q0, bq)
 
     def body(j, carry):
-      m, l, acc = carry
+      m, l, o = carry
       k0 = idx_row[j] * bk
       kb = jax.lax.dynamic_slice_in_dim(k, k0, bk)
       vb = jax.lax.dynamic_slice_in_dim(v, k0, bk)
@@ -76,16 +82,14 @@ def _fwd_head(q, k, v, qpos, kpos, qseg, kseg, dense, kv_index, kv_class, kv_cou
       p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
       alpha = jnp.exp(m - m_new)
       l = alpha * l + jnp.sum(p, axis=1)
-      acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), vb,
-                                           preferred_element_type=jnp.float32)
-      return m_new, l, acc
+      o = alpha[:, None] * o + jnp.dot(p.astype(v.dtype), vb, preferred_element_type=acc)
+      return m_new, l, o
 
-    init = (jnp.full((bq,), common.NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-            jnp.zeros((bq, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, count, body, init)
-    return common.finalize(acc, m[:, None], l[:, None])
+    init = (jnp.full((bq,), common.NEG_INF, acc), jnp.zeros((bq,), acc), jnp.zeros((bq, h), acc))
+    m, l, o = jax.lax.fori_loop(0, count, body, init)
+    return common.finalize(o, m[:, None], l[:, None])
 
-  o, lse = jax.vmap(q_block)(jnp.arange(nq), kv_index, kv_class, kv_count)
+  o, lse = jax.vmap(q_block)(_block_ids(nq), kv_index, kv_class, kv_count)
   return o.reshape(tp, h).astype(cfg.out_dtype), lse.reshape(tp)
 
 
@@ -94,6 +98,7 @@ def _dq_head(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, dense, kv_index, k
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   tp, h = q.shape
   lse = common.safe_lse(lse)
+  acc = common.acc_dtype(q.dtype)
 
   def q_block(i, idx_row, cls_row, count):
     q0 = i * bq
@@ -107,14 +112,13 @@ def _dq_head(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, dense, kv_index, k
       s = common.logits(qb, kb, cfg)
       vis = (cls_row[j] == FULL) | _tile_mask(cfg, qpos, kpos, qseg, kseg, dense, q0, k0, bq, bk)
       p = jnp.where(vis, jnp.exp(s - lb), 0.0)
-      dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+      dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=acc)
       ds = p * (dp - db) * common.softcap_grad(s, cfg)
-      return dq + jnp.dot(ds.astype(k.dtype), kb, preferred_element_type=jnp.float32)
+      return dq + jnp.dot(ds.astype(k.dtype), kb, preferred_element_type=acc)
 
-    return jax.lax.fori_loop(0, count, body, jnp.zeros((bq, h), jnp.float32)) * cfg.scale
+    return jax.lax.fori_loop(0, count, body, jnp.zeros((bq, h), acc)) * cfg.scale
 
-  dq = jax.vmap(q_block)(jnp.arange(tp // bq), kv_index, kv_class, kv_count)
+  dq = jax.vmap(q_block)(_block_ids(tp // bq), kv_index, kv_class, kv_count)
   return dq.reshape(tp, h)
 
 
@@ -123,6 +127,7 @@ def _dkv_head(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, dense, q_index, q
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   sp, h = k.shape
   lse = common.safe_lse(lse)
+  acc = common.acc_dtype(q.dtype)
 
   def kv_block(jk, idx_row, cls_row, count):
     k0 = jk * bk
@@ -138,19 +143,18 @@ def _dkv_head(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, dense, q_index, q
       vis = (cls_row[i] == FULL) | _tile_mask(cfg, qpos, kpos, qseg, kseg, dense, q0, k0, bq, bk)
       p = jnp.where(vis, jnp.exp(s - lb), 0.0)
       dv = dv + jax.lax.dot_general(p.astype(do.dtype), dob, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-      dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                                    preferred_element_type=acc)
+      dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=acc)
       ds = p * (dp - db) * common.softcap_grad(s, cfg)
       dk = dk + jax.lax.dot_general(ds.astype(q.dtype), qb, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+                                    preferred_element_type=acc)
       return dk, dv
 
-    zeros = jnp.zeros((bk, h), jnp.float32)
+    zeros = jnp.zeros((bk, h), acc)
     dk, dv = jax.lax.fori_loop(0, count, body, (zeros, zeros))
     return dk * cfg.scale, dv
 
-  dk, dv = jax.vmap(kv_block)(jnp.arange(sp // bk), q_index, q_class, q_count)
+  dk, dv = jax.vmap(kv_block)(_block_ids(sp // bk), q_index, q_class, q_count)
   return dk.reshape(sp, h), dv.reshape(sp, h)
 
 
@@ -175,7 +179,7 @@ def _q_rows(x, kh):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
+  """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp])``."""
   b, tp, n, h = q.shape
   q5, k5, v5, head_args, sizes = _head_major(
       q, k, v, ops, (plan.kv_index, plan.kv_class, plan.kv_count))
@@ -186,7 +190,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns float32 ``(dq, dk, dv)``."""
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``acc_dtype``."""
   b, tp, n, h = q.shape
   kh = k.shape[2]
   do5 = do.reshape(b, tp, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
