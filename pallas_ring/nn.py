@@ -1,16 +1,21 @@
 """Flax adapters: the ``RingAttention`` linen module and ``make_attention_fn`` for stock modules.
 
-``RingAttention`` has the parameters of ``flax.linen.MultiHeadDotProductAttention`` (``query``,
-``key``, ``value``: DenseGeneral to ``[N, H]``; ``out``: DenseGeneral over ``(N, H)``), so
-checkpoints load unchanged. It runs the ring (``shard_map``, ``ppermute`` in a scan) when a mesh
-holding ``config.axis_name`` is given or active (``jax.set_mesh``), and ``flash_attention``
-otherwise.
+``RingAttention`` *is* a ``flax.linen.MultiHeadDotProductAttention`` (a subclass): every field and
+call argument keeps Flax's meaning and the parameter tree is the stock one for every field
+combination (``normalize_qk``, ``use_bias``, ``qkv_features``, ``out_features``, ``decode`` with
+its cache, custom ``dot_general``s, ...), so checkpoints load unchanged. Only its default
+``attention_fn`` differs: pallas_ring attention, run as a ring (``shard_map``, ``ppermute`` in a
+scan) when a mesh holding ``config.axis_name`` is given or active (``jax.set_mesh``), and as
+``flash_attention`` when no mesh is present.
+
+Rows with no visible key return 0 here, where Flax's ``dot_product_attention`` (and
+``jax.nn.dot_product_attention``) return the mean of V.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional
+import contextvars
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -24,19 +29,36 @@ from pallas_ring.sharded import sharded_attention
 Array = Any
 
 
+def _mesh_axes(mesh) -> tuple:
+  return tuple(getattr(mesh, "axis_names", ()))
+
+
 def _active_mesh(mesh, config: Optional[SequenceParallelConfig]):
-  """The mesh to run the ring on, or None for single-device attention."""
+  """The mesh to run the ring on, or None for single-device attention.
+
+  With a ``config``, a mesh given here or active through ``jax.set_mesh`` must hold
+  ``config.axis_name``: inputs are then in layout order, and attending over them on one device
+  would be silently wrong. Without a config, or without any mesh, attention runs on one device.
+  """
   if config is None:
     return None
-  if mesh is not None:
-    return mesh if config.axis_name in mesh.axis_names else None
-  ctx = jax.sharding.get_abstract_mesh()
-  if ctx is not None and not ctx.empty and config.axis_name in ctx.axis_names:
-    return ctx
-  return None
+  given = mesh is not None
+  if not given:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      return None
+  if config.axis_name not in _mesh_axes(mesh):
+    where = "the `mesh` given" if given else "the active mesh (jax.set_mesh)"
+    raise ValueError(
+        f"SequenceParallelConfig.axis_name={config.axis_name!r} is not an axis of {where}, whose "
+        f"axes are {_mesh_axes(mesh)}. Name one of those axes in the config, build the mesh with "
+        f"a {config.axis_name!r} axis, or call outside any mesh (and without `mesh=`) to run "
+        "single-device attention on naturally ordered tokens.")
+  return mesh
 
 
-def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None, positions=None):
+def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
+            q_positions=None, kv_positions=None, single_device=False):
   """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh) or to flash_attention."""
   batch_shape = q.shape[:-3]
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[len(batch_shape):])
@@ -47,27 +69,84 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None, p
     if dense_mask.ndim > 4:
       dense_mask = dense_mask.reshape((-1,) + dense_mask.shape[-3:])
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
-  run_mesh = _active_mesh(mesh, config)
+  run_mesh = None if single_device else _active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
   if run_mesh is not None:
     out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,
-                            mask=mask, segment_ids=segment_ids, positions=positions,
+                            mask=mask, segment_ids=segment_ids, positions=q_positions,
                             dense_mask=dense_mask)
   else:
-    out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions,
-                          kv_positions=positions if q.shape[1] == k.shape[1] else None,
-                          dense_mask=dense_mask, block_sizes=cfg.block_sizes, backend=cfg.backend)
+    if kv_positions is None and q.shape[1] == k.shape[1]:
+      kv_positions = q_positions
+    out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=q_positions,
+                          kv_positions=kv_positions, dense_mask=dense_mask,
+                          block_sizes=cfg.block_sizes, backend=cfg.backend)
   return out.reshape(batch_shape + out.shape[1:])
+
+
+class _Tokens(NamedTuple):
+  """What a ``RingAttention`` call passes to its attention beyond Flax's keywords."""
+
+  config: Optional[SequenceParallelConfig]
+  mask: Optional[masks_lib.MaskSpec]
+  mesh: Any
+  segment_ids: Optional[Array]  # [B, T]
+  q_positions: Optional[Array]  # [T] / [B, T]
+  kv_positions: Optional[Array]  # [S] (decode: the cache slots)
+  single_device: bool  # decoding: one query token, never a ring
+
+
+_CALL = contextvars.ContextVar("pallas_ring_ring_attention_call", default=None)
+
+
+def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropout_rng,
+                    dropout_rate, deterministic, dtype, module, qk_attn_weights_einsum,
+                    attn_weights_value_einsum, einsum_dot_general, is_causal, tokens=None):
+  """The body of every adapter: checks Flax's keywords, promotes dtypes like Flax, attends."""
+  del dropout_rng
+  if dropout_rate > 0.0 and not deterministic:
+    raise NotImplementedError(
+        f"pallas_ring attention has no attention-probability dropout yet (dropout_rate="
+        f"{dropout_rate}, deterministic=False). Set dropout_rate=0.0 on the attention module "
+        "(use dropout on its output instead) or run with deterministic=True.")
+  if module is not None:
+    raise NotImplementedError(
+        "sow_weights=True needs the [T, S] attention weights, which pallas_ring never "
+        "materialises. Call the module with sow_weights=False, or use the stock "
+        "flax dot_product_attention to inspect weights.")
+  if bias is not None:
+    raise NotImplementedError(
+        "pallas_ring attention takes no additive `bias` yet; express it as a mask spec or a "
+        "dense bool mask (`mask=`), or use the stock attention_fn.")
+  if any(x is not None for x in (qk_attn_weights_einsum, attn_weights_value_einsum,
+                                 einsum_dot_general)):
+    raise NotImplementedError(
+        "pallas_ring attention runs its own kernels, so custom einsums (qk_attn_weights_einsum, "
+        "attn_weights_value_einsum, einsum_dot_general; e.g. AQT quantisation) cannot apply. "
+        "Leave them unset, or use the stock attention_fn.")
+  # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
+  dtype = dtype or jnp.result_type(query, key, value)
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  m = spec & masks_lib.Causal() if is_causal else spec
+  t = tokens or _Tokens(config, None, mesh, None, None, None, False)
+  out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
+                segment_ids=t.segment_ids, q_positions=t.q_positions,
+                kv_positions=t.kv_positions, single_device=t.single_device)
+  return out.astype(dtype)
 
 
 def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
                       mask: Optional[masks_lib.MaskSpec] = None, mesh=None) -> Callable:
   """An ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention``.
 
+  Flax's dense masks (bool, or float read as 0/1: an additive ``-inf`` mask is not a mask and
+  belongs in a bias) and ``is_causal`` are honoured; the output dtype follows Flax's promotion
+  of query, key and value. Rows with no visible key return 0 (Flax returns the mean of V).
+
   Args:
     config: sequence-parallel config; with a mesh holding ``config.axis_name`` (given here or
       active through ``jax.set_mesh``), attention runs as a ring over that axis and inputs must be
-      in ``config.layout`` order.
+      in ``config.layout`` order. A mesh without that axis raises.
     mask: a mask spec in global positions, ANDed with the dense mask the module passes.
     mesh: the mesh to run the ring on (None: the active mesh, if any).
 
@@ -79,103 +158,104 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                    precision=None, module=None, force_fp32_for_softmax=False,
-                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None, is_causal=False):
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # fp32 softmax always
-    if dropout_rate > 0.0 and not deterministic:
-      raise NotImplementedError(
-          f"pallas_ring attention has no attention-probability dropout (dropout_rate="
-          f"{dropout_rate}, deterministic=False). Set dropout_rate=0.0 on the attention module "
-          "(use dropout on its output instead) or run with deterministic=True.")
-    if module is not None:
-      raise NotImplementedError(
-          "sow_weights=True needs the [T, S] attention weights, which pallas_ring never "
-          "materialises. Call the module with sow_weights=False, or use the stock "
-          "flax dot_product_attention to inspect weights.")
-    if bias is not None or qk_attn_weights_einsum is not None or \
-        attn_weights_value_einsum is not None:
-      raise NotImplementedError(
-          "pallas_ring attention supports no additive bias or custom einsums; express the bias "
-          "as a mask spec / dense mask, or use the stock attention_fn.")
-    m = spec & masks_lib.Causal() if is_causal else spec
-    out = _attend(query, key, value, config=config, mesh=mesh, mask=m, dense_mask=mask)
-    return out if dtype is None else out.astype(dtype)
+                   einsum_dot_general=None, qk_attn_weights_einsum=None,
+                   attn_weights_value_einsum=None, is_causal=False):
+    # The softmax is always float32 (force_fp32_for_softmax holds); `precision` is the kernels'
+    # own (float32 accumulation); broadcast_dropout only matters with dropout.
+    del broadcast_dropout, precision, force_fp32_for_softmax
+    return _flax_attention(
+        spec, query, key, value, config=config, mesh=mesh, bias=bias, mask=mask,
+        dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+        dtype=dtype, module=module, qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum,
+        einsum_dot_general=einsum_dot_general, is_causal=is_causal)
 
   return attention_fn
 
 
-class RingAttention(nn.Module):
-  """Multi-head attention with ``MultiHeadDotProductAttention``'s parameters, on pallas_ring.
+def _ring_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                       dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                       precision=None, module=None, force_fp32_for_softmax=False,
+                       einsum_dot_general=None, qk_attn_weights_einsum=None,
+                       attn_weights_value_einsum=None):
+  """``RingAttention``'s default attention_fn: reads its module's call from ``_CALL``."""
+  del broadcast_dropout, precision, force_fp32_for_softmax
+  tokens = _CALL.get()
+  if tokens is None:
+    raise RuntimeError("pallas_ring.nn._ring_attention_fn is RingAttention's internal "
+                       "attention_fn; for other modules use make_attention_fn(...).")
+  return _flax_attention(
+      masks_lib.as_spec(tokens.mask, "RingAttention.mask"), query, key, value,
+      config=tokens.config, mesh=tokens.mesh, bias=bias, mask=mask, dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, module=module,
+      qk_attn_weights_einsum=qk_attn_weights_einsum,
+      attn_weights_value_einsum=attn_weights_value_einsum,
+      einsum_dot_general=einsum_dot_general, is_causal=False, tokens=tokens)
+
+
+class RingAttention(nn.MultiHeadDotProductAttention):
+  """``flax.linen.MultiHeadDotProductAttention`` on pallas_ring attention (see the module doc).
+
+  Every field of the stock module keeps its meaning (``num_heads``, ``dtype``, ``param_dtype``,
+  ``qkv_features``, ``out_features``, ``broadcast_dropout``, ``dropout_rate``, ``deterministic``,
+  ``precision``, ``kernel_init``, ``out_kernel_init``, ``bias_init``, ``out_bias_init``,
+  ``use_bias``, ``decode``, ``normalize_qk``, ``force_fp32_for_softmax``, the ``dot_general``
+  fields). What pallas_ring cannot do yet (attention-probability dropout while training,
+  ``sow_weights=True``, custom attention einsums) raises with the fix; nothing is ignored.
 
   Attributes:
-    num_heads: number of attention heads.
     config: sequence-parallel config (axis, layout, strategy, blocks, backend).
-    mask: mask spec in global positions (e.g. ``masks.Causal()``).
-    mesh: mesh for the ring; None uses the mesh active through ``jax.set_mesh`` (if it holds
-      ``config.axis_name``), else single-device ``flash_attention``.
-    dtype: computation dtype (None: inferred from inputs and params), as in Flax.
-    param_dtype: parameter dtype.
-    qkv_features: q/k/v projection width (default: the input width).
-    out_features: output width (default: the input width).
-    kernel_init, bias_init, use_bias, out_kernel_init, out_bias_init: as in Flax.
-    decode: must stay False (no KV cache; see the error's advice).
+    mask: mask spec in global positions (e.g. ``masks.Causal()``), ANDed with the call's dense
+      ``mask``.
+    mesh: mesh for the ring; None uses the mesh active through ``jax.set_mesh``. A mesh without
+      ``config.axis_name`` raises; with no mesh at all, single-device ``flash_attention`` runs.
+    attention_fn: None (pallas_ring attention) or any Flax ``attention_fn``, used as Flax does.
   """
 
-  num_heads: int
   config: Optional[SequenceParallelConfig] = None
   mask: Optional[masks_lib.MaskSpec] = None
   mesh: Any = None
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  qkv_features: Optional[int] = None
-  out_features: Optional[int] = None
-  kernel_init: Callable = nn.linear.default_kernel_init
-  out_kernel_init: Optional[Callable] = None
-  bias_init: Callable = nn.initializers.zeros_init()
-  out_bias_init: Optional[Callable] = None
-  use_bias: bool = True
-  decode: bool = False  # autoregressive decoding: not supported (raises)
+  attention_fn: Optional[Callable[..., Array]] = None
 
-  @nn.compact
-  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, segment_ids=None, positions=None,
-               mask=None):
-    """Attends ``inputs_q [..., T, D]`` to ``inputs_k`` / ``inputs_v`` (default: self-attention).
+  def __post_init__(self):
+    if self.attention_fn is None:
+      object.__setattr__(self, "attention_fn", _ring_attention_fn)
+    super().__post_init__()
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+               deterministic=None, dropout_rng=None, sow_weights=False, segment_ids=None,
+               positions=None):
+    """Flax's call (``inputs_q [..., T, D]``, ``inputs_k``/``inputs_v`` default to it), plus:
 
     Args:
-      segment_ids: ``[B, T]`` document ids (layout order under a ring).
+      segment_ids: ``[B, T]`` document ids (layout order under a ring); self-attention only.
       positions: ``[T]`` / ``[B, T]`` global positions the mask compares (default: arange, or
-        the layout's positions under a ring).
-      mask: optional dense mask broadcastable to ``[B, N, T, S]`` (Flax convention, True/1 =
-        attend), ANDed with ``self.mask``.
+        the layout's positions under a ring). When decoding, the query's position is the cache
+        index and the keys' are the cache slots.
     """
-    if self.decode:
-      raise NotImplementedError(
-          "RingAttention(decode=True): pallas_ring has no KV cache; it targets training and "
-          "prefill of long sequences. Decode with flax.linen.MultiHeadDotProductAttention("
-          "decode=True) on the same parameters (they load unchanged).")
-    if inputs_k is None:
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
-    features = self.out_features or inputs_q.shape[-1]
-    qkv_features = self.qkv_features or inputs_q.shape[-1]
-    if qkv_features % self.num_heads:
-      raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads="
-                       f"{self.num_heads}.")
-    head_dim = qkv_features // self.num_heads
-    dense = functools.partial(
-        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
-        features=(self.num_heads, head_dim), kernel_init=self.kernel_init,
-        bias_init=self.bias_init, use_bias=self.use_bias)
-    query = dense(name="query")(inputs_q)  # [B, T, N, H]
-    key = dense(name="key")(inputs_k)  # [B, S, N, H]
-    value = dense(name="value")(inputs_v)  # [B, S, N, H]
-    x = _attend(query, key, value, config=self.config, mesh=self.mesh,
-                mask=masks_lib.as_spec(self.mask), dense_mask=mask, segment_ids=segment_ids,
-                positions=positions)
-    return nn.DenseGeneral(
-        features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
-        bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
-        dtype=self.dtype, param_dtype=self.param_dtype, name="out")(x)
+    if self.attention_fn is not _ring_attention_fn and (segment_ids is not None or
+                                                        positions is not None):
+      raise ValueError("RingAttention(attention_fn=...) with a custom attention_fn cannot take "
+                       "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
+                       "attention_fn=None for pallas_ring attention.")
+    q_pos, kv_pos = positions, None
+    decoding = self.decode and self.has_variable("cache", "cache_index")
+    if decoding:
+      if positions is not None or segment_ids is not None:
+        raise ValueError("RingAttention(decode=True) derives positions from its cache; do not "
+                         "pass `positions` or `segment_ids` while decoding.")
+      max_len = self.get_variable("cache", "cached_key").shape[-3]
+      q_pos = self.get_variable("cache", "cache_index")[None]
+      kv_pos = jnp.arange(max_len, dtype=jnp.int32)
+    tokens = _Tokens(self.config, self.mask, self.mesh, segment_ids, q_pos, kv_pos,
+                     single_device=bool(self.decode))
+    reset = _CALL.set(tokens)
+    try:
+      return super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
+                              deterministic=deterministic, dropout_rng=dropout_rng,
+                              sow_weights=sow_weights)
+    finally:
+      _CALL.reset(reset)
 
 
 __all__ = ["RingAttention", "make_attention_fn"]

@@ -107,12 +107,106 @@ def test_unsupported_features_raise_with_the_fix():
   params = m.init(jax.random.key(0), x)
   with pytest.raises(NotImplementedError, match="sow_weights=False"):
     m.apply(params, x, sow_weights=True, mutable=["intermediates"])
-  with pytest.raises(NotImplementedError, match="decode=True"):
-    RingAttention(num_heads=N, decode=True).init(jax.random.key(0), x)
+  with pytest.raises(NotImplementedError, match="dropout_rate=0.0"):
+    RingAttention(num_heads=N, dropout_rate=0.1).init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, deterministic=False)
+  with pytest.raises(NotImplementedError, match="sow_weights=False"):
+    RingAttention(num_heads=N).init(jax.random.key(0), x, sow_weights=True)
+  with pytest.raises(NotImplementedError, match="custom einsums"):
+    RingAttention(num_heads=N, qk_attn_weights_einsum_cls=lambda: jnp.einsum).init(
+        jax.random.key(0), x)
   # dropout in eval mode is fine
   m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=True,
                                       attention_fn=make_attention_fn())
   m.init(jax.random.key(0), x)
+
+
+FIELD_COMBOS = [
+    dict(),
+    dict(normalize_qk=True),
+    dict(use_bias=False, qkv_features=64, out_features=8),
+    dict(normalize_qk=True, dtype=jnp.bfloat16, param_dtype=jnp.float32),
+    dict(precision=jax.lax.Precision.HIGHEST, force_fp32_for_softmax=True,
+         out_kernel_init=nn.initializers.ones, bias_init=nn.initializers.normal(0.1)),
+    dict(dropout_rate=0.3, deterministic=True),
+]
+
+
+@pytest.mark.parametrize("fields", FIELD_COMBOS, ids=lambda f: ",".join(f) or "defaults")
+def test_ring_attention_is_a_drop_in_for_every_field(fields):
+  """Same parameter tree (names, shapes, dtypes, initial values) and the same outputs as the stock
+  module, for each field combination; the stock checkpoint loads unchanged."""
+  x = _x(6)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, **fields)
+  ours = RingAttention(num_heads=N, mask=masks.Causal(), **fields)
+  p_stock, p_ours = stock.init(jax.random.key(0), x), ours.init(jax.random.key(0), x)
+  assert jax.tree.structure(p_stock) == jax.tree.structure(p_ours)
+  for a, b in zip(jax.tree.leaves(p_stock), jax.tree.leaves(p_ours)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+  mask = nn.make_causal_mask(jnp.ones((B, T)))
+  ref = stock.apply(p_stock, x, mask=mask)
+  out = ours.apply(p_stock, x)
+  assert out.dtype == ref.dtype and out.shape == ref.shape
+  tol = 2e-2 if fields.get("dtype") == jnp.bfloat16 else 1e-5
+  assert rel_err(out, ref) < tol
+
+
+def test_ring_attention_inputs_kv_and_cross_attention():
+  xq, xkv = _x(7), _x(8, t=24)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N)
+  ours = RingAttention(num_heads=N)
+  params = stock.init(jax.random.key(0), xq, xkv)
+  assert rel_err(ours.apply(params, xq, xkv), stock.apply(params, xq, xkv)) < 1e-5
+  with pytest.warns(DeprecationWarning):
+    out = ours.apply(params, xq, inputs_kv=xkv)
+  assert rel_err(out, stock.apply(params, xq, xkv)) < 1e-5
+
+
+def test_ring_attention_decode_matches_stock():
+  """decode=True keeps Flax's cache; each step attends its one query (at the cache index) to the
+  cached keys, with the module's mask spec on those positions."""
+  x = _x(9, t=8)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  ours = RingAttention(num_heads=N, decode=True, mask=masks.Causal())
+  params = stock.init(jax.random.key(0), x)["params"]
+  cache_s = stock.init(jax.random.key(0), x)["cache"]
+  cache_o = ours.init(jax.random.key(0), x)["cache"]
+  assert jax.tree.map(jnp.shape, cache_s) == jax.tree.map(jnp.shape, cache_o)
+  for t in range(8):
+    ref, vs = stock.apply({"params": params, "cache": cache_s}, x[:, t:t + 1], mutable=["cache"])
+    out, vo = ours.apply({"params": params, "cache": cache_o}, x[:, t:t + 1], mutable=["cache"])
+    cache_s, cache_o = vs["cache"], vo["cache"]
+    assert rel_err(out, ref) < 1e-5, t
+
+
+def test_ring_attention_under_a_mesh_without_its_axis_raises():
+  x = _x(10)
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
+  ours = RingAttention(num_heads=N, mask=masks.Causal(), config=cfg)
+  params = ours.init(jax.random.key(0), x)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"axis_name='sp' is not an axis of the active mesh.*"
+                                         r"\('data',\)"):
+      ours.apply(params, x)
+  with pytest.raises(ValueError, match=r"not an axis of the `mesh` given"):
+    RingAttention(num_heads=N, config=cfg, mesh=mesh).apply(params, x)
+  with pytest.raises(ValueError, match=r"not an axis of the active mesh"):
+    with jax.set_mesh(mesh):
+      nn.MultiHeadDotProductAttention(num_heads=N, attention_fn=make_attention_fn(cfg)).apply(
+          params, x)
+
+
+def test_attention_fn_output_dtype_follows_flax_promotion():
+  rng = np.random.default_rng(11)
+  q = jnp.asarray(rng.standard_normal((B, T, N, 8)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((B, T, N, 8)), jnp.float32)
+  ours = make_attention_fn()(q, k, k)
+  ref = nn.dot_product_attention(q, k, k)
+  assert ours.dtype == ref.dtype == jnp.float32
+  assert rel_err(ours, ref) < 1e-5
+  assert make_attention_fn()(q, k, k, dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def _mesh():
