@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,42 @@ def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = F
                                 q_len=cfg.q_len, kv_len=cfg.kv_len, dense_mask=ops.dense)
 
 
+_AUTODIFF_HELP = (
+    "pallas_ring attention is differentiable once, in reverse mode: jax.grad, jax.vjp, "
+    "jax.value_and_grad and jax.jacrev (under jit, vmap and checkpoint). {what} is not "
+    "implemented: the kernels have a custom VJP and no JVP or second derivative. For "
+    "higher-order derivatives at small sizes use the dense pallas_ring.reference.attention.")
+
+
+@contextlib.contextmanager
+def forward_mode_errors():
+  """Turns JAX's generic custom_vjp forward-mode error into one that says what is supported."""
+  try:
+    yield
+  except TypeError as e:
+    if "forward-mode" not in str(e):
+      raise
+    raise NotImplementedError(_AUTODIFF_HELP.format(
+        what="Forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd, jax.hessian)")) from e
+
+
+def first_order_only(backward: Callable) -> Callable:
+  """Wraps a backward pass so that differentiating it again (grad of grad, hessian) raises clearly.
+
+  Args:
+    backward: the backward computation, a function of arrays (static arguments closed over).
+  """
+  once = jax.custom_jvp(backward)
+
+  @once.defjvp
+  def _second_order(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_AUTODIFF_HELP.format(
+        what="A second derivative (grad of grad, jax.hessian)"))
+
+  return once
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _flash(q, k, v, sinks, ops, cfg, backend):
   return _flash_fwd(q, k, v, sinks, ops, cfg, backend)[0]
@@ -89,9 +126,12 @@ def _flash_bwd(cfg, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
   do, dlse = cts
   delta = row_delta(o, do, dlse)  # [B, N, Tp]
-  plan = make_plan(ops, cfg, backward=True)
-  dq, dk, dv = kernels.get(backend).backward(q, k, v, do.astype(q.dtype), lse, delta, ops, plan,
-                                             cfg)
+
+  def backward(q, k, v, do, lse, delta, ops):
+    plan = make_plan(ops, cfg, backward=True)
+    return kernels.get(backend).backward(q, k, v, do, lse, delta, ops, plan, cfg)
+
+  dq, dk, dv = first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
   dsinks = None if sinks is None else sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   no_grad_ops = jax.tree.map(lambda _: None, ops)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, no_grad_ops)
@@ -176,8 +216,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
   ops = common.Operands(q_info, kv_info, dense)
 
-  out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
-                        sinks, ops, cfg, backend)
+  with forward_mode_errors():
+    out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
+                          sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]
   if return_lse:
     return out, lse[:, :, :t]

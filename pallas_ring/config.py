@@ -81,7 +81,7 @@ class SequenceParallelConfig:
   axis_name: str = "sp"  # mesh axis the sequence is sharded over (the ring)
   layout: str = "contiguous"  # token order: contiguous | zigzag | striped (see layouts)
   strategy: str = "ring"  # ring: rotate K/V with ppermute; all_gather: gather K/V once
-  batch_axes: tuple[str, ...] = ()  # mesh axes the batch dimension is sharded over
+  batch_axes: Optional[tuple[str, ...]] = ()  # mesh axes the batch is sharded over (None: none)
   head_axis: Optional[str] = None  # mesh axis the head dimension is sharded over (tensor par.)
   block_sizes: Optional[BlockSizes] = None  # kernel tiles; None = backend heuristic
   backend: str = "auto"  # auto | pallas_tpu | pallas_triton | xla
@@ -98,18 +98,28 @@ class SequenceParallelConfig:
       raise ValueError(f"{name}.strategy={self.strategy!r} is invalid: use one of {STRATEGIES}.")
     if self.backend not in BACKENDS:
       raise ValueError(f"{name}.backend={self.backend!r} is invalid: use one of {BACKENDS}.")
-    batch_axes = self.batch_axes
+    batch_axes = () if self.batch_axes is None else self.batch_axes
     if isinstance(batch_axes, str):
       batch_axes = (batch_axes,)
-    if not all(isinstance(a, str) for a in batch_axes):
+    if not isinstance(batch_axes, (tuple, list)) or not all(isinstance(a, str) for a in batch_axes):
       raise ValueError(f"{name}.batch_axes={self.batch_axes!r} is invalid: it must be a tuple of "
-                       "mesh axis names, e.g. ('dp',).")
+                       "mesh axis names, e.g. ('dp',), or None / () for no batch axes.")
     object.__setattr__(self, "batch_axes", tuple(batch_axes))
-    if self.axis_name in self.batch_axes or self.axis_name == self.head_axis:
-      raise ValueError(f"{name}.axis_name={self.axis_name!r} is also used as a batch or head axis;"
-                       " each mesh axis may shard only one dimension.")
     if self.head_axis is not None and not isinstance(self.head_axis, str):
       raise ValueError(f"{name}.head_axis={self.head_axis!r} must be a mesh axis name or None.")
+    dup = sorted({a for a in self.batch_axes if self.batch_axes.count(a) > 1})
+    if dup:
+      raise ValueError(f"{name}.batch_axes={self.batch_axes!r} names {dup[0]!r} more than once; "
+                       "each mesh axis may appear once. Remove the duplicate.")
+    for field, axis in (("head_axis", self.head_axis), ("axis_name", self.axis_name)):
+      if axis is not None and axis in self.batch_axes:
+        raise ValueError(
+            f"{name}.{field}={axis!r} is also in batch_axes={self.batch_axes!r}; each mesh axis "
+            f"may shard only one dimension. Use different mesh axes for the batch and the "
+            f"{'heads' if field == 'head_axis' else 'sequence'}.")
+    if self.axis_name == self.head_axis:
+      raise ValueError(f"{name}.axis_name={self.axis_name!r} is also the head_axis; each mesh axis "
+                       "may shard only one dimension. Use a different mesh axis for the heads.")
     if isinstance(self.block_sizes, Mapping):
       object.__setattr__(self, "block_sizes", BlockSizes.from_dict(self.block_sizes))
     if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):

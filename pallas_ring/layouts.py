@@ -68,6 +68,9 @@ def positions(seq_len: int, layout: str, ring_size: int, rank=None):
   if rank is None:
     return jnp.asarray(global_order(seq_len, layout, ring_size))
   check_length(seq_len, layout, ring_size)
+  if isinstance(rank, (int, np.integer)) and not 0 <= rank < ring_size:
+    raise ValueError(f"`rank`={rank} is not a rank of a ring of {ring_size}: it must be in "
+                     f"[0, {ring_size - 1}] (or None for every rank's positions in layout order).")
   r, n = ring_size, seq_len // ring_size
   i = jnp.arange(n, dtype=jnp.int32)
   rank = jnp.asarray(rank, jnp.int32)

@@ -61,6 +61,10 @@ class MaskSpec:
 
 
 def _check_spec(value, what: str) -> MaskSpec:
+  if isinstance(value, type) and issubclass(value, MaskSpec):
+    raise TypeError(f"{what} is the class masks.{value.__name__}, not a mask: instantiate it, "
+                    f"e.g. `masks.{value.__name__}()`"
+                    f"{'' if value in (Full, Causal) else ' with its arguments'}.")
   if not isinstance(value, MaskSpec):
     got = (f"an array of shape {tuple(value.shape)}" if hasattr(value, "shape")
            else f"{type(value).__name__}: {value!r}")
@@ -232,7 +236,17 @@ class Custom(MaskSpec):
       raise TypeError(f"Custom.block_fn must be callable or None, got {self.block_fn!r}.")
 
   def visible(self, q, k):
-    return jnp.asarray(self.fn(q, k), dtype=bool)
+    try:
+      return jnp.asarray(self.fn(q, k), dtype=bool)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+            ValueError) as e:
+      if isinstance(e, ValueError) and "truth value" not in str(e):
+        raise
+      raise TypeError(
+          f"masks.Custom.fn={self.fn!r} is not traceable: it is called on traced int32 position "
+          "arrays (inside jit and the kernels), so it must use jax.numpy operations elementwise, "
+          "not numpy, Python `if`/`and`/`or`, or int(). E.g. `lambda q, k: (k <= q) & "
+          "(q - k < 128)`.") from e
 
   def block_test(self, qb, kb):
     shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))

@@ -250,8 +250,8 @@ def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, dense, o, lse = res
   do, dlse = cts
   delta = attention.row_delta(o, do, dlse)
-  dq, dk, dv = _ring_backward(st, q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info,
-                              dense)
+  dq, dk, dv = attention.first_order_only(functools.partial(_ring_backward, st))(
+      q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, dense)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
@@ -297,7 +297,13 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   layouts.check_layout(layout)
   if strategy not in STRATEGIES:
     raise ValueError(f"`strategy`={strategy!r} is not known; use one of {STRATEGIES}.")
-  r = lax.axis_size(axis_name)
+  try:
+    r = lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"ring_attention(axis_name={axis_name!r}) must run where that mesh axis is bound: inside "
+        f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
+        "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that.") from e
   validation.check_qkv(q, k, v)
   b, t, n, h = q.shape
   if k.shape[1] != t:
@@ -353,8 +359,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     d = d.reshape(*d.shape[:3], -1)
     dense = jnp.pad(d, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else d
   pad = attention.pad_tokens
-  out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
-                   kv_info, dense, st)
+  with attention.forward_mode_errors():
+    out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
+                     kv_info, dense, st)
   out = out[:, :t, :, :h]
   return (out, lse[:, :, :t]) if return_lse else out
 

@@ -71,7 +71,16 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                        "`with jax.set_mesh(mesh):`.")
   _check_axes(mesh, config)
   r = mesh.shape[config.axis_name]
+  validation.check_qkv(q, k, v)
   b, t, n, _ = q.shape
+  if k.shape[1] != t:
+    raise ValueError(f"sharded_attention is self-attention over one sharded sequence: q has "
+                     f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
+                     f"{tuple(k.shape)}). Use flash_attention for cross-attention.")
+  validation.check_token_array("segment_ids", segment_ids, b, t)
+  validation.check_token_array("positions", positions, b, t, allow_1d=True)
+  if sinks is not None:
+    validation.check_sinks(sinks, n)
   layouts.check_length(t, config.layout, r, argname="q.shape[1] (sequence length)")
   batch = config.batch_axes or None
   if batch is not None and len(batch) == 1:

@@ -35,7 +35,7 @@ def test_unknown_key_suggests_closest():
     (dict(backend="cuda"), r"backend='cuda'.*pallas_triton"),
     (dict(scan_unroll=0), r"scan_unroll=0.*>= 1"),
     (dict(axis_name=""), r"axis_name=''"),
-    (dict(axis_name="sp", batch_axes=("sp",)), r"axis_name='sp' is also used"),
+    (dict(axis_name="sp", batch_axes=("sp",)), r"axis_name='sp' is also in batch_axes"),
 ])
 def test_invalid_values(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -126,3 +126,92 @@ def test_sharded_attention_without_mesh():
   q = jnp.zeros((1, 16, 2, 16))
   with pytest.raises(ValueError, match=r"no mesh is active.*jax.set_mesh"):
     sharded_attention(q, q, q, config=SequenceParallelConfig())
+
+
+# ---------------------------------------------------------------- issue 11, items 7 to 12 --
+
+def test_batch_axes_none_means_no_batch_axes(tmp_path):
+  assert SequenceParallelConfig(batch_axes=None).batch_axes == ()
+  path = tmp_path / "c.yaml"
+  path.write_text("axis_name: sp\nbatch_axes: null\n")
+  assert SequenceParallelConfig.from_yaml(path).batch_axes == ()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(batch_axes=("dp", "dp")), r"batch_axes=\('dp', 'dp'\) names 'dp' more than once"),
+    (dict(batch_axes=("dp",), head_axis="dp"), r"head_axis='dp' is also in batch_axes"),
+    (dict(axis_name="sp", batch_axes=("sp",)), r"axis_name='sp' is also in batch_axes"),
+    (dict(axis_name="sp", head_axis="sp"), r"axis_name='sp' is also the head_axis"),
+])
+def test_config_rejects_axes_used_twice(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SequenceParallelConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(q=jnp.zeros((16, 2, 16))), r"`q` must have rank 4.*\(16, 2, 16\)"),
+    (dict(segment_ids=jnp.zeros((1, 12), jnp.int32)),
+     r"`segment_ids` has shape \(1, 12\); expected \[1, 16\]"),
+    (dict(positions=jnp.arange(12)), r"`positions` has shape \(12,\); expected \[1, 16\] or \[16\]"),
+    (dict(k=jnp.zeros((1, 8, 2, 16)), v=jnp.zeros((1, 8, 2, 16))),
+     r"q has T=16 tokens \(shape \(1, 16, 2, 16\)\) but k/v have 8"),
+    (dict(sinks=jnp.zeros(3)), r"`sinks` has shape \(3,\); expected \[N\] = \(2,\)"),
+])
+def test_sharded_attention_validates_global_arguments(kw, match):
+  q = jnp.zeros((1, 16, 2, 16))
+  args = dict(q=q, k=q, v=q)
+  args.update({n: kw.pop(n) for n in ("q", "k", "v") if n in kw})
+  with pytest.raises(ValueError, match=match):
+    sharded_attention(args["q"], args["k"], args["v"], mesh=_mesh(),
+                      config=SequenceParallelConfig(axis_name="sp", backend="xla"), **kw)
+
+
+def test_block_sizes_as_a_mapping():
+  out = fa(block_sizes={"block_q": 8, "block_kv": 8})
+  assert out.shape == Q.shape
+  with pytest.raises(ValueError, match=r"unknown key 'blockq'.*Did you mean 'block_q'"):
+    fa(block_sizes={"blockq": 8})
+  with pytest.raises(TypeError, match=r"`block_sizes` must be a pallas_ring.BlockSizes.*got int"):
+    fa(block_sizes=128)
+
+
+def test_clear_messages():
+  with pytest.raises(TypeError, match=r"`q` has dtype int32.*`q.astype\(jnp.bfloat16\)`"):
+    fa(q=Q.astype(jnp.int32))
+  with pytest.raises(TypeError, match=r"class masks.Causal, not a mask.*`masks.Causal\(\)`"):
+    fa(mask=masks.Causal)
+  with pytest.raises(TypeError, match=r"class masks.SlidingWindow.*with its arguments"):
+    fa(mask=masks.SlidingWindow)
+  with pytest.raises(ValueError, match=r"inside `jax.shard_map.*sharded_attention"):
+    ring_attention(Q, K, K, axis_name="sp")
+  with pytest.raises(TypeError, match=r"Custom.fn=.* is not traceable"):
+    fa(mask=masks.Custom(lambda q, k: np.asarray(q) >= 0))
+  with pytest.raises(TypeError, match=r"Custom.fn=.* is not traceable"):
+    fa(mask=masks.Custom(lambda q, k: q if q > k else k))
+  with pytest.raises(ValueError, match=r"`rank`=4 is not a rank of a ring of 4.*\[0, 3\]"):
+    layouts.positions(16, "zigzag", 4, rank=4)
+
+
+def _loss(x):
+  return jnp.sum(flash_attention(x, x, x, backend="xla"))
+
+
+@pytest.mark.parametrize("transform", [
+    lambda: jax.jvp(lambda x: fa(q=x), (Q,), (Q,)),
+    lambda: jax.jacfwd(lambda x: fa(q=x))(Q),
+    lambda: jax.grad(lambda x: jnp.sum(jax.grad(_loss)(x)))(Q),
+    lambda: jax.hessian(_loss)(Q[:, :4, :1, :4]),
+], ids=["jvp", "jacfwd", "grad_of_grad", "hessian"])
+def test_unsupported_autodiff_raises_with_what_is_supported(transform):
+  with pytest.raises(NotImplementedError, match=r"differentiable once, in reverse mode: jax.grad"):
+    transform()
+
+
+def test_unsupported_autodiff_in_the_ring():
+  q = jnp.zeros((1, 16, 2, 16))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  f = lambda x: jnp.sum(sharded_attention(x, x, x, mesh=_mesh(), config=cfg))
+  with pytest.raises(NotImplementedError, match=r"second derivative"):
+    jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))(q)
+  # (Forward mode through shard_map fails at lowering, outside pallas_ring's reach, with JAX's
+  # generic "can't apply forward-mode autodiff (jvp) to a custom_vjp function".)

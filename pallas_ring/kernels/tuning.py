@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Mapping
 
 import jax
 
@@ -67,10 +68,23 @@ def check_block_sizes(backend: str, bs: BlockSizes) -> None:
             f"rule). Use {_round_up(val, unit)}, or None for the default.")
 
 
-def resolve(backend: str, block_sizes: BlockSizes | None, q_len: int, kv_len: int,
+def as_block_sizes(block_sizes: Any) -> BlockSizes:
+  """``block_sizes`` as given by a user: None, a BlockSizes, or a mapping of its fields."""
+  if block_sizes is None:
+    return BlockSizes()
+  if isinstance(block_sizes, Mapping):
+    return BlockSizes.from_dict(block_sizes)
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"`block_sizes` must be a pallas_ring.BlockSizes, a mapping of its fields "
+                    f"(e.g. {{'block_q': 128}}) or None, got {type(block_sizes).__name__}: "
+                    f"{block_sizes!r}.")
+  return block_sizes
+
+
+def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, kv_len: int,
             head_dim: int) -> Tiles:
   """Tile sizes for a call: user overrides, else heuristics, clamped to the sequence lengths."""
-  bs = block_sizes or BlockSizes()
+  bs = as_block_sizes(block_sizes)
   check_block_sizes(backend, bs)
   kind = jax.devices()[0].device_kind if jax.devices() else ""
   d = _defaults(backend, head_dim, kind)
