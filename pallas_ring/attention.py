@@ -165,7 +165,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     kv_segment_ids: ``[B, S]``; defaults to ``segment_ids`` when ``T == S``.
     q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) int positions the mask compares;
       default ``arange``.
-    dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest.
+    dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest. A
+      float mask is read as 0/1 (nonzero = attend): an additive ``-inf`` mask is not a dense
+      mask (it is a bias).
     sinks: ``[N]`` per-head sink logits, counted once in each row's denominator.
     softcap: logit soft-cap ``cap * tanh(s / cap)``.
     scale: logit scale, default ``H ** -0.5``.
@@ -175,7 +177,13 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
 
   Returns:
-    ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. Rows with no visible
+    key return 0 with zero gradients (Flax and ``jax.nn.dot_product_attention`` return the mean
+    of V there). The lse is differentiable (e.g. for a z-loss). float64 inputs (x64) are
+    computed in float64 by ``backend="xla"``; the Pallas backends refuse them.
+
+  Differentiable once in reverse mode (``jax.grad``, ``jax.vjp``); forward mode and second
+  derivatives raise ``NotImplementedError``.
   """
   mask = masks_lib.as_spec(mask)
   validation.check_qkv(q, k, v)
