@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench compile clean
+.PHONY: demo test quick bench compile wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m pallas_ring demo
 
+# The full suite, as CI runs it (about 25 minutes on 2 cores; --durations lists the slowest).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
+
+# The edit-test loop: everything not marked slow (a few minutes on 2 cores).
+quick: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m pallas_ring bench
@@ -24,5 +29,9 @@ bench: $(STAMP)
 compile: $(STAMP)
 	$(PY) -m pallas_ring compile --topology v5e:2x4
 
+# A wheel to upload to Colab (the notebooks' first cell installs it): dist/pallas_ring-*.whl
+wheel: $(STAMP)
+	$(PY) -m pip wheel --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) dist

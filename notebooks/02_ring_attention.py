@@ -15,14 +15,60 @@
 # K/V rotate around the ring with `lax.ppermute` inside `lax.scan`; masks compare global
 # positions, so contiguous, zigzag and striped layouts are one code path.
 
+# %% [markdown]
+# **Install.** On a fresh runtime (Colab) this cell installs pallas_ring, with the extra that
+# fits the runtime (`[tpu]` on a TPU, `[cuda12]` on a GPU). It does nothing when `pallas_ring`
+# already imports. Set `PALLAS_RING_SOURCE` to where pallas_ring comes from: a pip spec such as
+# `git+https://github.com/<owner>/pallas_ring.git`, or the path of a wheel you uploaded (`make
+# wheel` builds `dist/pallas_ring-*.whl`; drop it into Colab's Files pane). Left empty, the cell
+# installs an uploaded wheel it finds in the working directory or `/content`.
+
 # %%
+import glob
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
-if "google.colab" in sys.modules:
-  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                         os.environ.get("PALLAS_RING_SPEC", "pallas-ring[tpu]")])
+PALLAS_RING_SOURCE = os.environ.get("PALLAS_RING_SOURCE", "")  # <- edit: pip spec or .whl path
+
+
+def detect_runtime():
+  """'tpu', 'gpu' or 'cpu' for this machine, without importing JAX."""
+  if glob.glob("/dev/accel*") or os.environ.get("COLAB_TPU_ADDR") or \
+      os.environ.get("TPU_ACCELERATOR_TYPE", "").startswith("v"):
+    return "tpu"
+  return "gpu" if shutil.which("nvidia-smi") else "cpu"
+
+
+def install_command(source, runtime, wheels):
+  """The pip command that installs pallas_ring from `source` (or the newest of `wheels`)."""
+  extra = {"tpu": "[tpu]", "gpu": "[cuda12]"}.get(runtime, "")
+  source = source or (sorted(wheels)[-1] if wheels else "")
+  if not source:
+    raise RuntimeError(
+        "pallas_ring is not installed and PALLAS_RING_SOURCE is empty. Set it in this cell to a "
+        "pip spec (git+https://github.com/<owner>/pallas_ring.git) or upload a wheel built with "
+        "`make wheel` (dist/pallas_ring-*.whl) to the working directory, then run the cell again.")
+  if source.startswith(("git+", "http://", "https://")) and not source.endswith(".whl"):
+    requirement = f"pallas-ring{extra} @ {source}"
+  else:
+    requirement = source + extra
+  return [sys.executable, "-m", "pip", "install", "-q", requirement]
+
+
+if importlib.util.find_spec("pallas_ring") is None:
+  cmd = install_command(PALLAS_RING_SOURCE, detect_runtime(),
+                        glob.glob("pallas_ring-*.whl") + glob.glob("/content/pallas_ring-*.whl"))
+  print("installing:", " ".join(cmd[4:]))
+  if subprocess.run(cmd).returncode != 0:
+    raise RuntimeError("pip could not install pallas_ring from that source: check "
+                       "PALLAS_RING_SOURCE (a reachable pip spec or an uploaded wheel's path).")
+else:
+  print("pallas_ring is installed:", importlib.util.find_spec("pallas_ring").origin)
+
+# %%
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \
       " --xla_force_host_platform_device_count=8"  # used only when there is no accelerator
@@ -38,6 +84,7 @@ from pallas_ring import block_sparse, layouts, masks, reference
 
 R = jax.device_count()
 ON_TPU = jax.default_backend() == "tpu"
+# Sizes: real ones on a TPU; smoke sizes elsewhere (CI runs every notebook on a CPU this way).
 T = 8192 * R if ON_TPU else 32 * R
 B, N, K, H = 1, 8, 2, 128 if ON_TPU else 32
 mesh = jax.make_mesh((R,), ("sp",), axis_types=(AxisType.Auto,))
@@ -47,9 +94,11 @@ print(f"{R} devices: {jax.devices()[0].device_kind}; T={T}")
 # ## Layouts: which global positions each rank holds
 
 # %%
+# Positions of a 16 * R token sequence; each rank's shard printed in full (zigzag: two chunks).
 for layout in layouts.LAYOUTS:
-  print(f"{layout:10s}", [list(np.asarray(layouts.positions(16 * R, layout, R, r))[:4])
-                          for r in range(min(R, 4))], "...")
+  print(layout)
+  for r in range(min(R, 4)):
+    print(f"  rank {r}:", np.asarray(layouts.positions(16 * R, layout, R, r)).tolist())
 
 # %% [markdown]
 # ## The ring against the dense reference

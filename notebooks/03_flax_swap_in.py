@@ -15,14 +15,58 @@
 # one argument, `attention_fn=make_attention_fn(...)`, moves it onto pallas_ring. Both train from
 # the same initialisation; their losses coincide.
 
+# %% [markdown]
+# **Install.** On a fresh runtime (Colab) this cell installs pallas_ring, with the extra that
+# fits the runtime (`[tpu]` on a TPU, `[cuda12]` on a GPU). It does nothing when `pallas_ring`
+# already imports. Set `PALLAS_RING_SOURCE` to where pallas_ring comes from: a pip spec such as
+# `git+https://github.com/<owner>/pallas_ring.git`, or the path of a wheel you uploaded (`make
+# wheel` builds `dist/pallas_ring-*.whl`; drop it into Colab's Files pane). Left empty, the cell
+# installs an uploaded wheel it finds in the working directory or `/content`.
+
 # %%
+import glob
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
-if "google.colab" in sys.modules:
-  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                         os.environ.get("PALLAS_RING_SPEC", "pallas-ring[tpu]")])
+PALLAS_RING_SOURCE = os.environ.get("PALLAS_RING_SOURCE", "")  # <- edit: pip spec or .whl path
+
+
+def detect_runtime():
+  """'tpu', 'gpu' or 'cpu' for this machine, without importing JAX."""
+  if glob.glob("/dev/accel*") or os.environ.get("COLAB_TPU_ADDR") or \
+      os.environ.get("TPU_ACCELERATOR_TYPE", "").startswith("v"):
+    return "tpu"
+  return "gpu" if shutil.which("nvidia-smi") else "cpu"
+
+
+def install_command(source, runtime, wheels):
+  """The pip command that installs pallas_ring from `source` (or the newest of `wheels`)."""
+  extra = {"tpu": "[tpu]", "gpu": "[cuda12]"}.get(runtime, "")
+  source = source or (sorted(wheels)[-1] if wheels else "")
+  if not source:
+    raise RuntimeError(
+        "pallas_ring is not installed and PALLAS_RING_SOURCE is empty. Set it in this cell to a "
+        "pip spec (git+https://github.com/<owner>/pallas_ring.git) or upload a wheel built with "
+        "`make wheel` (dist/pallas_ring-*.whl) to the working directory, then run the cell again.")
+  if source.startswith(("git+", "http://", "https://")) and not source.endswith(".whl"):
+    requirement = f"pallas-ring{extra} @ {source}"
+  else:
+    requirement = source + extra
+  return [sys.executable, "-m", "pip", "install", "-q", requirement]
+
+
+if importlib.util.find_spec("pallas_ring") is None:
+  cmd = install_command(PALLAS_RING_SOURCE, detect_runtime(),
+                        glob.glob("pallas_ring-*.whl") + glob.glob("/content/pallas_ring-*.whl"))
+  print("installing:", " ".join(cmd[4:]))
+  if subprocess.run(cmd).returncode != 0:
+    raise RuntimeError("pip could not install pallas_ring from that source: check "
+                       "PALLAS_RING_SOURCE (a reachable pip spec or an uploaded wheel's path).")
+else:
+  print("pallas_ring is installed:", importlib.util.find_spec("pallas_ring").origin)
 
 # %%
 import jax

@@ -1,21 +1,44 @@
-"""pallas_ring: block-sparse flash attention and ring attention for JAX, Pallas-first."""
+"""pallas_ring: block-sparse flash attention and ring attention for JAX, Pallas-first.
 
-from pallas_ring import layouts, masks
-from pallas_ring.attention import flash_attention
-from pallas_ring.block_sparse import TokenInfo
-from pallas_ring.config import BlockSizes, SequenceParallelConfig
-from pallas_ring.ring import ring_attention
-from pallas_ring.sharded import sharded_attention
+The public names load lazily, so ``python -m pallas_ring --help`` answers before JAX is imported.
+"""
+
+import importlib
+
+from pallas_ring import _quiet
+
+_quiet.quiet_libtpu()
 
 __version__ = "0.1.0"
 
+# public name -> (module, attribute or None for the module itself)
+_PUBLIC = {
+    "flash_attention": ("pallas_ring.attention", "flash_attention"),
+    "ring_attention": ("pallas_ring.ring", "ring_attention"),
+    "sharded_attention": ("pallas_ring.sharded", "sharded_attention"),
+    "BlockSizes": ("pallas_ring.config", "BlockSizes"),
+    "SequenceParallelConfig": ("pallas_ring.config", "SequenceParallelConfig"),
+    "TokenInfo": ("pallas_ring.block_sparse", "TokenInfo"),
+    "masks": ("pallas_ring.masks", None),
+    "layouts": ("pallas_ring.layouts", None),
+    "reference": ("pallas_ring.reference", None),
+    "nn": ("pallas_ring.nn", None),  # imports Flax
+}
+
 
 def __getattr__(name):
-  # `pallas_ring.nn` imports Flax: load it on first use, not with the package.
-  if name == "nn":
-    import importlib
-    return importlib.import_module("pallas_ring.nn")
-  raise AttributeError(f"module 'pallas_ring' has no attribute {name!r}")
+  if name not in _PUBLIC:
+    raise AttributeError(f"module 'pallas_ring' has no attribute {name!r}")
+  module, attr = _PUBLIC[name]
+  value = importlib.import_module(module)
+  if attr is not None:
+    value = getattr(value, attr)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_PUBLIC))
 
 
 __all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "masks", "layouts",

@@ -172,8 +172,11 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     softcap: logit soft-cap ``cap * tanh(s / cap)``.
     scale: logit scale, default ``H ** -0.5``.
     block_sizes: ``BlockSizes`` overrides of the backend's tuned tiles.
-    backend: ``"auto" | "pallas_tpu" | "pallas_triton" | "xla"``.
-    interpret: Pallas interpret mode; None = exactly when the device cannot run the kernel.
+    backend: ``"auto" | "pallas_tpu" | "pallas_triton" | "xla"``. ``"auto"`` is resolved for the
+      platform the computation is lowered for (TPU: pallas_tpu, GPU: pallas_triton, CPU and
+      float64 inputs: xla; xla also where the given ``block_sizes`` break a kernel's rules).
+    interpret: Pallas interpret mode; None = exactly when the platform the computation is lowered
+      for cannot run the kernel natively.
     return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
 
   Returns:
@@ -189,9 +192,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   validation.check_qkv(q, k, v)
   b, t, n, h = q.shape
   s = k.shape[1]
-  backend = kernels.resolve_backend(validation.check_backend(backend))
-  validation.check_backend_dtype(backend, q)
-  interpret = kernels.resolve_interpret(backend, interpret)
+  validation.check_backend(backend)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   if kv_segment_ids is None and segment_ids is not None:
@@ -208,14 +209,30 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, s)
   if sinks is not None:
     validation.check_sinks(sinks, n)
+  block_sizes = tuning.as_block_sizes(block_sizes)
+  per_platform = kernels.variants(backend, interpret, q.dtype,
+                                  accepts=lambda b_: tuning.accepts(b_, block_sizes))
+  for b_, _ in set(per_platform.values()):
+    validation.check_backend_dtype(b_, q)
+    tuning.check_block_sizes(b_, block_sizes)  # an explicit backend's rules
+  run = functools.partial(_flash_on, mask=mask, scale=scale, softcap=softcap,
+                          block_sizes=block_sizes, return_lse=return_lse)
+  with forward_mode_errors():
+    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, q_positions,
+                            kv_positions, dense, sinks)
 
+
+def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positions,
+              kv_positions, dense, sinks, *, mask, scale, softcap, block_sizes, return_lse):
+  """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
+  b, t, _, h = q.shape
+  s = k.shape[1]
   tiles = tuning.resolve(backend, block_sizes, t, s, h)
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)
   cfg = kernel_config(tiles, mask=mask, scale=scale, softcap=softcap, q_len=t,
                       kv_len=s, out_dtype=q.dtype, interpret=interpret)
-
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(
@@ -223,10 +240,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   if dense is not None:
     dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
   ops = common.Operands(q_info, kv_info, dense)
-
-  with forward_mode_errors():
-    out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
-                          sinks, ops, cfg, backend)
+  out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
+                        sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]
   if return_lse:
     return out, lse[:, :, :t]

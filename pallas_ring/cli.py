@@ -86,15 +86,16 @@ def demo(args) -> int:
 
 def compile_cmd(args) -> int:
   from pallas_ring.aot import compile_ring
-  from pallas_ring.config import SequenceParallelConfig
-  cfg = (SequenceParallelConfig.from_yaml(args.config) if args.config
-         else SequenceParallelConfig(axis_name="sp", layout="zigzag"))
+  from pallas_ring.config import SequenceParallelConfig, load_preset
+  preset = load_preset(args.config) if args.config else None
+  cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
   cfg = cfg.replace(batch_axes=(), head_axis=None)
+  topology = args.topology or (preset and preset.topology) or DEFAULT_TOPOLOGY
   for backward in (False, True):
-    print(f"compiling ring {'forward+backward' if backward else 'forward'} for {args.topology} "
+    print(f"compiling ring {'forward+backward' if backward else 'forward'} for {topology} "
           f"(T={args.seq_len}, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
           f"layout={cfg.layout}) ...", flush=True)
-    rep = compile_ring(args.topology, cfg, seq_len=args.seq_len, heads=args.heads,
+    rep = compile_ring(topology, cfg, seq_len=args.seq_len, heads=args.heads,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, backward=backward)
     gib = lambda x: f"{x / 2**30:.3f} GiB"
     print(f"  {rep.num_devices} x {rep.device_kind}: {rep.kernels} Mosaic kernels; per device: "
@@ -104,28 +105,46 @@ def compile_cmd(args) -> int:
   return 0
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m pallas_ring",
+DEFAULT_TOPOLOGY = "v5e:2x4"
+
+
+def _parser() -> argparse.ArgumentParser:
+  fmt = argparse.ArgumentDefaultsHelpFormatter
+  parser = argparse.ArgumentParser(prog="python -m pallas_ring", formatter_class=fmt,
                                    description="pallas_ring: block-sparse flash and ring attention")
-  sub = parser.add_subparsers(dest="cmd", required=True)
-  p = sub.add_parser("demo", help="ring attention on all devices (8 virtual CPU devices on CPU), "
-                                  "each mask x layout, checked against the dense reference")
-  p.add_argument("--seq-len", type=int, default=256, help="total tokens (default 256)")
-  p.add_argument("--backend", default="auto", help="kernel backend (default auto)")
+  sub = parser.add_subparsers(dest="cmd", metavar="{demo,bench,compile}")
+  p = sub.add_parser("demo", formatter_class=fmt,
+                     help="ring attention on all devices (8 virtual CPU devices on CPU), each "
+                          "mask x layout, checked against the dense reference")
+  p.add_argument("--seq-len", type=int, default=256, help="total tokens")
+  p.add_argument("--backend", default="auto", help="kernel backend")
   p.add_argument("--verbose", action="store_true", help="print the device x step live matrix")
-  p = sub.add_parser("bench", help="GPU benchmarks against cuDNN and Pallas mha")
+  p = sub.add_parser("bench", formatter_class=fmt,
+                     help="GPU benchmarks against cuDNN and Pallas mha")
   p.add_argument("--ring", action="store_true", help="ring benchmark over all local GPUs")
   p.add_argument("--long-context", type=int, default=0, metavar="TOKENS",
                  help="causal zigzag ring fwd+bwd over TOKENS total tokens (e.g. 1048576)")
   p.add_argument("--out", default="bench_out", help="folder for JSON and the PNG plot")
-  p = sub.add_parser("compile", help="compile the ring for a TPU slice on this machine (libtpu)")
-  p.add_argument("--topology", default="v5e:2x4", help="TPU topology, e.g. v5e:2x4, v6e:2x4")
-  p.add_argument("--config", default=None, help="a configs/*.yaml SequenceParallelConfig")
-  p.add_argument("--seq-len", type=int, default=32768)
-  p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--kv-heads", type=int, default=16)
-  p.add_argument("--head-dim", type=int, default=128)
+  p = sub.add_parser("compile", formatter_class=fmt,
+                     help="compile the ring for a TPU slice on this machine (libtpu)")
+  p.add_argument("--topology", default=None,
+                 help=f"TPU topology, e.g. v5e:2x4, v6e:2x4; None: the config's `topology:`, "
+                      f"else {DEFAULT_TOPOLOGY}")
+  p.add_argument("--config", default=None,
+                 help="a preset name (e.g. tpu_v5e_8) or the path of a YAML config")
+  p.add_argument("--seq-len", type=int, default=32768, help="total tokens over the ring")
+  p.add_argument("--heads", type=int, default=16, help="query heads N")
+  p.add_argument("--kv-heads", type=int, default=16, help="key/value heads K (N %% K == 0)")
+  p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  return parser
+
+
+def main(argv=None) -> None:
+  parser = _parser()
   args = parser.parse_args(argv)
+  if args.cmd is None:
+    parser.print_help()
+    sys.exit(2)
   if args.cmd == "demo":
     _ensure_devices(8)
   if args.cmd == "compile":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
@@ -34,6 +35,28 @@ def _load_yaml(path) -> Mapping[str, Any]:
   with open(path) as f:
     data = yaml.safe_load(f)
   return {} if data is None else data
+
+
+PRESETS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+# Top-level sections of a preset file; a file without them is a bare SequenceParallelConfig.
+_SECTIONS = ("sequence_parallel", "mesh", "topology")
+
+
+def preset_names() -> list[str]:
+  """Names of the presets shipped with the package (``pallas_ring/configs/*.yaml``)."""
+  return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".yaml"))
+
+
+def _preset_path(name_or_path) -> str:
+  path = os.fspath(name_or_path)
+  if os.path.exists(path) or path.endswith((".yaml", ".yml")) or os.sep in path:
+    return path
+  if name_or_path not in preset_names():
+    close = difflib.get_close_matches(path, preset_names(), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown preset {path!r}.{hint} Shipped presets: "
+                     f"{', '.join(preset_names())}; or pass the path of a YAML file.")
+  return os.path.join(PRESETS_DIR, path + ".yaml")
 
 
 def _positive_or_none(cls: str, field: str, value, rule: str = "") -> None:
@@ -141,12 +164,70 @@ class SequenceParallelConfig:
   @classmethod
   def from_yaml(cls, path) -> "SequenceParallelConfig":
     """Reads a config from a YAML file (see ``configs/``); validates every field."""
-    data = _load_yaml(path)
-    data = data.get("sequence_parallel", data) if isinstance(data, Mapping) else data
-    return cls.from_dict(data)
+    return load_preset(path).config
+
+  @classmethod
+  def preset(cls, name: str) -> "SequenceParallelConfig":
+    """A shipped preset by name, e.g. ``"tpu_v5e_8"`` (see ``preset_names()``)."""
+    return load_preset(name).config
 
   def replace(self, **kw) -> "SequenceParallelConfig":
     return dataclasses.replace(self, **kw)
 
 
-__all__ = ["BlockSizes", "SequenceParallelConfig", "BACKENDS", "STRATEGIES"]
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A YAML preset: the config, and the mesh and TPU topology it was written for."""
+
+  config: SequenceParallelConfig  # the `sequence_parallel:` section
+  mesh_shape: Optional[tuple[int, ...]] = None  # `mesh: {shape: [...]}`: devices per axis
+  mesh_axes: Optional[tuple[str, ...]] = None  # `mesh: {axes: [...]}`: axis names
+  topology: Optional[str] = None  # `topology:` TPU slice for `python -m pallas_ring compile`
+
+  def make_mesh(self, devices=None):
+    """The mesh this preset describes, over ``devices`` (default: all devices)."""
+    import jax  # local import: reading a preset needs no JAX
+    if self.mesh_shape is None:
+      raise ValueError("this preset has no `mesh:` section; build the mesh with jax.make_mesh.")
+    n = 1
+    for d in self.mesh_shape:
+      n *= d
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) != n:
+      raise ValueError(f"the preset's mesh {dict(zip(self.mesh_axes, self.mesh_shape))} needs {n} "
+                       f"devices, {len(devices)} are given. Pass `devices=` of that many or use a "
+                       "preset for this machine.")
+    return jax.make_mesh(self.mesh_shape, self.mesh_axes, devices=devices)
+
+
+def load_preset(name_or_path) -> Preset:
+  """Reads a preset: a shipped name (``"tpu_v5e_8"``) or the path of a YAML file.
+
+  The file holds ``sequence_parallel:`` (the config's fields) and optionally ``mesh: {shape:,
+  axes:}`` and ``topology:``; a file of bare config fields is read as the config alone.
+  """
+  path = _preset_path(name_or_path)
+  data = _load_yaml(path)
+  if not isinstance(data, Mapping):
+    raise ValueError(f"{path}: expected a mapping of sections {_SECTIONS}, got "
+                     f"{type(data).__name__}.")
+  fields = [f.name for f in dataclasses.fields(SequenceParallelConfig)]
+  if not any(k in _SECTIONS for k in data):  # a bare config
+    return Preset(SequenceParallelConfig.from_dict(data))
+  for key in data:
+    if key not in _SECTIONS:
+      close = difflib.get_close_matches(str(key), list(_SECTIONS) + fields, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise ValueError(f"{path}: unknown top-level section {key!r}.{hint} Sections are "
+                       f"{', '.join(_SECTIONS)} (config fields go under sequence_parallel:).")
+  mesh = data.get("mesh") or {}
+  if mesh and (set(mesh) != {"shape", "axes"} or len(mesh["shape"]) != len(mesh["axes"])):
+    raise ValueError(f"{path}: `mesh` must be {{shape: [...], axes: [...]}} of equal lengths, "
+                     f"got {mesh!r}.")
+  return Preset(SequenceParallelConfig.from_dict(data.get("sequence_parallel") or {}),
+                tuple(mesh["shape"]) if mesh else None, tuple(mesh["axes"]) if mesh else None,
+                data.get("topology"))
+
+
+__all__ = ["BlockSizes", "SequenceParallelConfig", "Preset", "load_preset", "preset_names",
+           "BACKENDS", "STRATEGIES"]

@@ -17,6 +17,7 @@ Document masking is not a spec: ``segment_ids`` are ANDed in by the block plan a
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -216,6 +217,24 @@ class PrefixLM(MaskSpec):
     return any_, all_
 
 
+_WARNED_ANONYMOUS = False
+
+
+def _warn_if_anonymous(fn) -> None:
+  """Warns once per process when a lambda or nested function makes a Custom mask: specs are jit
+  static arguments compared by identity, so a fresh function every call recompiles every call."""
+  global _WARNED_ANONYMOUS
+  name = getattr(fn, "__qualname__", "")
+  if _WARNED_ANONYMOUS or fn is None or not ("<lambda>" in name or "<locals>" in name):
+    return
+  _WARNED_ANONYMOUS = True
+  warnings.warn(
+      f"masks.Custom({name}): mask specs are compared by identity of their functions, so a "
+      "lambda or nested function created anew on every call recompiles attention on every call "
+      "(seconds each). Define the function once at module level and reuse it (or build the "
+      "Custom spec once). This warning is shown once.", stacklevel=3)
+
+
 @dataclasses.dataclass(frozen=True)
 class Custom(MaskSpec):
   """Key visible iff ``fn(q, k)``; ``fn`` must be elementwise and traceable.
@@ -234,6 +253,8 @@ class Custom(MaskSpec):
       raise TypeError(f"Custom.fn must be callable (q, k) -> bool array, got {self.fn!r}.")
     if self.block_fn is not None and not callable(self.block_fn):
       raise TypeError(f"Custom.block_fn must be callable or None, got {self.block_fn!r}.")
+    _warn_if_anonymous(self.fn)
+    _warn_if_anonymous(self.block_fn)
 
   def visible(self, q, k):
     try:

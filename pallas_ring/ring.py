@@ -315,9 +315,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         q, k, v, mask=mask, segment_ids=segment_ids, q_positions=pos, kv_positions=pos,
         dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale,
         block_sizes=block_sizes, backend=backend, interpret=interpret, return_lse=return_lse)
-  backend = kernels.resolve_backend(validation.check_backend(backend))
-  validation.check_backend_dtype(backend, q)
-  interpret = kernels.resolve_interpret(backend, interpret)
+  validation.check_backend(backend)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   validation.check_token_array("segment_ids", segment_ids, b, t)
@@ -328,7 +326,26 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if derived:
     positions = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
+  block_sizes = tuning.as_block_sizes(block_sizes)
+  per_platform = kernels.variants(backend, interpret, q.dtype,
+                                  accepts=lambda b_: tuning.accepts(b_, block_sizes))
+  for b_, _ in set(per_platform.values()):
+    validation.check_backend_dtype(b_, q)
+    tuning.check_block_sizes(b_, block_sizes)  # an explicit backend's rules
+  run = functools.partial(
+      _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
+      derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,
+      strategy=strategy, scan_unroll=scan_unroll, return_lse=return_lse)
+  with attention.forward_mode_errors():
+    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, positions, dense, sinks)
 
+
+def _ring_on(backend, interpret, q, k, v, segment_ids, positions, dense, sinks, *, axis_name,
+             ring_size, mask, layout, derived_positions, scale, softcap, block_sizes, strategy,
+             scan_unroll, return_lse):
+  """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
+  r, derived = ring_size, derived_positions
+  b, t, _, h = q.shape
   gather = strategy == "all_gather"
   tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h)
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
@@ -359,9 +376,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     d = d.reshape(*d.shape[:3], -1)
     dense = jnp.pad(d, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else d
   pad = attention.pad_tokens
-  with attention.forward_mode_errors():
-    out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
-                     kv_info, dense, st)
+  out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
+                   kv_info, dense, st)
   out = out[:, :t, :, :h]
   return (out, lse[:, :, :t]) if return_lse else out
 

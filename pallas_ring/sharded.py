@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_ring import layouts, ring, validation
+from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -64,6 +67,9 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   """
   if not isinstance(config, SequenceParallelConfig):
     raise TypeError(f"`config` must be a SequenceParallelConfig, got {type(config).__name__}.")
+  mask = masks_lib.as_spec(mask)
+  softcap = validation.check_positive("softcap", softcap, None)
+  scale = validation.check_positive("scale", scale, None)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -95,7 +101,20 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
                        f"{k.shape[2]}: both must be multiples of {hs}.")
 
-  sp = config.axis_name
+  if dense_mask is not None:
+    dense_mask = validation.normalize_dense_mask(dense_mask, b, n, t, t)
+  # One compiled program per static setting, so eager calls are as fast as jitted ones.
+  return _run(q, k, v, segment_ids, positions, dense_mask, sinks, mesh=mesh, config=config,
+              mask=mask, softcap=softcap, scale=scale, interpret=interpret,
+              return_lse=return_lse, batch=batch)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "mask", "softcap", "scale",
+                                             "interpret", "return_lse", "batch"))
+def _run(q, k, v, segment_ids, positions, dense_mask, sinks, *, mesh, config, mask, softcap,
+         scale, interpret, return_lse, batch):
+  """shard_map of ``ring_attention`` over validated global arrays."""
+  sp, head = config.axis_name, config.head_axis
   tok = P(batch, sp, head, None)
   seq = P(batch, sp)
   pos_spec = None
@@ -104,7 +123,6 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   sink_spec = None if sinks is None else P(head)
   dense_spec = None
   if dense_mask is not None:
-    dense_mask = validation.normalize_dense_mask(dense_mask, b, n, t, t)
     dense_spec = P(batch if dense_mask.shape[0] > 1 else None,
                    head if dense_mask.shape[1] > 1 else None, sp, None)
   out_specs = (tok, P(batch, head, sp)) if return_lse else tok

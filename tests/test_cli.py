@@ -34,3 +34,35 @@ def test_help_for_each_command(capsys):
       cli.main([cmd, "--help"])
     assert e.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def _run(*args, env_extra=None):
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ)
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, "-m", "pallas_ring", *args], capture_output=True,
+                        text=True, env=env, timeout=300)
+
+
+def test_help_is_fast_and_bare_call_lists_the_verbs():
+  import time
+  t0 = time.perf_counter()
+  proc = _run("--help")
+  assert proc.returncode == 0 and "compile" in proc.stdout
+  assert time.perf_counter() - t0 < 2.0  # JAX is not imported to parse arguments
+  proc = _run()
+  assert proc.returncode == 2 and "{demo,bench,compile}" in proc.stdout
+  proc = _run("compile", "--help")
+  assert "--seq-len" in proc.stdout and "(default: 32768)" in proc.stdout
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_compile_takes_the_presets_topology_and_libtpu_is_quiet():
+  proc = _run("compile", "--config", "tpu_v5e_8", "--seq-len", "4096", "--heads", "4",
+              "--kv-heads", "4")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "for v5e:2x4" in proc.stdout and "8 x TPU v5 lite" in proc.stdout
+  for noise in ("Failed to find host bounds", "unexpected worker hostname", "Source Location"):
+    assert noise not in proc.stderr and noise not in proc.stdout

@@ -82,3 +82,30 @@ def test_yaml_unknown_key(tmp_path):
   p.write_text("sequence_parallel:\n  axis_name: sp\n  stratgy: ring\n")
   with pytest.raises(ValueError, match="Did you mean 'strategy'"):
     SequenceParallelConfig.from_yaml(p)
+
+
+def test_presets_by_name_and_their_mesh():
+  from pallas_ring.config import load_preset, preset_names
+  assert "tpu_v5e_8" in preset_names()
+  assert SequenceParallelConfig.preset("tpu_v5e_8") == SequenceParallelConfig.from_yaml(
+      os.path.join(ROOT, "configs", "tpu_v5e_8.yaml"))
+  preset = load_preset("cpu_8")
+  mesh = preset.make_mesh()  # conftest gives 8 CPU devices
+  assert dict(mesh.shape) == dict(zip(preset.mesh_axes, preset.mesh_shape))
+  assert load_preset("tpu_v6e_8").topology == "v6e:2x4"
+  with pytest.raises(ValueError, match=r"unknown preset 'tpu_v5e8'.*Did you mean 'tpu_v5e_8'"):
+    SequenceParallelConfig.preset("tpu_v5e8")
+
+
+def test_presets_ship_as_package_data():
+  import pallas_ring.config as config_lib
+  assert os.path.isdir(config_lib.PRESETS_DIR)
+  assert os.path.dirname(config_lib.PRESETS_DIR) == os.path.dirname(config_lib.__file__)
+
+
+def test_yaml_misspelled_section(tmp_path):
+  p = tmp_path / "bad.yaml"
+  p.write_text("sequence_paralel:\n  axis_name: sp\nmesh: {shape: [8], axes: [sp]}\n")
+  with pytest.raises(ValueError, match=r"unknown top-level section 'sequence_paralel'.*"
+                                       r"Did you mean 'sequence_parallel'"):
+    SequenceParallelConfig.from_yaml(p)

@@ -63,3 +63,62 @@ def test_triton_lowers_for_cuda(case):
   for fn, n_kernels in ((fwd, 1), (bwd, 3)):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == n_kernels
+
+
+# -------------------------------------- backend="auto", interpret=None: per lowering platform --
+
+def _default_fn():
+  """flash_attention with every dispatch argument left at its default."""
+  def f(q, k, v, seg, dense):
+    return flash_attention(q, k, v, mask=masks.Causal(), segment_ids=seg)
+  return f, jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_defaults_compile_native_mosaic_kernels_for_tpu_from_a_cpu_host():
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  args = _structs(512, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  for fn, n_kernels in zip(_default_fn(), (1, 3)):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    assert text.count("custom_call_target=\"tpu_custom_call\"") == n_kernels
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_sharded_attention_defaults_compile_mosaic_kernels_for_tpu():
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from pallas_ring import SequenceParallelConfig, sharded_attention
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices), ("sp",))
+  sd = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                          sharding=NamedSharding(mesh, P(None, "sp")))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")  # backend="auto"
+  f = lambda q, k, v: sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal())
+  text = jax.jit(f).trace(sd((1, 4096, 4, 128)), sd((1, 4096, 4, 128)),
+                          sd((1, 4096, 4, 128))).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+
+
+def test_defaults_cross_lower_triton_kernels_for_cuda_and_xla_for_cpu():
+  args = _structs(300)
+  for fn, n_kernels in zip(_default_fn(), (1, 3)):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == n_kernels
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "triton" not in text and "tpu_custom_call" not in text
+
+
+def test_auto_with_block_sizes_a_kernel_cannot_take_falls_back_to_xla_there():
+  from pallas_ring import BlockSizes, kernels, reference
+  from pallas_ring.kernels import tuning
+  bs = BlockSizes(block_q=16, block_kv=16)  # not a TPU tile (keys need multiples of 128)
+  v = kernels.variants("auto", None, jnp.bfloat16, accepts=lambda b: tuning.accepts(b, bs))
+  assert v["tpu"] == ("xla", False) and v["cuda"] == ("pallas_triton", False)
+  assert v["cpu"] == ("xla", False)
+  assert kernels.variants("pallas_tpu", None, jnp.float32)["cpu"] == ("pallas_tpu", True)
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 32)), jnp.float32)
+  out = flash_attention(q, q, q, mask=masks.Causal(), block_sizes=bs)
+  np.testing.assert_allclose(out, reference.attention(q, q, q, mask=masks.Causal())[0],
+                             atol=2e-5)

@@ -102,3 +102,14 @@ def test_custom_block_fn_is_used():
   default = masks.Custom(lambda q, k: k <= q)
   a, f = default.block_test(BlockBounds(jnp.int32(0), jnp.int32(3)), BlockBounds(jnp.int32(8), jnp.int32(9)))
   assert bool(a) and not bool(f)  # no block_fn: always partial (sound, no skipping)
+
+
+def test_anonymous_custom_function_warns_once():
+  import warnings
+  from pallas_ring import masks as masks_mod
+  masks_mod._WARNED_ANONYMOUS = False
+  with pytest.warns(UserWarning, match=r"Define the function once at module level"):
+    masks.Custom(lambda q, k: k <= q)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    masks.Custom(lambda q, k: k <= q)  # once per process

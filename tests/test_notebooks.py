@@ -39,3 +39,32 @@ def test_notebook_runs(path):
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
+
+
+def _install_cell(path):
+  import nbformat
+  nb = nbformat.read(path, as_version=4)
+  return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def test_install_cell_is_the_same_in_every_notebook():
+  cells = {_install_cell(p) for p in NOTEBOOKS}
+  assert len(cells) == 1 and "PALLAS_RING_SOURCE" in cells.pop()
+
+
+def test_install_cell_logic(capsys, monkeypatch):
+  ns = {}
+  exec(_install_cell(NOTEBOOKS[0]), ns)  # pallas_ring imports here: the cell installs nothing
+  assert "pallas_ring is installed" in capsys.readouterr().out
+  cmd = ns["install_command"]
+  assert cmd("git+https://github.com/o/pallas_ring.git", "tpu", [])[-1] == \
+      "pallas-ring[tpu] @ git+https://github.com/o/pallas_ring.git"
+  assert cmd("", "gpu", ["/content/pallas_ring-0.1.0-py3-none-any.whl",
+                         "/content/pallas_ring-0.2.0-py3-none-any.whl"])[-1] == \
+      "/content/pallas_ring-0.2.0-py3-none-any.whl[cuda12]"
+  assert cmd("dist/pallas_ring-0.1.0-py3-none-any.whl", "cpu", [])[-1] == \
+      "dist/pallas_ring-0.1.0-py3-none-any.whl"
+  with pytest.raises(RuntimeError, match="PALLAS_RING_SOURCE is empty.*make wheel"):
+    cmd("", "tpu", [])
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+  assert ns["detect_runtime"]() == "tpu"

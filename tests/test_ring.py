@@ -196,3 +196,16 @@ def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
                           "c = collective-permute-done(a)")
   assert not permutes_overlap("a = collective-permute-start(x)\nc = collective-permute-done(a)"
                               "\nb = tpu_custom_call(y)")
+
+
+def test_eager_sharded_attention_compiles_once():
+  from pallas_ring import sharded
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  q, k, v, _ = _problem(21, b=1, t=32)
+  before = sharded._run._cache_size()
+  a = sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal())
+  b = sharded_attention(q + 1, k, v, mesh=mesh, config=cfg, mask=masks.Causal())
+  assert sharded._run._cache_size() == before + 1  # the second eager call reuses the program
+  assert rel_err(a, reference.attention(q, k, v, mask=masks.Causal())[0]) < 1e-5
+  assert not np.allclose(a, b)

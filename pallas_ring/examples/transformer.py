@@ -14,7 +14,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+try:
+  import optax
+except ImportError as e:  # optax is an extra: only this example needs it
+  raise ImportError("pallas_ring.examples.transformer trains with optax: "
+                    "pip install 'pallas-ring[examples]' (or `pip install optax`).") from e
 
 from pallas_ring import layouts
 

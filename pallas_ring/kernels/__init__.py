@@ -3,39 +3,70 @@
 * ``xla``: blockwise pure jnp (CPU default, and the oracle for the block logic).
 * ``pallas_triton``: Pallas lowered through Triton (GPU).
 * ``pallas_tpu``: Pallas lowered through Mosaic (TPU).
+
+``backend="auto"`` and ``interpret=None`` are resolved for the platform a computation is *lowered*
+for, not for the default device: ``dispatch`` builds one variant per platform and lets
+``lax.platform_dependent`` pick, so compiling for a TPU or GPU from a CPU host (AOT) yields the
+native kernels, and CPU runs interpret mode only where it must.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
+# The platform family each backend's kernels run on natively (None: everywhere).
 BACKEND_PLATFORM = {"xla": None, "pallas_triton": "gpu", "pallas_tpu": "tpu"}
 _MODULES = {"xla": "pallas_ring.kernels.xla",
             "pallas_triton": "pallas_ring.kernels.pallas_triton",
             "pallas_tpu": "pallas_ring.kernels.pallas_tpu"}
+# lax.platform_dependent's platform names and their families.
+PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_triton"}
 
 
-def platform() -> str:
-  """'tpu', 'gpu' or 'cpu' for the default device."""
-  p = jax.default_backend()
-  return "gpu" if p in ("gpu", "cuda", "rocm") else p
+def _auto(family: str, dtype) -> str:
+  """The backend ``"auto"`` picks on a platform family for inputs of ``dtype``."""
+  if jnp.dtype(dtype) == jnp.float64:  # only the xla lowering computes in float64
+    return "xla"
+  return _NATIVE.get(family, "xla")
 
 
-def resolve_backend(backend: str) -> str:
-  """Maps ``"auto"`` to the native backend of the default device."""
-  if backend != "auto":
-    return backend
-  return {"tpu": "pallas_tpu", "gpu": "pallas_triton"}.get(platform(), "xla")
+def variants(backend: str, interpret, dtype, accepts: Callable[[str], bool] = lambda b: True
+             ) -> dict[str, tuple[str, bool]]:
+  """``{platform: (backend, interpret)}`` for every platform a computation may be lowered for.
+
+  Args:
+    backend: a backend name or ``"auto"``.
+    interpret: True / False, or None for "interpret exactly where the kernel cannot run".
+    dtype: the inputs' dtype (``"auto"`` keeps float64 on ``xla``).
+    accepts: whether a backend can take the call's arguments (e.g. user block sizes); ``"auto"``
+      falls back to ``xla`` on a platform whose native backend cannot.
+  """
+  out = {}
+  for platform, family in PLATFORMS.items():
+    b = backend
+    if backend == "auto":
+      b = _auto(family, dtype)
+      if not accepts(b):
+        b = "xla"
+    native = BACKEND_PLATFORM[b]
+    out[platform] = (b, bool(interpret) if interpret is not None else
+                     native is not None and native != family)
+  return out
 
 
-def resolve_interpret(backend: str, interpret) -> bool:
-  """``interpret=None`` means: interpret exactly when the device cannot run the kernel natively."""
-  if interpret is not None:
-    return bool(interpret)
-  native = BACKEND_PLATFORM[backend]
-  return native is not None and platform() != native
+def dispatch(fn: Callable, per_platform: dict[str, tuple[str, bool]], *args):
+  """Calls ``fn(backend, interpret, *args)`` with the variant of the lowering platform."""
+  distinct = set(per_platform.values())
+  if len(distinct) == 1:
+    return fn(*distinct.pop(), *args)
+  branches = {p: functools.partial(fn, *v) for p, v in per_platform.items()}
+  return jax.lax.platform_dependent(*args, **branches)
 
 
 def get(backend: str):

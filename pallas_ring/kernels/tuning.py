@@ -81,6 +81,15 @@ def as_block_sizes(block_sizes: Any) -> BlockSizes:
   return block_sizes
 
 
+def accepts(backend: str, bs: BlockSizes) -> bool:
+  """Whether ``backend`` can run with the user-given block sizes ``bs``."""
+  try:
+    check_block_sizes(backend, bs)
+  except ValueError:
+    return False
+  return True
+
+
 def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, kv_len: int,
             head_dim: int) -> Tiles:
   """Tile sizes for a call: user overrides, else heuristics, clamped to the sequence lengths."""
