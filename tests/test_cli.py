@@ -13,8 +13,12 @@ def test_demo_passes(capsys):
   assert "zigzag" in out and "-> OK" in out
   # Causal zigzag balances work: its max/mean column reads 1.00; both error columns are small.
   line = [l for l in out.splitlines() if l.startswith("causal     zigzag")][0]
-  balance, err, grad_err = line.split()[-3:]
+  total, balance, err, grad_err = line.split()[-4:]
   assert balance == "1.00" and float(err) < 1e-4 and float(grad_err) < 1e-4
+  # ...and the table shows that striped, though balanced too, does more work in total.
+  striped = [l for l in out.splitlines() if l.startswith("causal     striped")][0]
+  assert float(striped.split()[-4]) > float(total)
+  assert "max/mean = imbalance" in out
 
 
 @pytest.mark.xdist_group("libtpu")

@@ -6,6 +6,12 @@ visits the ``j``-th live block of that row; slots past the row's count have clas
 index maps repeat the last live block, so the pipeline issues no copy and the body does nothing.
 FULL tiles run with no mask arithmetic; PARTIAL tiles apply the elementwise mask.
 
+No layout transposes: q, k, v, o and the gradients stay ``[B, L, heads, H]`` in HBM, seen as
+``[B, L, heads * H]`` (a free reshape); a ``(bq, H)`` block whose last-axis index is the head reads
+one head's lanes in place. The head dim is therefore padded to a multiple of 128 lanes (a no-op for
+H = 128, 256). dK/dV accumulate over the query heads of a GQA group inside one program per kv head
+(the group is part of the reduction axis), so no per-query-head float32 temporary exists.
+
 Mosaic tiling: blocks are ``(bq, H)`` / ``(bk, H)``; row statistics live in ``(bq, 128)``
 lane-broadcast scratch; query-side vectors are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks
 of ``[., T, 1]`` / ``[., 1, S]`` arrays (their unit axis equals the array's, which Mosaic allows).
@@ -35,11 +41,22 @@ def _sel(size, idx):
 
 
 class _Lists:
-  """Flattened ``[Bp, Np, rows, slots]`` plan lists and how to index them from grid ids."""
+  """Flattened ``[Bp, Np, rows, slots]`` plan lists and how to index them from grid ids.
+
+  Scalar memory is small (1 MiB on v5e) and the lists grow as ``rows * slots``: block indices are
+  stored as int16 when they fit and classes as int8 (a quarter of int32's bytes per slot).
+  """
 
   def __init__(self, index, klass, count):
     self.bp, self.np, self.rows, self.slots = index.shape
-    self.arrays = (index.reshape(-1), klass.reshape(-1), count.reshape(-1))
+    index_dtype = jnp.int16 if max(self.rows, self.slots) < 2**15 else jnp.int32
+    self.arrays = (index.reshape(-1).astype(index_dtype), klass.reshape(-1).astype(jnp.int8),
+                   count.reshape(-1))
+
+  @staticmethod
+  def at(ref, slot):
+    """The int32 value of a compact list entry (an index map or kernel reads it)."""
+    return ref[slot].astype(jnp.int32)
 
   def row(self, b, n, i):
     return (_sel(self.bp, b) * self.np + _sel(self.np, n)) * self.rows + i
@@ -48,8 +65,14 @@ class _Lists:
     return self.row(b, n, i) * self.slots + j
 
 
-def _head_major(q, k, v):
-  return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+def _lanes(x):
+  """``[B, L, heads, H]`` -> ``[B, L, heads * H]``: a free reshape, no copy."""
+  return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
+
+
+def _heads(x, heads):
+  """Inverse of ``_lanes``."""
+  return x.reshape(x.shape[0], x.shape[1], heads, x.shape[2] // heads)
 
 
 def _info_arrays(ops):
@@ -61,8 +84,9 @@ def _info_arrays(ops):
           col(ops.q_info.segment_ids), row(ops.kv_info.segment_ids), dense)
 
 
-def _info_specs(arrays, bq, bk, q_block, k_block):
-  """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` map grid ids to block indices."""
+def _info_specs(arrays, bq, bk, q_block, k_block, head=lambda b, n, i, j, *r: n):
+  """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` map grid ids to block indices
+  and ``head`` to the query head (for a per-head dense mask)."""
   qpos, kpos, qseg, kseg, dense = arrays
 
   def qspec(x):
@@ -81,7 +105,8 @@ def _info_specs(arrays, bq, bk, q_block, k_block):
   if dense is not None:
     bm, nm = dense.shape[:2]
     dspec = pl.BlockSpec((None, None, bq, bk), lambda b, n, i, j, *r: (
-        _sel(bm, b), _sel(nm, n), q_block(b, n, i, j, *r), k_block(b, n, i, j, *r)))
+        _sel(bm, b), _sel(nm, head(b, n, i, j, *r)), q_block(b, n, i, j, *r),
+        k_block(b, n, i, j, *r)))
   return [qspec(qpos), kspec(kpos), qspec(qseg), kspec(kseg), dspec]
 
 
@@ -96,6 +121,12 @@ def _tile_mask(cfg, k_block_index, bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_re
 def _group(head, group_size: int):
   """The kv head of query head ``head`` (int32 also under x64: no mixed-dtype division)."""
   return lax.div(head, jnp.asarray(group_size, head.dtype))
+
+
+def _group_step(kv_head, step, group_size: int, slots: int):
+  """dK/dV reduction step -> (query head, slot): the group's heads one after another."""
+  c = lambda x: jnp.asarray(x, step.dtype)
+  return kv_head * c(group_size) + lax.div(step, c(slots)), lax.rem(step, c(slots))
 
 
 def _params():
@@ -117,7 +148,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
   slot = lists.slot(b, n, i, j)
-  klass = cls_ref[slot]
+  klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
     s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
@@ -125,7 +156,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
     if cfg.softcap is not None:
       s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     if masked:
-      vis = _tile_mask(cfg, idx_ref[slot], bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+      vis = _tile_mask(cfg, _Lists.at(idx_ref, slot), bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
                        dense_ref)
       s = jnp.where(vis, s, common.NEG_INF)
     m_prev = m_sc[...]  # [bq, 128]
@@ -157,32 +188,27 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   g = n // kh
   bq, bk = cfg.block_q, cfg.block_kv
   lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
-  qt, kt, vt = _head_major(q, k, v)
   info = _info_arrays(ops)
 
   q_blk = lambda b_, n_, i, j, *r: i
-  k_blk = lambda b_, n_, i, j, idx, *r: idx[lists.slot(b_, n_, i, j)]
-  in_specs = _info_specs(info, bq, bk, q_blk, k_blk) + [
-      pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
-      pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-          b_, _group(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
-      pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-          b_, _group(n_, g), idx[lists.slot(b_, n_, i, j)], 0)),
-  ]
-  out_specs = [pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0)),
-               pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))]
+  k_blk = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
+  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, i, n_))
+  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
+      b_, k_blk(b_, n_, i, j, idx), _group(n_, g)))
+  out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots), in_specs=in_specs,
+      num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots),
+      in_specs=_info_specs(info, bq, bk, q_blk, k_blk) + [q_spec, kv_spec, kv_spec],
       out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, h), jnp.float32)])
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, lists=lists), grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, n, tp, h), cfg.out_dtype),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
                  jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)],
       compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_fwd",
-  )(*lists.arrays, *info, qt, kt, vt)
-  return o.transpose(0, 2, 1, 3), lse[..., 0]
+  )(*lists.arrays, *info, _lanes(q), _lanes(k), _lanes(v))
+  return _heads(o, n), lse[..., 0]
 
 
 # ---------------------------------------------------------------------------------- backward --
@@ -207,10 +233,10 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
   slot = lists.slot(b, n, i, j)
-  klass = cls_ref[slot]
+  klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    mask_args = (idx_ref[slot], cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref,
+    mask_args = (_Lists.at(idx_ref, slot), cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref,
                  kseg_ref, dense_ref)
     p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
@@ -227,16 +253,17 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref
 
 def _dkv_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc,
-                *, cfg, lists):
-  b, n, jk, i = (pl.program_id(a) for a in range(4))
+                *, cfg, lists, group):
+  b, kv_head, jk, step = (pl.program_id(a) for a in range(4))
 
-  @pl.when(i == 0)
+  @pl.when(step == 0)
   def _init():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
+  n, i = _group_step(kv_head, step, group, lists.slots)
   slot = lists.slot(b, n, jk, i)
-  klass = cls_ref[slot]
+  klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
     mask_args = (jk, cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
@@ -253,7 +280,7 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
   pl.when(klass == FULL)(lambda: compute(False))
   pl.when(klass == PARTIAL)(lambda: compute(True))
 
-  @pl.when(i == lists.slots - 1)
+  @pl.when(step == group * lists.slots - 1)
   def _finish():
     dk_ref[...] = dk_sc[...] * cfg.scale
     dv_ref[...] = dv_sc[...]
@@ -266,18 +293,17 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-  qt, kt, vt = _head_major(q, k, v)
-  dot = do.transpose(0, 2, 1, 3)
+  qf, kf, vf, dof = _lanes(q), _lanes(k), _lanes(v), _lanes(do)
   rows = lse[..., None], delta[..., None]  # [B, N, Tp, 1]
   info = _info_arrays(ops)
   scratch = lambda rows_: [pltpu.VMEM((rows_, h), jnp.float32)]
 
   # dQ: rows are q blocks, slots walk the live kv blocks.
   lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
-  kv_at = lambda b_, n_, i, j, idx, *r: idx[lists.slot(b_, n_, i, j)]
-  q_spec = pl.BlockSpec((None, None, bq, h), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, i, j, idx, *r: (
-      b_, _group(n_, g), kv_at(b_, n_, i, j, idx), 0))
+  kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
+  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, i, n_))
+  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
+      b_, kv_at(b_, n_, i, j, idx), _group(n_, g)))
   row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, lists=lists),
@@ -286,31 +312,33 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
           in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: i, kv_at)
           + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
           out_specs=q_spec, scratch_shapes=scratch(bq)),
-      out_shape=jax.ShapeDtypeStruct((b, n, tp, h), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((b, tp, n * h), jnp.float32),
       compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dq",
-  )(*lists.arrays, *info, qt, kt, vt, dot, *rows)
+  )(*lists.arrays, *info, qf, kf, vf, dof, *rows)
 
-  # dK/dV: rows are kv blocks, slots walk the live q blocks; one program per query head.
+  # dK/dV: one program per (kv head, kv block); its reduction axis walks the live q blocks of
+  # each query head of the group in turn, so dK/dV accumulate per kv head in VMEM.
   lists = _Lists(plan.q_index, plan.q_class, plan.q_count)
-  q_at = lambda b_, n_, jk, i, idx, *r: idx[lists.slot(b_, n_, jk, i)]
-  q_spec = pl.BlockSpec((None, None, bq, h), lambda b_, n_, jk, i, idx, *r: (
-      b_, n_, q_at(b_, n_, jk, i, idx), 0))
-  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, jk, i, idx, *r: (
-      b_, n_, q_at(b_, n_, jk, i, idx), 0))
-  kv_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, _group(n_, g), jk, 0))
-  out_spec = pl.BlockSpec((None, None, bk, h), lambda b_, n_, jk, i, *r: (b_, n_, jk, 0))
-  dkv_shape = jax.ShapeDtypeStruct((b, n, sp, h), jnp.float32)
+  head = lambda b_, kvh, jk, st, *r: _group_step(kvh, st, g, lists.slots)[0]
+
+  def q_at(b_, kvh, jk, st, idx, *r):
+    n_, i = _group_step(kvh, st, g, lists.slots)
+    return _Lists.at(idx, lists.slot(b_, n_, jk, i))
+
+  q_spec = pl.BlockSpec((None, bq, h), lambda b_, kvh, jk, st, idx, *r: (
+      b_, q_at(b_, kvh, jk, st, idx), head(b_, kvh, jk, st)))
+  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, kvh, jk, st, idx, *r: (
+      b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx), 0))
+  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, kvh, jk, st, *r: (b_, jk, kvh))
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), jnp.float32)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, lists=lists),
+      functools.partial(_dkv_kernel, cfg=cfg, lists=lists, group=g),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, n, sp // bk, lists.slots),
-          in_specs=_info_specs(info, bq, bk, q_at, lambda b_, n_, jk, i, *r: jk)
+          num_scalar_prefetch=3, grid=(b, kh, sp // bk, g * lists.slots),
+          in_specs=_info_specs(info, bq, bk, q_at, lambda b_, kvh, jk, st, *r: jk, head)
           + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-          out_specs=[out_spec, out_spec], scratch_shapes=scratch(bk) * 2),
+          out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2),
       out_shape=[dkv_shape, dkv_shape],
       compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dkv",
-  )(*lists.arrays, *info, qt, kt, vt, dot, *rows)
-  # [B, N, Sp, H] per query head -> sum each group's heads -> [B, Sp, K, H]
-  dk = dk.reshape(b, kh, g, sp, h).sum(axis=2).transpose(0, 2, 1, 3)
-  dv = dv.reshape(b, kh, g, sp, h).sum(axis=2).transpose(0, 2, 1, 3)
-  return dq.transpose(0, 2, 1, 3), dk, dv
+  )(*lists.arrays, *info, qf, kf, vf, dof, *rows)
+  return _heads(dq, n), _heads(dk, kh), _heads(dv, kh)

@@ -121,7 +121,11 @@ def padded_len(length: int, *blocks: int) -> int:
 
 
 def padded_head_dim(backend: str, head_dim: int) -> int:
-  """Triton arrays need power-of-two sizes (>= 16): the head dim is zero-padded to one."""
+  """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16;
+  the TPU kernels read one head's lanes of ``[B, L, heads * H]`` in place, so H is a multiple of
+  128 lanes there (no padding for H = 128, 256)."""
   if backend == "pallas_triton":
     return max(16, _next_pow2(head_dim))
+  if backend == "pallas_tpu":
+    return _round_up(head_dim, 128)
   return head_dim
