@@ -19,6 +19,7 @@ _PUBLIC = {
     "BlockSizes": ("pallas_ring.config", "BlockSizes"),
     "SequenceParallelConfig": ("pallas_ring.config", "SequenceParallelConfig"),
     "TokenInfo": ("pallas_ring.block_sparse", "TokenInfo"),
+    "tuning_cache_path": ("pallas_ring.kernels.tile_cache", "tuning_cache_path"),
     "masks": ("pallas_ring.masks", None),
     "layouts": ("pallas_ring.layouts", None),
     "reference": ("pallas_ring.reference", None),
@@ -42,4 +43,4 @@ def __dir__():
 
 
 __all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "masks", "layouts",
-           "BlockSizes", "SequenceParallelConfig", "TokenInfo"]
+           "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from pallas_ring import block_sparse, kernels, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import BlockSizes
-from pallas_ring.kernels import common, tuning
+from pallas_ring.kernels import common, tile_cache, tuning
 
 
 def merge_sinks(o, lse, sinks):
@@ -225,9 +225,10 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
 def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positions,
               kv_positions, dense, sinks, *, mask, scale, softcap, block_sizes, return_lse):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
-  b, t, _, h = q.shape
+  b, t, n, h = q.shape
   s = k.shape[1]
-  tiles = tuning.resolve(backend, block_sizes, t, s, h)
+  tiles = tuning.resolve(backend, block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
+                         mask_class=tile_cache.mask_class(mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)

@@ -102,6 +102,17 @@ def _mha(seg, causal, bq, bk, warps, stages):
   return f
 
 
+def tile_note(t, h, mask, segments=False, n=16, kv_heads=None, dtype=jnp.bfloat16,
+              backend="pallas_triton") -> str:
+  """Which tiles ``block_sizes=None`` resolves to for a shape, and where they came from."""
+  from pallas_ring.kernels import tile_cache, tuning
+  tiles = tuning.resolve(backend, None, t, t, h, dtype=dtype, group=n // (kv_heads or n),
+                         mask_class=tile_cache.mask_class(masks.as_spec(mask), segments))
+  return (f"tiles fwd ({tiles.block_q}, {tiles.block_kv}, warps {tiles.num_warps}, stages "
+          f"{tiles.num_stages}) from {tiles.source_fwd}; bwd ({tiles.block_q_bwd}, "
+          f"{tiles.block_kv_bwd}) from {tiles.source_bwd}")
+
+
 def _sweep(make, args, grid, log):
   """Best (seconds, config) of ``make(*config)`` forward over ``grid``."""
   best = (float("inf"), None)
@@ -139,6 +150,7 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
     impls = {"cudnn": cudnn, f"mha{mha_cfg}": _mha(None, causal, *mha_cfg),
              f"ours{ours_cfg}": ours_make(*ours_cfg),
              "ours (default tiles)": lambda q_, k_, v_, m=mask: flash_attention(q_, k_, v_, mask=m)}
+    log(f"  ours (default tiles): {tile_note(t, h, mask, n=n)}")
     for pass_ in ("fwd", "fwd+bwd"):
       res = {}
       for name, f in impls.items():
@@ -177,6 +189,9 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
   }
   for case, (kind, impls) in cases.items():
     pairs = visible_pairs(t, kind)
+    log(f"  [{case}] ours: " + tile_note(t, h, masks.Causal() & masks.SlidingWindow(1024)
+                                         if kind == "window" else masks.Causal(),
+                                         segments=kind == "documents", n=n))
     for pass_ in ("fwd", "fwd+bwd"):
       res = {}
       for name, f in impls.items():

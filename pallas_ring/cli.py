@@ -1,4 +1,4 @@
-"""Command line: ``python -m pallas_ring demo | bench | compile``."""
+"""Command line: ``python -m pallas_ring demo | bench | compile | tune``."""
 
 from __future__ import annotations
 
@@ -117,11 +117,40 @@ def compile_cmd(args) -> int:
 DEFAULT_TOPOLOGY = "v5e:2x4"
 
 
+def tune_cmd(args) -> int:
+  """Measures tile candidates for one shape class and merges the winners into the cache."""
+  import jax
+  from pallas_ring import tune
+  from pallas_ring.kernels import tile_cache
+  backend = args.backend
+  if backend == "auto":
+    backend = {"gpu": "pallas_triton", "tpu": "pallas_tpu"}.get(
+        "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend(),
+        "xla")
+  problem = tune.Problem(backend=backend, seq_len=args.seq_len, heads=args.heads,
+                         kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
+                         dtype=args.dtype, mask=args.mask, batch=args.batch,
+                         interpret=args.interpret)
+  print(f"tuning {problem} on {jax.devices()[0].device_kind}", flush=True)
+  results = tune.tune(problem, passes=tuple(args.passes.split(",")), iters=args.iters,
+                      reps=args.reps)
+  tune.report(results)
+  entries = tune.winners(problem, results)
+  if not entries:
+    print("no valid candidate: nothing written")
+    return 1
+  path = tile_cache.store(entries)
+  for key, tiles in entries.items():
+    print(f"cached {key}: {tiles}")
+  print(f"tile cache: {path}")
+  return 0
+
+
 def _parser() -> argparse.ArgumentParser:
   fmt = argparse.ArgumentDefaultsHelpFormatter
   parser = argparse.ArgumentParser(prog="python -m pallas_ring", formatter_class=fmt,
                                    description="pallas_ring: block-sparse flash and ring attention")
-  sub = parser.add_subparsers(dest="cmd", metavar="{demo,bench,compile}")
+  sub = parser.add_subparsers(dest="cmd", metavar="{demo,bench,compile,tune}")
   p = sub.add_parser("demo", formatter_class=fmt,
                      help="ring attention on all devices (8 virtual CPU devices on CPU), each "
                           "mask x layout, checked against the dense reference")
@@ -145,6 +174,22 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--heads", type=int, default=16, help="query heads N")
   p.add_argument("--kv-heads", type=int, default=16, help="key/value heads K (N %% K == 0)")
   p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  p = sub.add_parser("tune", formatter_class=fmt,
+                     help="measure tile candidates on this device and write the tile cache")
+  p.add_argument("--backend", default="auto",
+                 help="kernel backend (auto: this device's native one, xla on CPU)")
+  p.add_argument("--seq-len", type=int, default=4096, help="tokens T = S")
+  p.add_argument("--heads", type=int, default=16, help="query heads N")
+  p.add_argument("--kv-heads", type=int, default=None, help="key/value heads K (default: N)")
+  p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  p.add_argument("--batch", type=int, default=1, help="batch B")
+  p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+  p.add_argument("--mask", default="causal", help="causal | full | window:W | docs:L")
+  p.add_argument("--passes", default="fwd,bwd", help="fwd, bwd or fwd,bwd")
+  p.add_argument("--interpret", action="store_true",
+                 help="run Pallas kernels in interpret mode (CPU, tiny sizes)")
+  p.add_argument("--iters", type=int, default=10, help="calls per timing")
+  p.add_argument("--reps", type=int, default=5, help="timings per candidate (median)")
   return parser
 
 
@@ -162,4 +207,4 @@ def main(argv=None) -> None:
     from pallas_ring import bench
     bench.main(args)
     return
-  sys.exit(demo(args) if args.cmd == "demo" else compile_cmd(args))
+  sys.exit({"demo": demo, "compile": compile_cmd, "tune": tune_cmd}[args.cmd](args))

@@ -34,7 +34,7 @@ from jax import lax
 from pallas_ring import attention, block_sparse, kernels, layouts, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
-from pallas_ring.kernels import common, tuning
+from pallas_ring.kernels import common, tile_cache, tuning
 
 
 def merge(o1, lse1, o2, lse2):
@@ -347,7 +347,9 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, positions, dense, sinks, 
   r, derived = ring_size, derived_positions
   b, t, _, h = q.shape
   gather = strategy == "all_gather"
-  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h)
+  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h, dtype=q.dtype,
+                         group=q.shape[2] // k.shape[2],
+                         mask_class=tile_cache.mask_class(mask, segment_ids is not None))
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
   blocks_q = (tiles.block_q, tiles.block_q_bwd)
   blocks_kv = (tiles.block_kv, tiles.block_kv_bwd)

@@ -33,7 +33,7 @@ def test_compile_reports_memory_and_overlap(capsys):
 
 
 def test_help_for_each_command(capsys):
-  for cmd in ("demo", "bench", "compile"):
+  for cmd in ("demo", "bench", "compile", "tune"):
     with pytest.raises(SystemExit) as e:
       cli.main([cmd, "--help"])
     assert e.value.code == 0
@@ -57,7 +57,7 @@ def test_help_is_fast_and_bare_call_lists_the_verbs():
   assert proc.returncode == 0 and "compile" in proc.stdout
   assert time.perf_counter() - t0 < 2.0  # JAX is not imported to parse arguments
   proc = _run()
-  assert proc.returncode == 2 and "{demo,bench,compile}" in proc.stdout
+  assert proc.returncode == 2 and "{demo,bench,compile,tune}" in proc.stdout
   proc = _run("compile", "--help")
   assert "--seq-len" in proc.stdout and "(default: 32768)" in proc.stdout
 

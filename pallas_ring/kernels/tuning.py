@@ -1,7 +1,9 @@
-"""Block-size heuristics per (backend, head dim, device), and the rules each backend needs.
+"""Tile sizes of a call, and the rules each backend's tiles obey.
 
-The GPU numbers come from the sweep in ``pallas_ring.bench`` (see BENCHMARKS.md); user-given
-``BlockSizes`` fields override them.
+Every field resolves, in order: the user's ``BlockSizes``, the tuning cache or the shipped table
+(``tile_cache``: per device kind and shape class, forward and backward separately), then the
+heuristic below (per backend, head dim and device). ``Tiles`` records where each pass's tiles came
+from, which ``bench`` prints.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Mapping
 import jax
 
 from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import tile_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,8 @@ class Tiles:
   block_kv_bwd: int  # backward key tile
   num_warps: int | None  # Triton warps (forward)
   num_stages: int | None  # Triton stages (forward)
+  source_fwd: str = "heuristic"  # where the forward tiles came from: user|cache|table|heuristic
+  source_bwd: str = "heuristic"  # the same for the backward tiles
 
 
 def _next_pow2(x: int) -> int:
@@ -90,12 +95,65 @@ def accepts(backend: str, bs: BlockSizes) -> bool:
   return True
 
 
+_FAMILY = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
+
+
+def device_kind(backend: str) -> str:
+  """The kind of the device ``backend`` will run on, as far as this process can tell: the default
+  device's when its platform is the backend's (else "": no device-specific tiles)."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover - no backend at all
+    return ""
+  platform = "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform
+  return dev.device_kind if _FAMILY.get(backend, platform) == platform else ""
+
+
+def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes, str, str]:
+  """Fills the unset fields of ``bs`` from the cache / shipped table, per pass."""
+  sources = []
+  for pass_, fields in tile_cache.PASS_FIELDS.items():
+    if all(getattr(bs, f) is not None for f in fields if f in ("block_q", "block_kv",
+                                                                "block_q_bwd", "block_kv_bwd")):
+      sources.append("user")
+      continue
+    if not kind:
+      sources.append("heuristic")
+      continue
+    k = tile_cache.key(kind, backend, pass_=pass_, **shape)
+    entry, source = tile_cache.lookup(k)
+    if entry is not None:
+      try:
+        cand = BlockSizes.from_dict({f: entry.get(f) for f in fields})
+        check_block_sizes(backend, cand)
+      except (ValueError, TypeError) as e:
+        tile_cache.reject(k, source, str(e))
+        entry, source = None, "heuristic"
+      else:
+        bs = bs.replace(**{f: getattr(bs, f) if getattr(bs, f) is not None else
+                           getattr(cand, f) for f in fields})
+    sources.append(source)
+  return bs, sources[0], sources[1]
+
+
 def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, kv_len: int,
-            head_dim: int) -> Tiles:
-  """Tile sizes for a call: user overrides, else heuristics, clamped to the sequence lengths."""
+            head_dim: int, *, dtype=None, group: int = 1, mask_class: str = "other") -> Tiles:
+  """Tile sizes for a call: user overrides, the tuning cache or shipped table, the heuristic;
+  clamped to the sequence lengths.
+
+  Args:
+    backend: a resolved backend name.
+    block_sizes: the user's overrides (None fields are resolved).
+    q_len, kv_len, head_dim: the call's (unpadded) shape.
+    dtype, group, mask_class: the rest of the shape class the cache is keyed by (``dtype=None``
+      skips the cache and table).
+  """
   bs = as_block_sizes(block_sizes)
   check_block_sizes(backend, bs)
-  kind = jax.devices()[0].device_kind if jax.devices() else ""
+  kind = device_kind(backend) if dtype is not None else ""
+  shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
+               length=max(q_len, kv_len))
+  bs, src_fwd, src_bwd = _tuned(backend, bs, kind, shape)
   d = _defaults(backend, head_dim, kind)
   pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
   bq, bk, bqb, bkb = (pick(f) for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"))
@@ -109,7 +167,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
   bk, bkb = min(bk, cap_k), min(bkb, cap_k)
   if backend == "pallas_tpu":  # the query tile must also tile by 8 after clamping
     bq, bqb = _round_up(bq, 8), _round_up(bqb, 8)
-  return Tiles(bq, bk, bqb, bkb, pick("num_warps"), pick("num_stages"))
+  return Tiles(bq, bk, bqb, bkb, pick("num_warps"), pick("num_stages"), src_fwd, src_bwd)
 
 
 def padded_len(length: int, *blocks: int) -> int:
