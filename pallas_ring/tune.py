@@ -76,8 +76,9 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
     tiles = [64, 128] if head_dim <= 128 else [32, 64]
     fwd = [dict(block_q=q, block_kv=k, num_warps=w, num_stages=s)
            for q, k, w, s in itertools.product(tiles, tiles, (4, 8), (2, 3, 4))]
+    bwd_tiles = sorted({32, *tiles})
     bwd = [dict(block_q_bwd=q, block_kv_bwd=k)
-           for q, k in itertools.product([32] + tiles[:1] + tiles[1:], repeat=2)]
+           for q, k in itertools.product(bwd_tiles, repeat=2)]
     return {"fwd": fwd, "bwd": bwd}
   if backend == "pallas_tpu":
     sizes = [128, 256] if interpret else [256, 512, 1024]

@@ -99,14 +99,15 @@ _FAMILY = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
 
 
 def device_kind(backend: str) -> str:
-  """The kind of the device ``backend`` will run on, as far as this process can tell: the default
-  device's when its platform is the backend's (else "": no device-specific tiles)."""
+  """The kind of device ``backend`` runs on here: the default device's kind, marked
+  ``":interpret"`` when that device runs the backend's kernels in interpret mode."""
   try:
     dev = jax.devices()[0]
   except RuntimeError:  # pragma: no cover - no backend at all
     return ""
   platform = "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform
-  return dev.device_kind if _FAMILY.get(backend, platform) == platform else ""
+  native = _FAMILY.get(backend, platform) == platform
+  return dev.device_kind if native else f"{dev.device_kind}:interpret"
 
 
 def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes, str, str]:
