@@ -5,6 +5,7 @@ import pytest
 from pallas_ring import cli
 
 
+@pytest.mark.slow
 def test_demo_passes(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["demo", "--seq-len", "128"])
@@ -70,3 +71,13 @@ def test_compile_takes_the_presets_topology_and_libtpu_is_quiet():
   assert "for v5e:2x4" in proc.stdout and "8 x TPU v5 lite" in proc.stdout
   for noise in ("Failed to find host bounds", "unexpected worker hostname", "Source Location"):
     assert noise not in proc.stderr and noise not in proc.stdout
+
+
+def test_importing_and_using_jax_is_quiet_on_a_host_without_tpu():
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, "-c", "import pallas_ring, jax; print(jax.devices())"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0
+  for noise in ("Failed to find host bounds", "unexpected worker hostname", "Source Location"):
+    assert noise not in proc.stderr

@@ -233,6 +233,7 @@ def test_ring_attention_module_on_a_mesh_matches_and_uses_ppermute_in_scan():
   assert rel_err(_flat(g), _flat(g_ref)) < 1e-5
 
 
+@pytest.mark.slow
 def test_transformer_trains_identically_single_device():
   stock = train(TransformerLM(), steps=50)
   ours = train(TransformerLM(attention_fn=make_attention_fn(mask=masks.Causal())), steps=50)
@@ -240,6 +241,7 @@ def test_transformer_trains_identically_single_device():
   np.testing.assert_allclose(ours, stock, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_transformer_trains_identically_on_a_zigzag_mesh():
   mesh = _mesh()
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",), backend="xla")

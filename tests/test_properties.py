@@ -8,6 +8,7 @@ data (positions, segment ids, inputs) is fresh in every example.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
@@ -41,7 +42,8 @@ def _grads(fn, q, k, v, w):
   return jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)
 
 
-@settings(max_examples=150)
+@pytest.mark.slow
+@settings(max_examples=60)  # ~7 minutes on 2 cores
 @given(mask=st.sampled_from(POOL), heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]),
        docs=st.sampled_from([0, 3]), offset=st.integers(-20, 20), shuffle=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
@@ -63,7 +65,8 @@ def test_flash_attention_equals_reference(mask, heads, docs, offset, shuffle, se
     assert rel_err(a, b) < 1e-5
 
 
-@settings(max_examples=60)
+@pytest.mark.slow
+@settings(max_examples=24)  # ~5 minutes on 2 cores
 @given(mask=st.sampled_from(POOL[:3]), layout=st.sampled_from(layouts.LAYOUTS),
        ring=st.sampled_from([1, 2, 4, 8]), strategy=st.sampled_from(["ring", "all_gather"]),
        docs=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
