@@ -151,6 +151,18 @@ def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
       num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
 
 
+def backend_variants(backend: str, interpret, q, block_sizes):
+  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``)."""
+  validation.check_backend(backend)
+  block_sizes = tuning.as_block_sizes(block_sizes)
+  per_platform = kernels.variants(backend, interpret, q.dtype,
+                                  accepts=lambda b: tuning.accepts(b, block_sizes))
+  for b, _ in set(per_platform.values()):
+    validation.check_backend_dtype(b, q)
+    tuning.check_block_sizes(b, block_sizes)  # an explicit backend's rules
+  return block_sizes, per_platform
+
+
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
                     q_positions=None, kv_positions=None, dense_mask=None, sinks=None,
                     softcap=None, scale=None, block_sizes: Optional[BlockSizes] = None,
@@ -192,7 +204,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   validation.check_qkv(q, k, v)
   b, t, n, h = q.shape
   s = k.shape[1]
-  validation.check_backend(backend)
+  validation.check_backend(backend)  # before anything else: a typo is the likeliest mistake
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   if kv_segment_ids is None and segment_ids is not None:
@@ -209,12 +221,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, s)
   if sinks is not None:
     validation.check_sinks(sinks, n)
-  block_sizes = tuning.as_block_sizes(block_sizes)
-  per_platform = kernels.variants(backend, interpret, q.dtype,
-                                  accepts=lambda b_: tuning.accepts(b_, block_sizes))
-  for b_, _ in set(per_platform.values()):
-    validation.check_backend_dtype(b_, q)
-    tuning.check_block_sizes(b_, block_sizes)  # an explicit backend's rules
+  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes)
   run = functools.partial(_flash_on, mask=mask, scale=scale, softcap=softcap,
                           block_sizes=block_sizes, return_lse=return_lse)
   with forward_mode_errors():

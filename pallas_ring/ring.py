@@ -303,7 +303,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     raise ValueError(
         f"ring_attention(axis_name={axis_name!r}) must run where that mesh axis is bound: inside "
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
-        "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that.") from e
+        "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
+    ) from e
   validation.check_qkv(q, k, v)
   b, t, n, h = q.shape
   if k.shape[1] != t:
@@ -326,12 +327,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if derived:
     positions = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
-  block_sizes = tuning.as_block_sizes(block_sizes)
-  per_platform = kernels.variants(backend, interpret, q.dtype,
-                                  accepts=lambda b_: tuning.accepts(b_, block_sizes))
-  for b_, _ in set(per_platform.values()):
-    validation.check_backend_dtype(b_, q)
-    tuning.check_block_sizes(b_, block_sizes)  # an explicit backend's rules
+  block_sizes, per_platform = attention.backend_variants(backend, interpret, q, block_sizes)
   run = functools.partial(
       _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
       derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,

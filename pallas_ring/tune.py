@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
 import sys
-import time
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import masks
+from pallas_ring import bench, masks
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import tile_cache, tuning
@@ -89,19 +87,6 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
   return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
           "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q, k in itertools.product(sizes,
                                                                                      sizes)]}
-
-
-def _timeit(fn, args, iters: int, reps: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
 
 
 def _rel_err(got, ref) -> float:
@@ -173,7 +158,7 @@ def tune(problem: Problem, passes=("fwd", "bwd"), iters: int = 10, reps: int = 5
       if not err <= tol:
         rows.append(Result(pass_, tiles, None, f"relative error {err:.1e} > {tol:g}"))
         continue
-      rows.append(Result(pass_, tiles, _timeit(fn, args, iters, reps)))
+      rows.append(Result(pass_, tiles, bench.timeit(fn, *args, iters=iters, reps=reps)))
     rows.sort(key=lambda r: (r.seconds is None, r.seconds or 0.0))
     results[pass_] = rows
     if pass_ == "fwd" and rows and rows[0].seconds is not None:

@@ -140,10 +140,11 @@ def test_jit_vmap_checkpoint_xla():
   f = lambda x: flash_attention(x, x, x, mask=masks.Causal(), block_sizes=BlockSizes(8, 8, 8, 8),
                                 backend="xla")
   ref = jax.vmap(lambda x: reference.attention(x, x, x, mask=masks.Causal())[0])(q)
-  assert rel_err(jax.jit(jax.vmap(f))(q), ref) < 1e-5
+  tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3  # GPU float32 dots run as TF32
+  assert rel_err(jax.jit(jax.vmap(f))(q), ref) < tol
   g1 = jax.grad(lambda x: jnp.sum(jax.checkpoint(f)(x) ** 2))(q[0])
   g2 = jax.grad(lambda x: jnp.sum(reference.attention(x, x, x, mask=masks.Causal())[0] ** 2))(q[0])
-  assert rel_err(g1, g2) < 1e-5
+  assert rel_err(g1, g2) < tol
 
 
 def test_backward_jaxpr_has_no_t_by_s_array():

@@ -156,8 +156,8 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
     if cfg.softcap is not None:
       s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     if masked:
-      vis = _tile_mask(cfg, _Lists.at(idx_ref, slot), bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-                       dense_ref)
+      vis = _tile_mask(cfg, _Lists.at(idx_ref, slot), bq, bk, qpos_ref, kpos_ref, qseg_ref,
+                       kseg_ref, dense_ref)
       s = jnp.where(vis, s, common.NEG_INF)
     m_prev = m_sc[...]  # [bq, 128]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -236,8 +236,8 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    mask_args = (_Lists.at(idx_ref, slot), cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref,
-                 kseg_ref, dense_ref)
+    mask_args = (_Lists.at(idx_ref, slot), cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref,
+                 kpos_ref, qseg_ref, kseg_ref, dense_ref)
     p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
     ds = p * (dp - delta_ref[...]) * common.softcap_grad(s, cfg)
