@@ -8,7 +8,7 @@ from pallas_ring import cli
 @pytest.mark.slow
 def test_demo_passes(capsys):
   with pytest.raises(SystemExit) as e:
-    cli.main(["demo", "--seq-len", "128"])
+    cli.main(["demo"])  # T=256: two tiles per shard, so zigzag can skip the empty ones
   out = capsys.readouterr().out
   assert e.value.code == 0
   assert "zigzag" in out and "-> OK" in out
