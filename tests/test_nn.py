@@ -129,6 +129,9 @@ FIELD_COMBOS = [
     dict(precision=jax.lax.Precision.HIGHEST, force_fp32_for_softmax=True,
          out_kernel_init=nn.initializers.ones, bias_init=nn.initializers.normal(0.1)),
     dict(dropout_rate=0.3, deterministic=True),
+    dict(kernel_init=nn.initializers.lecun_normal(), out_bias_init=nn.initializers.ones,
+         broadcast_dropout=False, qkv_dot_general=jax.lax.dot_general,
+         out_dot_general=jax.lax.dot_general),
 ]
 
 
