@@ -158,8 +158,7 @@ def backend_variants(backend: str, interpret, q, block_sizes):
   per_platform = kernels.variants(backend, interpret, q.dtype,
                                   accepts=lambda b: tuning.accepts(b, block_sizes))
   for b, _ in set(per_platform.values()):
-    validation.check_backend_dtype(b, q)
-    tuning.check_block_sizes(b, block_sizes)  # an explicit backend's rules
+    validation.check_backend_dtype(b, q)  # (each backend's tile rules: tuning.resolve)
   return block_sizes, per_platform
 
 
@@ -204,7 +203,6 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   validation.check_qkv(q, k, v)
   b, t, n, h = q.shape
   s = k.shape[1]
-  validation.check_backend(backend)  # before anything else: a typo is the likeliest mistake
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   if kv_segment_ids is None and segment_ids is not None:

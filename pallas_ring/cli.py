@@ -120,13 +120,9 @@ DEFAULT_TOPOLOGY = "v5e:2x4"
 def tune_cmd(args) -> int:
   """Measures tile candidates for one shape class and merges the winners into the cache."""
   import jax
-  from pallas_ring import tune
+  from pallas_ring import kernels, tune
   from pallas_ring.kernels import tile_cache
-  backend = args.backend
-  if backend == "auto":
-    backend = {"gpu": "pallas_triton", "tpu": "pallas_tpu"}.get(
-        "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend(),
-        "xla")
+  backend = kernels.native_backend(args.dtype) if args.backend == "auto" else args.backend
   problem = tune.Problem(backend=backend, seq_len=args.seq_len, heads=args.heads,
                          kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
                          dtype=args.dtype, mask=args.mask, batch=args.batch,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Any, Mapping, Optional
 
@@ -189,9 +190,7 @@ class Preset:
     import jax  # local import: reading a preset needs no JAX
     if self.mesh_shape is None:
       raise ValueError("this preset has no `mesh:` section; build the mesh with jax.make_mesh.")
-    n = 1
-    for d in self.mesh_shape:
-      n *= d
+    n = math.prod(self.mesh_shape)
     devices = jax.devices() if devices is None else list(devices)
     if len(devices) != n:
       raise ValueError(f"the preset's mesh {dict(zip(self.mesh_axes, self.mesh_shape))} needs {n} "

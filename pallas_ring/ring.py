@@ -316,7 +316,6 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         q, k, v, mask=mask, segment_ids=segment_ids, q_positions=pos, kv_positions=pos,
         dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale,
         block_sizes=block_sizes, backend=backend, interpret=interpret, return_lse=return_lse)
-  validation.check_backend(backend)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   validation.check_token_array("segment_ids", segment_ids, b, t)

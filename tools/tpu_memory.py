@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pallas_ring import _quiet
-
-_quiet.quiet_libtpu()
+import pallas_ring  # noqa: F401  (first: it quiets libtpu before JAX loads it)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -24,16 +24,26 @@ BACKEND_PLATFORM = {"xla": None, "pallas_triton": "gpu", "pallas_tpu": "tpu"}
 _MODULES = {"xla": "pallas_ring.kernels.xla",
             "pallas_triton": "pallas_ring.kernels.pallas_triton",
             "pallas_tpu": "pallas_ring.kernels.pallas_tpu"}
-# lax.platform_dependent's platform names and their families.
-PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+# lax.platform_dependent's platform names.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_triton"}
 
 
-def _auto(family: str, dtype) -> str:
+def family(platform: str) -> str:
+  """'cpu', 'gpu' or 'tpu' for a platform name (``jax.default_backend()`` or a lowering one)."""
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _auto(family_: str, dtype) -> str:
   """The backend ``"auto"`` picks on a platform family for inputs of ``dtype``."""
   if jnp.dtype(dtype) == jnp.float64:  # only the xla lowering computes in float64
     return "xla"
-  return _NATIVE.get(family, "xla")
+  return _NATIVE.get(family_, "xla")
+
+
+def native_backend(dtype=jnp.bfloat16) -> str:
+  """The backend ``"auto"`` runs on this process's default device."""
+  return _auto(family(jax.default_backend()), dtype)
 
 
 def variants(backend: str, interpret, dtype, accepts: Callable[[str], bool] = lambda b: True
@@ -48,15 +58,16 @@ def variants(backend: str, interpret, dtype, accepts: Callable[[str], bool] = la
       falls back to ``xla`` on a platform whose native backend cannot.
   """
   out = {}
-  for platform, family in PLATFORMS.items():
+  for platform in PLATFORMS:
+    fam = family(platform)
     b = backend
     if backend == "auto":
-      b = _auto(family, dtype)
+      b = _auto(fam, dtype)
       if not accepts(b):
         b = "xla"
     native = BACKEND_PLATFORM[b]
     out[platform] = (b, bool(interpret) if interpret is not None else
-                     native is not None and native != family)
+                     native is not None and native != fam)
   return out
 
 

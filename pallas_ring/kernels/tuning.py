@@ -95,18 +95,15 @@ def accepts(backend: str, bs: BlockSizes) -> bool:
   return True
 
 
-_FAMILY = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
-
-
 def device_kind(backend: str) -> str:
   """The kind of device ``backend`` runs on here: the default device's kind, marked
   ``":interpret"`` when that device runs the backend's kernels in interpret mode."""
+  from pallas_ring import kernels  # the package that holds this module
   try:
     dev = jax.devices()[0]
   except RuntimeError:  # pragma: no cover - no backend at all
     return ""
-  platform = "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform
-  native = _FAMILY.get(backend, platform) == platform
+  native = kernels.BACKEND_PLATFORM[backend] in (None, kernels.family(dev.platform))
   return dev.device_kind if native else f"{dev.device_kind}:interpret"
 
 
@@ -114,8 +111,7 @@ def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes,
   """Fills the unset fields of ``bs`` from the cache / shipped table, per pass."""
   sources = []
   for pass_, fields in tile_cache.PASS_FIELDS.items():
-    if all(getattr(bs, f) is not None for f in fields if f in ("block_q", "block_kv",
-                                                                "block_q_bwd", "block_kv_bwd")):
+    if all(getattr(bs, f) is not None for f in fields if f.startswith("block_")):
       sources.append("user")
       continue
     if not kind:
