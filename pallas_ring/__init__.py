@@ -20,6 +20,8 @@ _PUBLIC = {
     "SequenceParallelConfig": ("pallas_ring.config", "SequenceParallelConfig"),
     "TokenInfo": ("pallas_ring.block_sparse", "TokenInfo"),
     "tuning_cache_path": ("pallas_ring.kernels.tile_cache", "tuning_cache_path"),
+    "dropout_keep_mask": ("pallas_ring.dropout", "dropout_keep_mask"),
+    "segment_ids_from_cu_seqlens": ("pallas_ring.packing", "segment_ids_from_cu_seqlens"),
     "masks": ("pallas_ring.masks", None),
     "layouts": ("pallas_ring.layouts", None),
     "reference": ("pallas_ring.reference", None),
@@ -43,4 +45,5 @@ def __dir__():
 
 
 __all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "masks", "layouts",
-           "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path"]
+           "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path", "dropout_keep_mask",
+           "segment_ids_from_cu_seqlens"]

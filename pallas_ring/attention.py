@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, kernels, validation
+from pallas_ring import block_sparse, dropout, kernels, packing, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
+from pallas_ring.kernels import xla as xla_kernels
+
+Array = Any
 
 
 def merge_sinks(o, lse, sinks):
@@ -133,8 +136,18 @@ def _flash_bwd(cfg, backend, res, cts):
 
   dq, dk, dv = first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
   dsinks = None if sinks is None else sinks_grad(sinks, lse, delta).astype(sinks.dtype)
-  no_grad_ops = jax.tree.map(lambda _: None, ops)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, no_grad_ops)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks,
+          ops_grad(q, k, v, do, lse, delta, ops, cfg))
+
+
+def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig):
+  """The cotangent of ``ops``: the bias gradient (computed densely in XLA for every lowering,
+  and dead code when nobody asks for it); every other operand is not differentiable."""
+  grads = jax.tree.map(lambda _: None, ops)
+  if ops.bias is None:
+    return grads
+  dbias = xla_kernels.bias_grad(q, k, v, do.astype(q.dtype), lse, delta, ops, cfg)
+  return grads._replace(bias=dbias.astype(ops.bias.dtype))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -142,13 +155,68 @@ _flash_jit = jax.jit(_flash, static_argnums=(5, 6))
 
 
 def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
-                  out_dtype, interpret) -> common.KernelConfig:
+                  out_dtype, interpret, dropout_rate=0.0) -> common.KernelConfig:
   """The static KernelConfig of one call (shared by flash_attention and the ring)."""
   return common.KernelConfig(
       mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
       q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
       block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret)
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
+      dropout_rate=float(dropout_rate))
+
+
+class Extras(NamedTuple):
+  """The optional score terms of one call, validated (arrays; see ``check_extras``).
+
+  Attributes:
+    bias: ``[Bb, Nb, T, S]`` additive bias or None.
+    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
+    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
+  """
+
+  bias: Optional[Array] = None
+  alibi: Optional[Array] = None
+  seeds: Optional[Array] = None
+
+
+def check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng):
+  """Validates bias / ALiBi / dropout arguments -> ``(Extras, dropout rate)``."""
+  b, _, n, _ = q.shape
+  rate = dropout.check_dropout(dropout_rate, dropout_rng)
+  return Extras(validation.normalize_bias(bias, b, n, t, s),
+                None if alibi_slopes is None else
+                jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
+                dropout.seeds(dropout_rng) if rate > 0 else None), rate
+
+
+def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, q_len: int,
+                    kv_len: int, *, batch_offset=0, head_offset=0, broadcast=False):
+  """``(bias, alibi, DropoutKeys)`` of the Operands, padded to ``(q_len, kv_len)``."""
+  bias = extras.bias
+  if bias is not None:
+    pads = ((0, 0), (0, 0), (0, q_len - bias.shape[2]), (0, kv_len - bias.shape[3]))
+    bias = jnp.pad(bias, pads) if any(p for _, p in pads) else bias
+  keys = None
+  if extras.seeds is not None:
+    keys = dropout.keys(extras.seeds, batch, heads, q_info.positions, kv_info.positions,
+                        batch_offset=batch_offset, head_offset=head_offset, broadcast=broadcast)
+  return bias, extras.alibi, keys
+
+
+def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
+  """Segment ids ``(q [1, T], kv [1, S])`` from ``cu_seqlens`` (padding tails invisible)."""
+  if segment_ids is not None:
+    raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
+                     "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
+  if kv_cu_seqlens is None:
+    if t != s:
+      raise ValueError(f"`kv_cu_seqlens` is required when T != S (T={t}, S={s}): pass the "
+                       "cumulative lengths of the packed keys.")
+    kv_cu_seqlens = cu_seqlens
+  packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b)
+  packing.check_cu_seqlens("kv_cu_seqlens", kv_cu_seqlens, s, b)
+  return (packing.packed_segment_ids(cu_seqlens, jnp.arange(t), packing.Q_PAD),
+          packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))
 
 
 def backend_variants(backend: str, interpret, q, block_sizes):
@@ -164,8 +232,11 @@ def backend_variants(backend: str, interpret, q, block_sizes):
 
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
                     q_positions=None, kv_positions=None, dense_mask=None, sinks=None,
-                    softcap=None, scale=None, block_sizes: Optional[BlockSizes] = None,
-                    backend: str = "auto", interpret=None, return_lse: bool = False):
+                    softcap=None, scale=None, bias=None, alibi_slopes=None,
+                    dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
+                    kv_cu_seqlens=None, block_sizes: Optional[BlockSizes] = None,
+                    backend: str = "auto", interpret=None, return_lse: bool = False,
+                    dropout_broadcast: bool = False):
   """Block-sparse flash attention on one device.
 
   Args:
@@ -182,6 +253,18 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     sinks: ``[N]`` per-head sink logits, counted once in each row's denominator.
     softcap: logit soft-cap ``cap * tanh(s / cap)``.
     scale: logit scale, default ``H ** -0.5``.
+    bias: float additive logit bias broadcastable to ``[B, N, T, S]``, differentiable (its
+      gradient has its shape). Logits are ``softcap(q.k * scale) + bias - alibi``.
+    alibi_slopes: ``[N]`` or ``[B, N]`` ALiBi slopes: ``-slope * |q_pos - k_pos|`` is added to
+      the logits, computed in the kernels from the positions (not differentiated).
+    dropout_rate: attention-probability dropout rate in ``[0, 1)``; kept probabilities are scaled
+      by ``1 / (1 - rate)``; sinks are never dropped.
+    dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``. Each keep decision is a hash
+      of (key, batch index, query head, q position, k position): ``dropout_keep_mask`` returns it.
+    cu_seqlens: int ``[D + 1]`` cumulative lengths of D sequences packed along T (B must be 1):
+      the same as ``segment_ids=segment_ids_from_cu_seqlens(cu_seqlens, T)``, except that tokens
+      at or past ``cu_seqlens[-1]`` are padding (invisible; their output and gradients are 0).
+    kv_cu_seqlens: the same for the keys; defaults to ``cu_seqlens`` when ``T == S``.
     block_sizes: ``BlockSizes`` overrides of the backend's tuned tiles.
     backend: ``"auto" | "pallas_tpu" | "pallas_triton" | "xla"``. ``"auto"`` is resolved for the
       platform the computation is lowered for (TPU: pallas_tpu, GPU: pallas_triton, CPU and
@@ -189,6 +272,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     interpret: Pallas interpret mode; None = exactly when the platform the computation is lowered
       for cannot run the kernel natively.
     return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
+    dropout_broadcast: one dropout mask for every batch row and head (Flax's
+      ``broadcast_dropout=True``).
 
   Returns:
     ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. Rows with no visible
@@ -205,6 +290,11 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   s = k.shape[1]
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
+  extras, rate = check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng)
+  if cu_seqlens is not None:
+    segment_ids, kv_segment_ids = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
+  elif kv_cu_seqlens is not None:
+    raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
   if kv_segment_ids is None and segment_ids is not None:
     if t != s:
       raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "
@@ -221,14 +311,16 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     validation.check_sinks(sinks, n)
   block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes)
   run = functools.partial(_flash_on, mask=mask, scale=scale, softcap=softcap,
-                          block_sizes=block_sizes, return_lse=return_lse)
+                          block_sizes=block_sizes, return_lse=return_lse, dropout_rate=rate,
+                          dropout_broadcast=bool(dropout_broadcast))
   with forward_mode_errors():
     return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, q_positions,
-                            kv_positions, dense, sinks)
+                            kv_positions, dense, sinks, extras)
 
 
 def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positions,
-              kv_positions, dense, sinks, *, mask, scale, softcap, block_sizes, return_lse):
+              kv_positions, dense, sinks, extras, *, mask, scale, softcap, block_sizes,
+              return_lse, dropout_rate, dropout_broadcast):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   b, t, n, h = q.shape
   s = k.shape[1]
@@ -238,14 +330,16 @@ def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positi
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)
   cfg = kernel_config(tiles, mask=mask, scale=scale, softcap=softcap, q_len=t,
-                      kv_len=s, out_dtype=q.dtype, interpret=interpret)
+                      kv_len=s, out_dtype=q.dtype, interpret=interpret,
+                      dropout_rate=dropout_rate)
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
   if dense is not None:
     dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
-  ops = common.Operands(q_info, kv_info, dense)
+  ops = common.Operands(q_info, kv_info, dense, *extras_operands(
+      extras, q_info, kv_info, b, n, tp, sp, broadcast=dropout_broadcast))
   out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
                         sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]

@@ -29,7 +29,8 @@ def visibility(mask: masks_lib.MaskSpec, q_positions, kv_positions, segment_ids=
 
 
 def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_positions=None,
-              kv_positions=None, dense_mask=None, sinks=None, softcap=None, scale=None):
+              kv_positions=None, dense_mask=None, sinks=None, softcap=None, scale=None, bias=None,
+              alibi_slopes=None, dropout_rate=0.0, dropout_mask=None):
   """Dense attention with the semantics of ``pallas_ring.flash_attention``.
 
   Args:
@@ -42,6 +43,10 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
     sinks: ``[N]`` per-head sink logits, counted once in each row's denominator.
     softcap: logit soft-cap ``cap * tanh(s / cap)``.
     scale: logit scale, default ``H ** -0.5``.
+    bias: additive logit bias broadcastable to ``[B, N, T, S]``.
+    alibi_slopes: ``[N]`` or ``[B, N]``: ``-slope * |q_pos - k_pos|`` is added to the logits.
+    dropout_rate, dropout_mask: bool keep mask broadcastable to ``[B, N, T, S]`` (e.g.
+      ``pallas_ring.dropout_keep_mask``); kept weights are scaled by ``1 / (1 - rate)``.
 
   Returns:
     ``(out [B, T, N, H] in q.dtype, lse [B, N, T] in the compute dtype, natural log)``.
@@ -66,6 +71,18 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
                       precision=jax.lax.Precision.HIGHEST) * scale
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
+  if bias is not None:
+    logits = logits + jnp.broadcast_to(jnp.asarray(bias, ctype), (b, n, t, s)).reshape(
+        b, kh, g, t, s)
+  if alibi_slopes is not None:
+    qp = jnp.asarray(q_positions, ctype)
+    kp = jnp.asarray(kv_positions, ctype)
+    qp = qp[None] if qp.ndim == 1 else qp  # [B|1, T]
+    kp = kp[None] if kp.ndim == 1 else kp
+    dist = jnp.abs(qp[:, None, :, None] - kp[:, None, None, :])  # [B|1, 1, T, S]
+    sl = jnp.asarray(alibi_slopes, ctype)
+    sl = jnp.broadcast_to(sl[None] if sl.ndim == 1 else sl, (b, n))[:, :, None, None]
+    logits = logits - (sl * dist).reshape(b, kh, g, t, s)
   masked = jnp.where(vis, logits, -jnp.inf)
   m = jnp.max(masked, axis=-1, keepdims=True)
   if sinks is not None:
@@ -79,6 +96,9 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
   empty = denom == 0
   denom_safe = jnp.where(empty, 1.0, denom)
   w = p / denom_safe
+  if dropout_mask is not None:
+    keep = jnp.broadcast_to(jnp.asarray(dropout_mask, bool), (b, n, t, s)).reshape(b, kh, g, t, s)
+    w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bkgts,bskh->btkgh", w, v.astype(ctype), precision=jax.lax.Precision.HIGHEST)
   lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(denom_safe))[..., 0]
   return out.reshape(b, t, n, h).astype(q.dtype), lse.reshape(b, n, t)

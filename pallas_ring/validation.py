@@ -88,22 +88,51 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
                     f"(cast with `.astype(jnp.int32)`).")
 
 
+def _bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
+  """``x``'s shape padded to rank 4 after checking it broadcasts to ``[B, N, T, S]``."""
+  shape = _shape(x)
+  if len(shape) > 4:
+    raise ValueError(f"`{name}` has shape {shape}; it must broadcast to [B, N, T, S] = "
+                     f"{(b, n, t, s)}.")
+  full = (1,) * (4 - len(shape)) + shape
+  for dim, want, axis in zip(full, (b, n, t, s), "BNTS"):
+    if dim not in (1, want):
+      raise ValueError(f"`{name}` has shape {shape}, which does not broadcast to [B, N, T, S]"
+                       f" = {(b, n, t, s)}: axis {axis} is {dim}, expected 1 or {want}.")
+  return full
+
+
 def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):
   """Broadcasts a dense mask to ``[Bm, Nm, T, S]`` bool with Bm in {1, B}, Nm in {1, N}."""
   if dense_mask is None:
     return None
-  shape = _shape(dense_mask)
-  if len(shape) > 4:
-    raise ValueError(f"`dense_mask` has shape {shape}; it must broadcast to [B, N, T, S] = "
-                     f"{(b, n, t, s)}.")
-  full = (1,) * (4 - len(shape)) + shape
-  for dim, want, name in zip(full, (b, n, t, s), "BNTS"):
-    if dim not in (1, want):
-      raise ValueError(f"`dense_mask` has shape {shape}, which does not broadcast to [B, N, T, S]"
-                       f" = {(b, n, t, s)}: axis {name} is {dim}, expected 1 or {want}.")
+  full = _bnts_shape("dense_mask", dense_mask, b, n, t, s)
   m = jnp.asarray(dense_mask)
   m = m.reshape(full) if m.dtype == bool else (m.reshape(full) != 0)
   return jnp.broadcast_to(m, (full[0], full[1], t, s))
+
+
+def normalize_bias(bias, b: int, n: int, t: int, s: int):
+  """Broadcasts an additive bias to ``[Bb, Nb, T, S]`` (Bb in {1, B}, Nb in {1, N}), its dtype
+  kept (its gradient sums over the broadcast axes through autodiff)."""
+  if bias is None:
+    return None
+  full = _bnts_shape("bias", bias, b, n, t, s)
+  _check_float("bias", bias)
+  return jnp.broadcast_to(jnp.reshape(bias, full), (full[0], full[1], t, s))
+
+
+def normalize_alibi(slopes, b: int, n: int):
+  """ALiBi slopes ``[N]`` or ``[B, N]`` -> float32 ``[Ba, N, 1]`` (Ba in {1, B})."""
+  if slopes is None:
+    return None
+  shape = _shape(slopes)
+  if shape not in ((n,), (1, n), (b, n)):
+    raise ValueError(f"`alibi_slopes` has shape {shape}; expected [N] = ({n},) or [B, N] = "
+                     f"{(b, n)}: one slope per query head (and batch row).")
+  _check_float("alibi_slopes", slopes)
+  x = jnp.asarray(slopes, jnp.float32)
+  return (x[None] if x.ndim == 1 else x)[..., None]
 
 
 def check_sinks(sinks, n: int) -> None:

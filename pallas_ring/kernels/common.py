@@ -8,7 +8,8 @@ Each module in ``pallas_ring.kernels`` provides::
 over one (q shard, kv shard) pair, with sequences already padded to block multiples:
 
 * ``q``  ``[B, Tp, N, H]``, ``k, v`` ``[B, Sp, K, H]`` (``N % K == 0``; K/V are never repeated)
-* ``ops``: ``Operands`` (token info of both sides and the optional dense mask)
+* ``ops``: ``Operands`` (token info of both sides, the optional dense mask, additive bias, ALiBi
+  slopes and dropout keys)
 * ``plan``: the ``BlockPlan`` for this pass's tile sizes (see ``block_sparse``)
 * ``o`` ``[B, Tp, N, H]`` in ``cfg.out_dtype``, normalised; ``lse`` ``[B, N, Tp]`` float32 (float64
   for float64 inputs, which only the ``xla`` lowering accepts; see ``acc_dtype``),
@@ -16,6 +17,11 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
 * ``do`` ``[B, Tp, N, H]``; ``lse`` and ``delta = sum(o * do, -1)`` ``[B, N, Tp]`` are the *final*
   row statistics (after merging ring steps and sinks), so a pass over one kv shard yields exact
   contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``acc_dtype``.
+
+Logits are ``s = softcap(q.k * scale) + bias - slope * |q_pos - k_pos|`` (``score_terms``), then
+the mask. With ``cfg.dropout_rate > 0`` each probability is kept where ``dropout_keep`` says and the
+output is scaled by ``1 / (1 - rate)``; lse is that of the undropped probabilities. The backward
+uses ``ds = p * (keep * dp / (1 - rate) - delta)``.
 
 Masked probabilities are zeroed explicitly (never ``exp(mask - mask)``) and no two mask values are
 ever added, so rows with no visible key stay finite.
@@ -27,7 +33,9 @@ import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_ring import block_sparse
 from pallas_ring import masks as masks_lib
@@ -61,6 +69,12 @@ class KernelConfig:
   num_warps: Optional[int] = None  # Triton: warps per program (None: heuristic)
   num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
   interpret: bool = False  # run Pallas kernels in interpret mode
+  dropout_rate: float = 0.0  # attention-probability dropout rate in [0, 1)
+
+  @property
+  def keep_scale(self) -> float:
+    """``1 / (1 - dropout_rate)``: the scale of kept probabilities."""
+    return 1.0 / (1.0 - self.dropout_rate)
 
 
 class Operands(NamedTuple):
@@ -70,11 +84,91 @@ class Operands(NamedTuple):
     q_info: TokenInfo of the queries (positions ``[Bp, Tp]``, segment ids ``[B, Tp]`` or None).
     kv_info: TokenInfo of the keys (positions ``[Bp, Sp]``, segment ids ``[B, Sp]`` or None).
     dense: bool ``[Bm, Nm, Tp, Sp]`` (Bm in {1, B}, Nm in {1, N}) or None.
+    bias: float ``[Bb, Nb, Tp, Sp]`` additive logit bias (Bb in {1, B}, Nb in {1, N}) or None.
+    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes (Ba in {1, B}) or None.
+    dropout: ``DropoutKeys`` when ``cfg.dropout_rate > 0``, else None.
   """
 
   q_info: block_sparse.TokenInfo
   kv_info: block_sparse.TokenInfo
   dense: Optional[Array] = None
+  bias: Optional[Array] = None
+  alibi: Optional[Array] = None
+  dropout: Optional["DropoutKeys"] = None
+
+
+class DropoutKeys(NamedTuple):
+  """Per-row and per-column halves of the dropout hash (see ``dropout_keep``).
+
+  Attributes:
+    rows: int32 ``[Bd, Nd, Tp]`` (Bd in {1, B}, Nd in {1, N}): the key, global batch index, global
+      query head and query position, hashed (``row_keys``).
+    cols: int32 ``[Bp, Sp]`` (Bp as the key positions'): the key and the key position, hashed
+      (``col_keys``).
+  """
+
+  rows: Array
+  cols: Array
+
+
+# --- dropout hash: int32 arithmetic (wrapping multiply, logical shifts) that every lowering has.
+_M1, _M2 = np.int32(-2048144789), np.int32(-1028477387)  # murmur3 fmix32: 0x85ebca6b, 0xc2b2ae35
+_P_BATCH, _P_HEAD = np.int32(-1640531535), np.int32(-2048144777)  # 0x9e3779b1, 0x85ebca77
+_P_ROW, _P_COL = np.int32(-1028477379), np.int32(668265263)  # 0xc2b2ae3d, 0x27d4eb2f
+
+
+def _i32(x):
+  return jnp.asarray(x).astype(jnp.int32)
+
+
+def mix32(x):
+  """murmur3's 32-bit finaliser on int32 (wrapping), a bijection with full avalanche."""
+  x = x ^ lax.shift_right_logical(x, np.int32(16))
+  x = x * _M1
+  x = x ^ lax.shift_right_logical(x, np.int32(13))
+  x = x * _M2
+  return x ^ lax.shift_right_logical(x, np.int32(16))
+
+
+def row_keys(seed, batch_index, head_index, q_pos):
+  """Row half of the dropout hash: int32, broadcasting its int arguments."""
+  head = mix32(_i32(seed) ^ mix32(_i32(batch_index) * _P_BATCH + _i32(head_index) * _P_HEAD))
+  return mix32(head ^ (_i32(q_pos) * _P_ROW))
+
+
+def col_keys(seed, k_pos):
+  """Column half of the dropout hash: int32 ``[..., S]``."""
+  return mix32(_i32(seed) ^ (_i32(k_pos) * _P_COL))
+
+
+def keep_threshold(rate: float) -> int:
+  """Probabilities are kept where a uniform 31-bit hash is >= this (``rate * 2**31``)."""
+  return int(round(float(rate) * 2.0 ** 31))
+
+
+def dropout_keep(rate: float, row_key, col_key):
+  """``[bq, bk]`` keep decisions from ``[bq, 1]`` row and ``[1, bk]`` column keys.
+
+  A few integer operations per element: one add, the finaliser, a shift and a compare.
+  """
+  h = mix32(row_key + col_key)
+  return lax.shift_right_logical(h, np.int32(1)) >= np.int32(keep_threshold(rate))
+
+
+def score_terms(s, bias=None, slope=None, q_pos=None, k_pos=None):
+  """Adds the bias tile and the ALiBi term ``-slope * |q_pos - k_pos|`` to logits ``s [bq, bk]``.
+
+  Args:
+    s: ``[bq, bk]`` (soft-capped) logits.
+    bias: ``[bq, bk]`` bias tile or None.
+    slope: a ``[1, 1]`` (or scalar) ALiBi slope or None; q_pos ``[bq, 1]``, k_pos ``[1, bk]``.
+  """
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
+  if slope is not None:
+    dist = jnp.abs(q_pos.astype(s.dtype) - k_pos.astype(s.dtype))
+    s = s - slope.astype(s.dtype) * dist
+  return s
 
 
 def tile_visible(cfg: KernelConfig, q_pos, k_pos, k_index, q_seg=None, k_seg=None, dense=None):
@@ -82,14 +176,15 @@ def tile_visible(cfg: KernelConfig, q_pos, k_pos, k_index, q_seg=None, k_seg=Non
 
   Args:
     cfg: kernel config (mask spec, kv_len).
-    q_pos: ``[bq, 1]`` query positions; ``k_pos``: ``[1, bk]`` key positions.
+    q_pos: ``[bq, 1]`` query positions; ``k_pos``: ``[1, bk]`` key positions (or any leading
+      axes that broadcast, e.g. ``[B, 1, bq, 1]`` / ``[B, 1, 1, S]``).
     k_index: ``[1, bk]`` index of each key inside its (padded) shard; keys at ``>= kv_len`` are
       padding and never visible.
     q_seg, k_seg: ``[bq, 1]`` / ``[1, bk]`` segment ids or None.
     dense: ``[bq, bk]`` bool / int tile of the dense mask or None.
 
   Returns:
-    ``[bq, bk]`` bool.
+    ``[bq, bk]`` bool (the broadcast shape).
   """
   vis = cfg.mask.visible(q_pos, k_pos)
   if cfg.kv_len % cfg.block_kv or cfg.kv_len % cfg.block_kv_bwd:
@@ -98,7 +193,8 @@ def tile_visible(cfg: KernelConfig, q_pos, k_pos, k_index, q_seg=None, k_seg=Non
     vis = vis & (q_seg == k_seg)
   if dense is not None:
     vis = vis & (dense != 0)
-  return jnp.broadcast_to(vis, (q_pos.shape[0], k_pos.shape[-1]))
+  return jnp.broadcast_to(vis, jnp.broadcast_shapes(vis.shape,
+                                                    q_pos.shape[:-1] + k_pos.shape[-1:]))
 
 
 def logits(q, k, cfg: KernelConfig):
@@ -119,10 +215,15 @@ def softcap_grad(s, cfg: KernelConfig):
   return 1.0 - t * t
 
 
-def finalize(acc, m, l):
-  """Normalised output and natural-log lse from running (acc, max, sum); empty rows -> 0, -inf."""
+def finalize(acc, m, l, keep_scale: float = 1.0):
+  """Normalised output and natural-log lse from running (acc, max, sum); empty rows -> 0, -inf.
+
+  ``keep_scale`` (``1 / (1 - dropout rate)``) scales the output, not the lse.
+  """
   empty = l == 0.0
   o = acc / jnp.where(empty, 1.0, l)
+  if keep_scale != 1.0:
+    o = o * keep_scale
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   return o, lse
 
