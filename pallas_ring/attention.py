@@ -172,35 +172,36 @@ class Extras(NamedTuple):
     bias: ``[Bb, Nb, T, S]`` additive bias or None.
     alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
     seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
+    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
+      hashes global indices), or None.
   """
 
   bias: Optional[Array] = None
   alibi: Optional[Array] = None
   seeds: Optional[Array] = None
+  offsets: Optional[Array] = None
 
 
-def check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng):
+def check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng, offsets=(0, 0)):
   """Validates bias / ALiBi / dropout arguments -> ``(Extras, dropout rate)``."""
   b, _, n, _ = q.shape
   rate = dropout.check_dropout(dropout_rate, dropout_rng)
+  on = rate > 0
   return Extras(validation.normalize_bias(bias, b, n, t, s),
                 None if alibi_slopes is None else
                 jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
-                dropout.seeds(dropout_rng) if rate > 0 else None), rate
+                dropout.seeds(dropout_rng) if on else None,
+                jnp.asarray(offsets, jnp.int32) if on else None), rate
 
 
-def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, q_len: int,
-                    kv_len: int, *, batch_offset=0, head_offset=0, broadcast=False):
-  """``(bias, alibi, DropoutKeys)`` of the Operands, padded to ``(q_len, kv_len)``."""
-  bias = extras.bias
-  if bias is not None:
-    pads = ((0, 0), (0, 0), (0, q_len - bias.shape[2]), (0, kv_len - bias.shape[3]))
-    bias = jnp.pad(bias, pads) if any(p for _, p in pads) else bias
+def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):
+  """``(alibi, DropoutKeys)`` of the Operands (the bias is padded by the caller)."""
   keys = None
   if extras.seeds is not None:
     keys = dropout.keys(extras.seeds, batch, heads, q_info.positions, kv_info.positions,
-                        batch_offset=batch_offset, head_offset=head_offset, broadcast=broadcast)
-  return bias, extras.alibi, keys
+                        batch_offset=extras.offsets[0], head_offset=extras.offsets[1],
+                        broadcast=broadcast)
+  return extras.alibi, keys
 
 
 def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
@@ -236,7 +237,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                     dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
                     kv_cu_seqlens=None, block_sizes: Optional[BlockSizes] = None,
                     backend: str = "auto", interpret=None, return_lse: bool = False,
-                    dropout_broadcast: bool = False):
+                    dropout_broadcast: bool = False, dropout_batch_offset=0,
+                    dropout_head_offset=0):
   """Block-sparse flash attention on one device.
 
   Args:
@@ -274,6 +276,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
     dropout_broadcast: one dropout mask for every batch row and head (Flax's
       ``broadcast_dropout=True``).
+    dropout_batch_offset, dropout_head_offset: global index of the first batch row / query head
+      here (inside your own ``shard_map`` over batch or heads), so the dropout mask is the one of
+      the unsharded call.
 
   Returns:
     ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. Rows with no visible
@@ -290,7 +295,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   s = k.shape[1]
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
-  extras, rate = check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng)
+  extras, rate = check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng,
+                              (dropout_batch_offset, dropout_head_offset))
   if cu_seqlens is not None:
     segment_ids, kv_segment_ids = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
   elif kv_cu_seqlens is not None:
@@ -338,8 +344,11 @@ def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positi
       block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
   if dense is not None:
     dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
-  ops = common.Operands(q_info, kv_info, dense, *extras_operands(
-      extras, q_info, kv_info, b, n, tp, sp, broadcast=dropout_broadcast))
+  bias = extras.bias
+  if bias is not None:
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
+  ops = common.Operands(q_info, kv_info, dense, bias, *extras_operands(
+      extras, q_info, kv_info, b, n, broadcast=dropout_broadcast))
   out, lse = _flash_jit(pad_tokens(q, tp, hp), pad_tokens(k, sp, hp), pad_tokens(v, sp, hp),
                         sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]

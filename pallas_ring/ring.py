@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, kernels, layouts, validation
+from pallas_ring import attention, block_sparse, kernels, layouts, packing, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
@@ -77,6 +77,22 @@ class _RingStatic:
   # Pack each step's sends into one byte buffer: XLA:GPU keeps one collective in flight at a
   # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
   pack_sends: bool = False
+  dropout_broadcast: bool = False  # one dropout mask for every batch row and head
+
+
+class _Fixed(NamedTuple):
+  """Operands that stay on this device (not rotated).
+
+  Attributes:
+    dense: bool ``[Bm, Nm, Tp, R * Sp]`` this shard's rows of the dense mask, columns of every kv
+      shard (layout order, each padded like K/V), or None.
+    bias: ``[Bb, Nb, Tp, R * Sp]`` the additive bias, laid out like ``dense``, or None.
+    extras: ALiBi slopes and dropout words (``attention.Extras`` without its bias).
+  """
+
+  dense: Optional[Any]
+  bias: Optional[Any]
+  extras: attention.Extras
 
 
 def _perm(r):
@@ -115,16 +131,17 @@ def _step_info(st: _RingStatic, moving, src, padded_len: int) -> block_sparse.To
   return block_sparse.TokenInfo(pos, seg)
 
 
-def _dense_cols(dense, src, width):
-  """Columns of kv shard ``src`` from a ``[Bm, Nm, Tp, R * width]`` dense mask (or None)."""
-  if dense is None:
-    return None
-  return lax.dynamic_slice_in_dim(dense, src * width, width, axis=3)
+def _step_ops(st: _RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int):
+  """The Operands of (this q shard, kv shard ``src``): the dense mask's and bias's columns of
+  that shard, and the dropout keys of its (global) key positions."""
+  cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
+  alibi, keys = attention.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
+                                          broadcast=st.dropout_broadcast)
+  return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
-def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
+def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands):
   """Kernel forward of one (q shard, kv shard) pair, skipped when its plan has nothing live."""
-  ops = common.Operands(q_info, kv_info, dense)
   plan = attention.make_plan(ops, st.cfg)
   b, tp, n, h = q.shape
   acc = common.acc_dtype(q.dtype)
@@ -139,16 +156,18 @@ def _pair_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
-  ops = common.Operands(q_info, kv_info, dense)
+def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands):
+  """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None)."""
   plan = attention.make_plan(ops, st.cfg, backward=True)
 
   def run():
-    return kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
+    grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
+    return (*grads, attention.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias)
 
   def skip():
     zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
-    return zeros(q), zeros(k), zeros(v)
+    no_bias = None if ops.bias is None else jnp.zeros(ops.bias.shape, ops.bias.dtype)
+    return zeros(q), zeros(k), zeros(v), no_bias
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -170,19 +189,19 @@ def _gather_info(info, st):
   return block_sparse.TokenInfo(_gather(info.positions, st), _gather(info.segment_ids, st))
 
 
-def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
+def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
   """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks)."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = k.shape[1]
   if st.strategy == "all_gather":
-    return _pair_forward(st, q, _gather(k, st), _gather(v, st), q_info, _gather_info(kv_info, st),
-                         dense)
+    ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
+    return _pair_forward(st, q, _gather(k, st), _gather(v, st), ops)
 
   def compute(kv, moving, step):
     src = (rank - step) % r
-    return _pair_forward(st, q, kv[0], kv[1], q_info, _step_info(st, moving, src, sp),
-                         _dense_cols(dense, src, sp))
+    ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
+    return _pair_forward(st, q, kv[0], kv[1], ops)
 
   # Each step first sends its K/V on, so the send overlaps this step's kernel.
   held = (jnp.stack([k, v]), _moving_info(st, kv_info))  # K/V in one buffer
@@ -198,67 +217,73 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, dense):
   return merge(*acc, *compute(*held, r - 1))  # the last shard needs no send
 
 
-def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, dense):
+def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fixed: _Fixed):
+  """``(dq, dk, dv, dbias)``; dbias (or None) has the full-width layout of ``fixed.bias``."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = k.shape[1]
   if st.strategy == "all_gather":
-    dq, dk, dv = _pair_backward(st, q, _gather(k, st), _gather(v, st), do, lse, delta, q_info,
-                                _gather_info(kv_info, st), dense)
+    ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
+    dq, dk, dv, dbias = _pair_backward(st, q, _gather(k, st), _gather(v, st), do, lse, delta, ops)
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
-    return dq, scatter(dk), scatter(dv)
+    return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, step):
+  def compute(kv, moving, step, dbias):
     src = (rank - step) % r
-    dq_s, dk_s, dv_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, q_info,
-                                      _step_info(st, moving, src, sp), _dense_cols(dense, src, sp))
-    return dq_s, jnp.stack([dk_s, dv_s])
+    ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
+    dq_s, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops)
+    if dbias is not None:  # each step owns the columns of its kv shard
+      dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
+    return dq_s, jnp.stack([dk_s, dv_s]), dbias
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernel;
   # after the last step one more hop brings every dK/dV home.
   held = (jnp.stack([k, v]), _moving_info(st, kv_info))
   nxt = _rotate(held, st)
-  dq, dkv = compute(*held, 0)
+  dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
+  dq, dkv, dbias = compute(*held, 0, dbias)
 
   def body(carry, step):
-    dq, held, dkv = carry
+    dq, held, dkv, dbias = carry
     nxt, dkv_in = _rotate((held, dkv), st)
-    dq_s, dkv_s = compute(*held, step)
-    return (dq + dq_s, nxt, dkv_in + dkv_s), None
+    dq_s, dkv_s, dbias = compute(*held, step, dbias)
+    return (dq + dq_s, nxt, dkv_in + dkv_s, dbias), None
 
-  (dq, held, dkv), _ = lax.scan(body, (dq, nxt, dkv), _middle_steps(r), unroll=st.unroll)
+  (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(r),
+                                       unroll=st.unroll)
   dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
-  dq_s, dkv_s = compute(*held, r - 1)
+  dq_s, dkv_s, dbias = compute(*held, r - 1, dbias)
   dkv = _rotate(dkv_in + dkv_s, st)
-  return dq + dq_s, dkv[0], dkv[1]
+  return dq + dq_s, dkv[0], dkv[1], dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _ring(q, k, v, sinks, q_info, kv_info, dense, st):
-  return _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st)[0]
+def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
+  return _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st)[0]
 
 
-def _ring_fwd(q, k, v, sinks, q_info, kv_info, dense, st):
-  o, lse = attention.finish_forward(*_ring_forward(st, q, k, v, q_info, kv_info, dense), sinks,
+def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
+  o, lse = attention.finish_forward(*_ring_forward(st, q, k, v, q_info, kv_info, fixed), sinks,
                                     q.dtype)
-  return (o, lse), (q, k, v, sinks, q_info, kv_info, dense, o, lse)
+  return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
-  q, k, v, sinks, q_info, kv_info, dense, o, lse = res
+  q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
   do, dlse = cts
   delta = attention.row_delta(o, do, dlse)
-  dq, dk, dv = attention.first_order_only(functools.partial(_ring_backward, st))(
-      q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, dense)
+  dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
+      q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
     dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
+  dfixed = none(fixed)._replace(bias=None if dbias is None else dbias.astype(fixed.bias.dtype))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
-          none(kv_info), None)
+          none(kv_info), dfixed)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -268,7 +293,10 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                    positions=None, dense_mask=None, sinks=None, softcap=None, scale=None,
                    block_sizes: Optional[BlockSizes] = None, backend: str = "auto",
                    interpret=None, strategy: str = "ring", scan_unroll: int = 1,
-                   return_lse: bool = False):
+                   return_lse: bool = False, bias=None, alibi_slopes=None,
+                   dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
+                   dropout_broadcast: bool = False, dropout_batch_offset=0,
+                   dropout_head_offset=0):
   """Attention of this device's query shard against the K/V shards of the whole ring.
 
   Call inside ``shard_map`` (or any context where ``axis_name`` is bound).
@@ -289,6 +317,15 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     strategy: ``"ring"`` (ppermute K/V each step) or ``"all_gather"`` (gather K/V once).
     scan_unroll: unroll factor of the ring scan.
     return_lse: also return this shard's ``lse [B, N, T/R]``.
+    bias: additive logit bias broadcastable to ``[B, N, T/R, T]``: this shard's query rows
+      against all keys in layout order (differentiable).
+    alibi_slopes, dropout_rate, dropout_rng, dropout_broadcast, dropout_batch_offset,
+      dropout_head_offset: as ``flash_attention``; ALiBi and the dropout hash use global
+      positions, so the result does not depend on the layout or ring size.
+    cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the *global*,
+      naturally ordered sequence (B must be 1); each token's sequence comes from its layout
+      position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
+      ``segment_ids``.
 
   Returns:
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
@@ -314,30 +351,46 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     pos = positions if positions is not None else jnp.arange(t, dtype=jnp.int32)
     return attention.flash_attention(
         q, k, v, mask=mask, segment_ids=segment_ids, q_positions=pos, kv_positions=pos,
-        dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale,
-        block_sizes=block_sizes, backend=backend, interpret=interpret, return_lse=return_lse)
+        dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
+        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        cu_seqlens=cu_seqlens, block_sizes=block_sizes, backend=backend, interpret=interpret,
+        return_lse=return_lse, dropout_broadcast=dropout_broadcast,
+        dropout_batch_offset=dropout_batch_offset, dropout_head_offset=dropout_head_offset)
   scale = validation.check_positive("scale", scale, h ** -0.5)
   softcap = validation.check_positive("softcap", softcap, None)
   validation.check_token_array("segment_ids", segment_ids, b, t)
   validation.check_token_array("positions", positions, b, t, allow_1d=True)
   if sinks is not None:
     validation.check_sinks(sinks, n)
+  extras, rate = attention.check_extras(q, t, t * r, bias, alibi_slopes, dropout_rate,
+                                        dropout_rng, (dropout_batch_offset, dropout_head_offset))
+  layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
+  kv_segment_ids = segment_ids
+  if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
+    if segment_ids is not None:
+      raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
+                       "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
+    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b)
+    segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.Q_PAD)
+    kv_segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.KV_PAD)
   derived = positions is None
   if derived:
-    positions = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
+    positions = layout_pos
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
   block_sizes, per_platform = attention.backend_variants(backend, interpret, q, block_sizes)
   run = functools.partial(
       _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
       derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,
-      strategy=strategy, scan_unroll=scan_unroll, return_lse=return_lse)
+      strategy=strategy, scan_unroll=scan_unroll, return_lse=return_lse, dropout_rate=rate,
+      dropout_broadcast=bool(dropout_broadcast))
   with attention.forward_mode_errors():
-    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, positions, dense, sinks)
+    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, positions,
+                            dense, sinks, extras)
 
 
-def _ring_on(backend, interpret, q, k, v, segment_ids, positions, dense, sinks, *, axis_name,
-             ring_size, mask, layout, derived_positions, scale, softcap, block_sizes, strategy,
-             scan_unroll, return_lse):
+def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions, dense, sinks,
+             extras, *, axis_name, ring_size, mask, layout, derived_positions, scale, softcap,
+             block_sizes, strategy, scan_unroll, return_lse, dropout_rate, dropout_broadcast):
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   r, derived = ring_size, derived_positions
   b, t, _, h = q.shape
@@ -346,35 +399,41 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, positions, dense, sinks, 
                          group=q.shape[2] // k.shape[2],
                          mask_class=tile_cache.mask_class(mask, segment_ids is not None))
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
+  kv_info = block_sparse.make_token_info(t, b, positions, kv_segment_ids)
   blocks_q = (tiles.block_q, tiles.block_q_bwd)
   blocks_kv = (tiles.block_kv, tiles.block_kv_bwd)
   if gather:  # K/V are gathered unpadded and padded once as a whole
     tp = tuning.padded_len(t, *blocks_q)
-    kv_padded, shard_len, kv_info = tuning.padded_len(t * r, *blocks_kv), t, info
+    kv_padded, shard_len = tuning.padded_len(t * r, *blocks_kv), t
   else:  # every shard is padded alike; its padding is masked by the local key index
     tp = tuning.padded_len(t, *blocks_q, *blocks_kv)
     kv_padded, shard_len = tp, tp
-    kv_info = block_sparse.pad_token_info(info, tp)
+    kv_info = block_sparse.pad_token_info(kv_info, tp)
   q_info = block_sparse.pad_token_info(info, tp)
   hp = tuning.padded_head_dim(backend, h)
   cfg = attention.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
                                 q_len=t, kv_len=t * r if gather else t,
                                 out_dtype=common.acc_dtype(q.dtype),
-                                interpret=interpret)
+                                interpret=interpret, dropout_rate=dropout_rate)
   gpu = backend == "pallas_triton"
   st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
                    layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
-                   pack_sends=gpu)
-  if dense is not None:
-    # Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
-    # gathered axis padded once (all_gather).
-    d = dense.reshape(*dense.shape[:3], r, t)
-    d = jnp.pad(d, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0 if gather else tp - t)))
-    d = d.reshape(*d.shape[:3], -1)
-    dense = jnp.pad(d, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else d
+                   pack_sends=gpu, dropout_broadcast=dropout_broadcast)
+
+  def pad_cols(x):
+    """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
+    gathered axis padded once (all_gather)."""
+    if x is None:
+      return None
+    x = x.reshape(*x.shape[:3], r, t)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0 if gather else tp - t)))
+    x = x.reshape(*x.shape[:3], -1)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else x
+
+  fixed = _Fixed(pad_cols(dense), pad_cols(extras.bias), extras._replace(bias=None))
   pad = attention.pad_tokens
   out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
-                   kv_info, dense, st)
+                   kv_info, fixed, st)
   out = out[:, :t, :, :h]
   return (out, lse[:, :, :t]) if return_lse else out
 

@@ -7,7 +7,7 @@ import functools
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import layouts, ring, validation
+from pallas_ring import dropout, layouts, packing, ring, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 
@@ -45,7 +45,9 @@ def _constrain(x, mesh, spec):
 
 def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mask=None,
                       segment_ids=None, positions=None, dense_mask=None, sinks=None, softcap=None,
-                      scale=None, interpret=None, return_lse: bool = False):
+                      scale=None, interpret=None, return_lse: bool = False, bias=None,
+                      alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
+                      cu_seqlens=None, dropout_broadcast: bool = False):
   """Sequence-parallel attention over global arrays in layout order.
 
   Args:
@@ -61,6 +63,13 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       (O(T^2) memory: prefer mask specs and segment ids).
     sinks: ``[N]``; softcap, scale, interpret: as ``flash_attention``.
     return_lse: also return ``lse [B, N, T]``.
+    bias: additive logit bias broadcastable to ``[B, N, T, T]``, rows and columns in layout
+      order (sharded over the query rows; differentiable).
+    alibi_slopes: ``[N]`` or ``[B, N]`` ALiBi slopes (global positions).
+    dropout_rate, dropout_rng, dropout_broadcast: as ``flash_attention``: the mask hashes the
+      global batch index, query head and positions, so it is the unsharded call's.
+    cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the naturally
+      ordered sequence (B must be 1); excludes ``segment_ids``.
 
   Returns:
     ``[B, T, N, H]`` in layout order (and lse).
@@ -103,16 +112,30 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
 
   if dense_mask is not None:
     dense_mask = validation.normalize_dense_mask(dense_mask, b, n, t, t)
+  bias = validation.normalize_bias(bias, b, n, t, t)
+  if alibi_slopes is not None:
+    alibi_slopes = validation.normalize_alibi(alibi_slopes, b, n)[..., 0]  # [Ba, N]
+  rate = dropout.check_dropout(dropout_rate, dropout_rng)
+  if cu_seqlens is not None:
+    if segment_ids is not None:
+      raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
+                       "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
+    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b)
+  if rate == 0.0:
+    dropout_rng = None
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
-  return _run(q, k, v, segment_ids, positions, dense_mask, sinks, mesh=mesh, config=config,
-              mask=mask, softcap=softcap, scale=scale, interpret=interpret,
-              return_lse=return_lse, batch=batch)
+  return _run(q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes,
+              dropout_rng, cu_seqlens, mesh=mesh, config=config, mask=mask, softcap=softcap,
+              scale=scale, interpret=interpret, return_lse=return_lse, batch=batch,
+              dropout_rate=rate, dropout_broadcast=bool(dropout_broadcast))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "config", "mask", "softcap", "scale",
-                                             "interpret", "return_lse", "batch"))
-def _run(q, k, v, segment_ids, positions, dense_mask, sinks, *, mesh, config, mask, softcap,
-         scale, interpret, return_lse, batch):
+                                             "interpret", "return_lse", "batch", "dropout_rate",
+                                             "dropout_broadcast"))
+def _run(q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes, dropout_rng,
+         cu_seqlens, *, mesh, config, mask, softcap, scale, interpret, return_lse, batch,
+         dropout_rate, dropout_broadcast):
   """shard_map of ``ring_attention`` over validated global arrays."""
   sp, head = config.axis_name, config.head_axis
   tok = P(batch, sp, head, None)
@@ -121,23 +144,33 @@ def _run(q, k, v, segment_ids, positions, dense_mask, sinks, *, mesh, config, ma
   if positions is not None:
     pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
   sink_spec = None if sinks is None else P(head)
-  dense_spec = None
-  if dense_mask is not None:
-    dense_spec = P(batch if dense_mask.shape[0] > 1 else None,
-                   head if dense_mask.shape[1] > 1 else None, sp, None)
+  # [B|1, N|1, T, T] arrays: rows sharded with the queries, columns whole.
+  tiles = lambda x: None if x is None else P(batch if x.shape[0] > 1 else None,
+                                             head if x.shape[1] > 1 else None, sp, None)
+  alibi_spec = None if alibi_slopes is None else P(
+      batch if alibi_slopes.shape[0] > 1 else None, head)
   out_specs = (tok, P(batch, head, sp)) if return_lse else tok
 
-  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_):
+  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_, bias_, alibi_, rng_, cu_):
+    offsets = {}
+    if rng_ is not None:  # dropout hashes global batch rows and heads
+      index = lambda axes, size: 0 if axes is None else jax.lax.axis_index(axes) * size
+      offsets = dict(dropout_batch_offset=index(batch, q_.shape[0]),
+                     dropout_head_offset=index(head, q_.shape[2]))
     return ring.ring_attention(
         q_, k_, v_, axis_name=sp, mask=mask, layout=config.layout, segment_ids=seg_,
         positions=pos_, dense_mask=dense_, sinks=sinks_, softcap=softcap, scale=scale,
         block_sizes=config.block_sizes, backend=config.backend, interpret=interpret,
-        strategy=config.strategy, scan_unroll=config.scan_unroll, return_lse=return_lse)
+        strategy=config.strategy, scan_unroll=config.scan_unroll, return_lse=return_lse,
+        bias=bias_, alibi_slopes=alibi_, dropout_rate=dropout_rate, dropout_rng=rng_,
+        cu_seqlens=cu_, dropout_broadcast=dropout_broadcast, **offsets)
 
-  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, dense_spec,
-              sink_spec)
-  args = [_constrain(x, mesh, s)
-          for x, s in zip((q, k, v, segment_ids, positions, dense_mask, sinks), in_specs)]
+  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, tiles(dense_mask),
+              sink_spec, tiles(bias), alibi_spec, None if dropout_rng is None else P(),
+              None if cu_seqlens is None else P())
+  args = [_constrain(x, mesh, s) for x, s in zip(
+      (q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes, dropout_rng,
+       cu_seqlens), in_specs)]
   fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

@@ -12,16 +12,25 @@ CASES = {
     "causal_gqa_softcap": dict(mask=masks.Causal(), softcap=30.0),
     "chunked_documents": dict(mask=masks.ChunkedCausal(300) | masks.PrefixLM(64), segments=True),
     "window_dense": dict(mask=masks.SlidingWindow(200), dense=True),
+    # issue 15: additive bias (per head), ALiBi and hashed dropout, in every kernel
+    "bias_alibi_dropout": dict(mask=masks.Causal(), bias=True, dropout_rate=0.1,
+                               alibi_slopes=np.linspace(0.01, 0.1, 4, dtype=np.float32)),
 }
 
 
 def _fn(backend, case):
-  extra = {k: v for k, v in case.items() if k not in ("segments", "dense")}
+  extra = {k: v for k, v in case.items() if k not in ("segments", "dense", "bias")}
+  if "dropout_rate" in case:
+    extra["dropout_rng"] = jax.random.key(0)
 
   def f(q, k, v, seg, dense):
+    bias = None
+    if case.get("bias"):  # [N, T, S] derived from the dense mask's shape
+      bias = jnp.broadcast_to(jnp.linspace(-1, 1, dense.shape[-1], dtype=jnp.float32),
+                              (q.shape[2],) + dense.shape[2:])
     return flash_attention(q, k, v, segment_ids=seg if case.get("segments") else None,
-                           dense_mask=dense if case.get("dense") else None, backend=backend,
-                           interpret=False, **extra)
+                           dense_mask=dense if case.get("dense") else None, bias=bias,
+                           backend=backend, interpret=False, **extra)
 
   def loss(q, k, v, seg, dense):
     return jnp.sum(f(q, k, v, seg, dense).astype(jnp.float32))

@@ -155,19 +155,21 @@ def dropout_keep(rate: float, row_key, col_key):
   return lax.shift_right_logical(h, np.int32(1)) >= np.int32(keep_threshold(rate))
 
 
-def score_terms(s, bias=None, slope=None, q_pos=None, k_pos=None):
-  """Adds the bias tile and the ALiBi term ``-slope * |q_pos - k_pos|`` to logits ``s [bq, bk]``.
+def score_terms(s, bias=None, slope=None, q_pos=None, k_pos=None, weight: float = 1.0):
+  """Adds ``weight * (bias - slope * |q_pos - k_pos|)`` to logits ``s [bq, bk]``.
 
   Args:
-    s: ``[bq, bk]`` (soft-capped) logits.
+    s: ``[bq, bk]`` (soft-capped) logits (``weight = log2(e)`` for base-2 logits).
     bias: ``[bq, bk]`` bias tile or None.
-    slope: a ``[1, 1]`` (or scalar) ALiBi slope or None; q_pos ``[bq, 1]``, k_pos ``[1, bk]``.
+    slope: a ``[1, 1]`` (or broadcastable) ALiBi slope or None; q_pos ``[bq, 1]``, k_pos
+      ``[1, bk]`` positions.
   """
   if bias is not None:
-    s = s + bias.astype(s.dtype)
+    b = bias.astype(s.dtype)
+    s = s + (b if weight == 1.0 else b * weight)
   if slope is not None:
     dist = jnp.abs(q_pos.astype(s.dtype) - k_pos.astype(s.dtype))
-    s = s - slope.astype(s.dtype) * dist
+    s = s - (slope.astype(s.dtype) * weight) * dist
   return s
 
 

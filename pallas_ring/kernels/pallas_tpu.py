@@ -21,6 +21,7 @@ Block sizes must be multiples of 8 (queries) and 128 (keys).
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -75,19 +76,38 @@ def _heads(x, heads):
   return x.reshape(x.shape[0], x.shape[1], heads, x.shape[2] // heads)
 
 
-def _info_arrays(ops):
-  """Query-side ``[., Tp, 1]`` and key-side ``[., 1, Sp]`` int32 arrays (None when absent)."""
+class _Info(NamedTuple):
+  """Token info, dense mask, bias, ALiBi and dropout keys: arrays, BlockSpecs or kernel refs.
+
+  Query-side vectors are ``[., Tp, 1]`` (blocks ``(bq, 1)``), key-side ones ``[., 1, Sp]``
+  (blocks ``(1, bk)``); None where absent.
+  """
+
+  qpos: Any
+  kpos: Any
+  qseg: Any
+  kseg: Any
+  dense: Any  # int8 [Bm, Nm, Tp, Sp]
+  bias: Any  # [Bb, Nb, Tp, Sp]
+  alibi: Any  # float32 [Ba, N, 1, 1]
+  rows: Any  # int32 [Bd, Nd, Tp, 1] dropout row keys
+  cols: Any  # int32 [Bp, 1, Sp] dropout column keys
+
+
+def _info_arrays(ops) -> _Info:
   col = lambda x: None if x is None else x[:, :, None]
   row = lambda x: None if x is None else x[:, None, :]
-  dense = None if ops.dense is None else ops.dense.astype(jnp.int8)
-  return (col(ops.q_info.positions), row(ops.kv_info.positions),
-          col(ops.q_info.segment_ids), row(ops.kv_info.segment_ids), dense)
+  drop = ops.dropout
+  return _Info(col(ops.q_info.positions), row(ops.kv_info.positions),
+               col(ops.q_info.segment_ids), row(ops.kv_info.segment_ids),
+               None if ops.dense is None else ops.dense.astype(jnp.int8), ops.bias,
+               None if ops.alibi is None else ops.alibi[..., None],
+               None if drop is None else drop.rows[..., None], None if drop is None else row(drop.cols))
 
 
-def _info_specs(arrays, bq, bk, q_block, k_block, head=lambda b, n, i, j, *r: n):
+def _info_specs(arrays: _Info, bq, bk, q_block, k_block, head=lambda b, n, i, j, *r: n):
   """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` map grid ids to block indices
-  and ``head`` to the query head (for a per-head dense mask)."""
-  qpos, kpos, qseg, kseg, dense = arrays
+  and ``head`` to the query head (for per-head arrays)."""
 
   def qspec(x):
     if x is None:
@@ -101,21 +121,46 @@ def _info_specs(arrays, bq, bk, q_block, k_block, head=lambda b, n, i, j, *r: n)
     return pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *r: (_sel(x.shape[0], b), 0,
                                                               k_block(b, n, i, j, *r)))
 
-  dspec = None
-  if dense is not None:
-    bm, nm = dense.shape[:2]
-    dspec = pl.BlockSpec((None, None, bq, bk), lambda b, n, i, j, *r: (
-        _sel(bm, b), _sel(nm, head(b, n, i, j, *r)), q_block(b, n, i, j, *r),
-        k_block(b, n, i, j, *r)))
-  return [qspec(qpos), kspec(kpos), qspec(qseg), kspec(kseg), dspec]
+  def head_spec(x, rows, cols, row_block, col_block):
+    if x is None:
+      return None
+    bm, nm = x.shape[:2]
+    return pl.BlockSpec((None, None, rows, cols), lambda b, n, i, j, *r: (
+        _sel(bm, b), _sel(nm, head(b, n, i, j, *r)), row_block(b, n, i, j, *r),
+        col_block(b, n, i, j, *r)))
+
+  zero = lambda *_: 0
+  a = arrays
+  return list(_Info(qspec(a.qpos), kspec(a.kpos), qspec(a.qseg), kspec(a.kseg),
+                    head_spec(a.dense, bq, bk, q_block, k_block),
+                    head_spec(a.bias, bq, bk, q_block, k_block),
+                    head_spec(a.alibi, 1, 1, zero, zero),
+                    head_spec(a.rows, bq, 1, q_block, zero), kspec(a.cols)))
 
 
-def _tile_mask(cfg, k_block_index, bq, bk, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref):
-  k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
-  return common.tile_visible(
-      cfg, qpos_ref[...], kpos_ref[...], k_index,
-      None if qseg_ref is None else qseg_ref[...], None if kseg_ref is None else kseg_ref[...],
-      None if dense_ref is None else dense_ref[...])
+def _tile(cfg, info: _Info, s, k_block_index, bk, masked):
+  """Adds bias / ALiBi to logits ``s [bq, bk]``; the tile's mask (masked tiles) and dropout keep.
+
+  Returns:
+    ``(s, vis, keep)``; ``vis`` None on unmasked tiles, ``keep`` None without dropout.
+  """
+  get = lambda r: None if r is None else r[...]
+  q_pos, k_pos = info.qpos[...], info.kpos[...]
+  s = common.score_terms(s, get(info.bias), get(info.alibi), q_pos, k_pos)
+  vis = None
+  if masked:
+    k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
+    vis = common.tile_visible(cfg, q_pos, k_pos, k_index, get(info.qseg), get(info.kseg),
+                              get(info.dense))
+  keep = None
+  if cfg.dropout_rate:
+    keep = common.dropout_keep(cfg.dropout_rate, info.rows[...], info.cols[...])
+  return s, vis, keep
+
+
+def _dropped(x, keep, cfg):
+  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped."""
+  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
 
 
 def _group(head, group_size: int):
@@ -136,10 +181,10 @@ def _params():
 
 # ----------------------------------------------------------------------------------- forward --
 
-def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-                q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg, lists):
+def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[9:]
   b, n, i, j = (pl.program_id(a) for a in range(4))
-  bq, bk = cfg.block_q, cfg.block_kv
 
   @pl.when(j == 0)
   def _init():
@@ -151,13 +196,9 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
-    s = s * cfg.scale
-    if cfg.softcap is not None:
-      s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+    s = _capped_logits(cfg, q_ref[...], k_ref[...])
+    s, vis, keep = _tile(cfg, info, s, _Lists.at(idx_ref, slot), cfg.block_kv, masked)
     if masked:
-      vis = _tile_mask(cfg, _Lists.at(idx_ref, slot), bq, bk, qpos_ref, kpos_ref, qseg_ref,
-                       kseg_ref, dense_ref)
       s = jnp.where(vis, s, common.NEG_INF)
     m_prev = m_sc[...]  # [bq, 128]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -166,7 +207,8 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
       p = jnp.where(vis, p, 0.0)
     alpha = jnp.exp(m_prev - m_new)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    pv = p if keep is None else jnp.where(keep, p, 0.0)
+    pv = jnp.dot(pv.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
     acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
     m_sc[...] = m_new
 
@@ -175,9 +217,17 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
 
   @pl.when(j == lists.slots - 1)
   def _finish():
-    o, lse = common.finalize(acc_sc[...], m_sc[:, :1], l_sc[:, :1])
+    o, lse = common.finalize(acc_sc[...], m_sc[:, :1], l_sc[:, :1], cfg.keep_scale)
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
+
+
+def _capped_logits(cfg, q, k):
+  """Scaled, soft-capped logits ``[bq, bk]`` float32 of a q tile against a k tile."""
+  s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
+  if cfg.softcap is not None:
+    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+  return s
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -213,19 +263,19 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 
 # ---------------------------------------------------------------------------------- backward --
 
-def _probs(cfg, q, k, lse, masked, mask_args):
-  """Recomputed probabilities ``p [bq, bk]`` and capped logits ``s`` of one tile."""
-  s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
-  if cfg.softcap is not None:
-    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+def _probs(cfg, info, q, k, lse, k_block_index, masked):
+  """Recomputed probabilities ``p [bq, bk]``, capped logits ``s`` and dropout keep of a tile."""
+  s_cap = _capped_logits(cfg, q, k)
+  s, vis, keep = _tile(cfg, info, s_cap, k_block_index, cfg.block_kv_bwd, masked)
   p = jnp.exp(s - common.safe_lse(lse))
   if masked:
-    p = jnp.where(_tile_mask(cfg, *mask_args), p, 0.0)
-  return p, s
+    p = jnp.where(vis, p, 0.0)
+  return p, s_cap, keep
 
 
-def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, cfg, lists):
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[9:]
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -236,11 +286,10 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    mask_args = (_Lists.at(idx_ref, slot), cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref,
-                 kpos_ref, qseg_ref, kseg_ref, dense_ref)
-    p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
+    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...],
+                        _Lists.at(idx_ref, slot), masked)
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[...]) * common.softcap_grad(s, cfg)
+    ds = p * (_dropped(dp, keep, cfg) - delta_ref[...]) * common.softcap_grad(s, cfg)
     dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
 
   pl.when(klass == FULL)(lambda: compute(False))
@@ -251,9 +300,9 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref
     dq_ref[...] = dq_sc[...] * cfg.scale
 
 
-def _dkv_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc,
-                *, cfg, lists, group):
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[9:]
   b, kv_head, jk, step = (pl.program_id(a) for a in range(4))
 
   @pl.when(step == 0)
@@ -266,14 +315,12 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, qpos_ref, kpos_ref, qseg_ref, kseg_re
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    mask_args = (jk, cfg.block_q_bwd, cfg.block_kv_bwd, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-                 dense_ref)
-    p, s = _probs(cfg, q_ref[...], k_ref[...], lse_ref[...], masked, mask_args)
+    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...], jk, masked)
     do = do_ref[...]
-    dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, _TN,
+    dv_sc[...] += jax.lax.dot_general(_dropped(p, keep, cfg).astype(do.dtype), do, _TN,
                                       preferred_element_type=jnp.float32)
     dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[...]) * common.softcap_grad(s, cfg)
+    ds = p * (_dropped(dp, keep, cfg) - delta_ref[...]) * common.softcap_grad(s, cfg)
     dk_sc[...] += jax.lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], _TN,
                                       preferred_element_type=jnp.float32)
 

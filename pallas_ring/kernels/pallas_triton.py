@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,22 +67,75 @@ def _block_start(idx_ref, j, block):
   return pl.multiple_of(idx_ref[j] * block, block)
 
 
-def _visible(cfg, q_pos, k_pos, k0, bk, q_seg, k_seg, dense):
-  k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
-  return common.tile_visible(
-      cfg, q_pos[:, None], k_pos[None, :], k_index,
-      None if q_seg is None else q_seg[:, None], None if k_seg is None else k_seg[None, :], dense)
+class _Info(NamedTuple):
+  """The kernels' token-info refs (None where absent), in ``_info_specs`` order."""
+
+  qpos: Any
+  kpos: Any
+  qseg: Any
+  kseg: Any
+  dense: Any  # int8 [., .] tile source of the dense mask
+  bias: Any  # additive bias
+  alibi: Any  # [1] ALiBi slope of this (batch, head)
+  rows: Any  # dropout row keys
+  cols: Any  # dropout column keys
+
+
+class _Side(NamedTuple):
+  """One side's per-token vectors of a tile: positions, segment ids, dropout keys."""
+
+  pos: Any
+  seg: Any
+  key: Any
+
+
+def _q_side(info: _Info, sl) -> _Side:
+  get = lambda r: None if r is None else r[sl]
+  return _Side(info.qpos[sl], get(info.qseg), get(info.rows))
+
+
+def _k_side(info: _Info, sl) -> _Side:
+  get = lambda r: None if r is None else r[sl]
+  return _Side(info.kpos[sl], get(info.kseg), get(info.cols))
+
+
+def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked):
+  """Adds bias / ALiBi to base-2 logits ``s`` and computes the tile's mask and dropout keep.
+
+  Returns:
+    ``(s, vis, keep)``; ``vis`` is None on unmasked tiles, ``keep`` None without dropout.
+  """
+  q_pos, k_pos = qs.pos[:, None], ks.pos[None, :]
+  s = common.score_terms(s, None if info.bias is None else info.bias[tile_idx],
+                         None if info.alibi is None else info.alibi[0], q_pos, k_pos,
+                         weight=LOG2E)
+  vis = None
+  if masked:
+    k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
+    vis = common.tile_visible(
+        cfg, q_pos, k_pos, k_index, None if qs.seg is None else qs.seg[:, None],
+        None if ks.seg is None else ks.seg[None, :],
+        None if info.dense is None else info.dense[tile_idx])
+  keep = None
+  if cfg.dropout_rate:
+    keep = common.dropout_keep(cfg.dropout_rate, qs.key[:, None], ks.key[None, :])
+  return s, vis, keep
+
+
+def _dropped(x, keep, cfg):
+  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped."""
+  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
 
 
 # ----------------------------------------------------------------------------------- forward --
 
-def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-                q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
+def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, o_ref, lse_ref = refs[9:]
   bq, bk = cfg.block_q, cfg.block_kv
   hp = q_ref.shape[-1]
   q = q_ref[...]
-  q_pos = qpos_ref[...]
-  q_seg = None if qseg_ref is None else qseg_ref[...]
+  qs = _q_side(info, slice(None))
 
   def step(j, carry, masked):
     m, l, acc = carry
@@ -89,11 +143,9 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    s = _logits2(q, k, cfg)
+    s, vis, keep = _tile(cfg, info, _logits2(q, k, cfg), qs, _k_side(info, kv_slice), k0, bk,
+                         (slice(None), kv_slice), masked)
     if masked:
-      vis = _visible(cfg, q_pos, kpos_ref[kv_slice], k0, bk, q_seg,
-                     None if kseg_ref is None else kseg_ref[kv_slice],
-                     None if dense_ref is None else dense_ref[:, kv_slice])
       s = jnp.where(vis, s, common.NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp2(s - m_new[:, None])
@@ -101,7 +153,8 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
       p = jnp.where(vis, p, 0.0)
     alpha = jnp.exp2(m - m_new)
     l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+    pv = p if keep is None else jnp.where(keep, p, 0.0)
+    acc = alpha[:, None] * acc + _dot(pv.astype(v.dtype), v)
     return m_new, l, acc
 
   carry = (jnp.full((bq,), common.NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
@@ -110,41 +163,55 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
   carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
   m, l, acc = jax.lax.fori_loop(n_full, n_live, functools.partial(step, masked=True), carry)
   empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
+  l_safe = jnp.where(empty, 1.0, l) * (1.0 - cfg.dropout_rate)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
-  """BlockSpecs of positions / segment ids / dense mask for grids ``(i, b, n)``.
+  """BlockSpecs and arrays of ``_Info`` (token info, dense mask, bias, ALiBi, dropout keys) for
+  grids ``(i, b, n)``.
 
   ``tp_block`` / ``sp_block`` are the query / key extents one program sees; the grid axis 0
   indexes the query side when ``q_grid_axis`` else the key side.
   """
-  qp, kp = ops.q_info.positions, ops.kv_info.positions
 
-  def seq_spec(arr, block, blocked):
+  def seq_spec(arr, block, blocked):  # [Bp, L] per-token vectors
+    if arr is None:
+      return None
     bsz = arr.shape[0]
-    if blocked:
-      return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), i))
-    return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), 0))
+    return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), i if blocked else 0))
 
-  specs = [seq_spec(qp, tp_block, q_grid_axis), seq_spec(kp, sp_block, kv_grid_axis)]
-  for arr, block, blocked in ((ops.q_info.segment_ids, tp_block, q_grid_axis),
-                              (ops.kv_info.segment_ids, sp_block, kv_grid_axis)):
-    specs.append(None if arr is None else seq_spec(arr, block, blocked))
-  if ops.dense is None:
-    specs.append(None)
-  else:
-    bm, nm = ops.dense.shape[:2]
+  def tile_spec(arr):  # [Bm, Nm, Tp, Sp] dense mask / bias
+    if arr is None:
+      return None
+    bm, nm = arr.shape[:2]
     if q_grid_axis:
       idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), i, 0)
     else:
       idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), 0, i)
-    specs.append(pl.BlockSpec((None, None, tp_block, sp_block), idx))
-  args = [qp, kp, ops.q_info.segment_ids, ops.kv_info.segment_ids,
-          None if ops.dense is None else ops.dense.astype(jnp.int8)]
-  return specs, args
+    return pl.BlockSpec((None, None, tp_block, sp_block), idx)
+
+  def head_spec(arr, block, blocked):  # [Bx, Nx, L] per-(batch, head) vectors
+    if arr is None:
+      return None
+    bx, nx = arr.shape[:2]
+    return pl.BlockSpec((None, None, block), lambda i, b, n: (
+        _sel(bx, b), _sel(nx, n), i if blocked else 0))
+
+  drop = ops.dropout
+  dense = None if ops.dense is None else ops.dense.astype(jnp.int8)
+  args = _Info(ops.q_info.positions, ops.kv_info.positions, ops.q_info.segment_ids,
+               ops.kv_info.segment_ids, dense, ops.bias, ops.alibi,
+               None if drop is None else drop.rows, None if drop is None else drop.cols)
+  specs = _Info(seq_spec(args.qpos, tp_block, q_grid_axis),
+                seq_spec(args.kpos, sp_block, kv_grid_axis),
+                seq_spec(args.qseg, tp_block, q_grid_axis),
+                seq_spec(args.kseg, sp_block, kv_grid_axis),
+                tile_spec(dense), tile_spec(ops.bias), head_spec(ops.alibi, 1, False),
+                head_spec(args.rows, tp_block, q_grid_axis),
+                seq_spec(args.cols, sp_block, kv_grid_axis))
+  return list(specs), list(args)
 
 
 def _list_specs(index, count, nfull):
@@ -192,29 +259,28 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 
 # ---------------------------------------------------------------------------------- backward --
 
-def _dq_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs[9:]
   bk = cfg.block_kv_bwd
   q, do = q_ref[...], do_ref[...]
   lse2 = common.safe_lse(lse_ref[...]) * LOG2E
   delta = delta_ref[...]
-  q_pos = qpos_ref[...]
-  q_seg = None if qseg_ref is None else qseg_ref[...]
+  qs = _q_side(info, slice(None))
 
   def step(j, dq, masked):
     k0 = _block_start(idx_ref, j, bk)
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    s = _logits2(q, k, cfg)
+    s_cap = _logits2(q, k, cfg)
+    s, vis, keep = _tile(cfg, info, s_cap, qs, _k_side(info, kv_slice), k0, bk,
+                         (slice(None), kv_slice), masked)
     p = jnp.exp2(s - lse2[:, None])
     if masked:
-      vis = _visible(cfg, q_pos, kpos_ref[kv_slice], k0, bk, q_seg,
-                     None if kseg_ref is None else kseg_ref[kv_slice],
-                     None if dense_ref is None else dense_ref[:, kv_slice])
       p = jnp.where(vis, p, 0.0)
-    dp = _dot_nt(do, v)
-    ds = p * (dp - delta[:, None]) * common.softcap_grad(s * LN2, cfg)
+    dp = _dropped(_dot_nt(do, v), keep, cfg)
+    ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
@@ -223,13 +289,13 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_r
   dq_ref[...] = dq * cfg.scale
 
 
-def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dense_ref,
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
+  info = _Info(*refs[:9])
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs[9:]
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   k, v = k_ref[...], v_ref[...]
   k0 = pl.program_id(0) * bk
-  k_pos = kpos_ref[...]
-  k_seg = None if kseg_ref is None else kseg_ref[...]
+  ks = _k_side(info, slice(None))
 
   def step(i, carry, masked):
     dk, dv = carry
@@ -239,16 +305,15 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, qpos_ref, kpos_ref, qseg_ref, kseg_
     do = do_ref[q_slice, :]
     lse2 = common.safe_lse(lse_ref[q_slice]) * LOG2E
     delta = delta_ref[q_slice]
-    s = _logits2(q, k, cfg)
+    s_cap = _logits2(q, k, cfg)
+    s, vis, keep = _tile(cfg, info, s_cap, _q_side(info, q_slice), ks, k0, bk,
+                         (q_slice, slice(None)), masked)
     p = jnp.exp2(s - lse2[:, None])
     if masked:
-      vis = _visible(cfg, qpos_ref[q_slice], k_pos, k0, bk,
-                     None if qseg_ref is None else qseg_ref[q_slice], k_seg,
-                     None if dense_ref is None else dense_ref[q_slice, :])
       p = jnp.where(vis, p, 0.0)
-    dv = dv + _dot(p.astype(do.dtype).T, do)
-    dp = _dot_nt(do, v)
-    ds = p * (dp - delta[:, None]) * common.softcap_grad(s * LN2, cfg)
+    dv = dv + _dot(_dropped(p, keep, cfg).astype(do.dtype).T, do)
+    dp = _dropped(_dot_nt(do, v), keep, cfg)
+    ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
     dk = dk + _dot(ds.astype(q.dtype).T, q)
     return dk, dv
 
