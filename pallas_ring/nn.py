@@ -58,29 +58,35 @@ def _active_mesh(mesh, config: Optional[SequenceParallelConfig]):
 
 
 def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
-            q_positions=None, kv_positions=None, single_device=False):
-  """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh) or to flash_attention."""
+            q_positions=None, kv_positions=None, single_device=False, bias=None, dropout=None):
+  """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh) or to flash_attention.
+
+  ``dense_mask`` / ``bias`` are ``[..., N, T, S]`` (Flax's layout); ``dropout`` holds the
+  ``dropout_rate`` / ``dropout_rng`` / ``dropout_broadcast`` keywords (or None).
+  """
   batch_shape = q.shape[:-3]
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[len(batch_shape):])
+  flat_bnts = lambda x: x if x is None or x.ndim <= 4 else x.reshape((-1,) + x.shape[-3:])
   q, k, v = flat(q), flat(k), flat(v)
   if segment_ids is not None:
     segment_ids = segment_ids.reshape((-1,) + segment_ids.shape[len(batch_shape):])
   if dense_mask is not None:
-    if dense_mask.ndim > 4:
-      dense_mask = dense_mask.reshape((-1,) + dense_mask.shape[-3:])
+    dense_mask = flat_bnts(dense_mask)
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
+  bias = flat_bnts(bias)
+  dropout = dropout or {}
   run_mesh = None if single_device else _active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
   if run_mesh is not None:
     out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,
                             mask=mask, segment_ids=segment_ids, positions=q_positions,
-                            dense_mask=dense_mask)
+                            dense_mask=dense_mask, bias=bias, **dropout)
   else:
     if kv_positions is None and q.shape[1] == k.shape[1]:
       kv_positions = q_positions
     out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=q_positions,
-                          kv_positions=kv_positions, dense_mask=dense_mask,
-                          block_sizes=cfg.block_sizes, backend=cfg.backend)
+                          kv_positions=kv_positions, dense_mask=dense_mask, bias=bias,
+                          block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout)
   return out.reshape(batch_shape + out.shape[1:])
 
 
@@ -100,24 +106,23 @@ _CALL = contextvars.ContextVar("pallas_ring_ring_attention_call", default=None)
 
 
 def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropout_rng,
-                    dropout_rate, deterministic, dtype, module, qk_attn_weights_einsum,
-                    attn_weights_value_einsum, einsum_dot_general, is_causal, tokens=None):
+                    dropout_rate, broadcast_dropout, deterministic, dtype, module,
+                    qk_attn_weights_einsum, attn_weights_value_einsum, einsum_dot_general,
+                    is_causal, tokens=None):
   """The body of every adapter: checks Flax's keywords, promotes dtypes like Flax, attends."""
-  del dropout_rng
-  if dropout_rate > 0.0 and not deterministic:
-    raise NotImplementedError(
-        f"pallas_ring attention has no attention-probability dropout yet (dropout_rate="
-        f"{dropout_rate}, deterministic=False). Set dropout_rate=0.0 on the attention module "
-        "(use dropout on its output instead) or run with deterministic=True.")
+  dropout = None
+  if dropout_rate > 0.0 and not deterministic:  # as Flax: dropout only while training
+    if dropout_rng is None:
+      raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a "
+                       "`dropout_rng` (Flax passes the module's 'dropout' rng: call "
+                       "apply(..., rngs={'dropout': key})), or set deterministic=True.")
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                   dropout_broadcast=bool(broadcast_dropout))
   if module is not None:
     raise NotImplementedError(
         "sow_weights=True needs the [T, S] attention weights, which pallas_ring never "
         "materialises. Call the module with sow_weights=False, or use the stock "
         "flax dot_product_attention to inspect weights.")
-  if bias is not None:
-    raise NotImplementedError(
-        "pallas_ring attention takes no additive `bias` yet; express it as a mask spec or a "
-        "dense bool mask (`mask=`), or use the stock attention_fn.")
   if any(x is not None for x in (qk_attn_weights_einsum, attn_weights_value_einsum,
                                  einsum_dot_general)):
     raise NotImplementedError(
@@ -131,7 +136,8 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
-                kv_positions=t.kv_positions, single_device=t.single_device)
+                kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
+                dropout=dropout)
   return out.astype(dtype)
 
 
@@ -140,8 +146,11 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
   """An ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention``.
 
   Flax's dense masks (bool, or float read as 0/1: an additive ``-inf`` mask is not a mask and
-  belongs in a bias) and ``is_causal`` are honoured; the output dtype follows Flax's promotion
-  of query, key and value. Rows with no visible key return 0 (Flax returns the mean of V).
+  belongs in ``bias``), ``bias`` (``[..., N, T, S]``, differentiable), ``is_causal`` and
+  attention dropout (``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``:
+  one mask for every batch row and head, Flax's default) are honoured; the output dtype follows
+  Flax's promotion of query, key and value. Rows with no visible key return 0 (Flax returns the
+  mean of V). Under a ring, masks and biases are in layout order on both token axes.
 
   Args:
     config: sequence-parallel config; with a mesh holding ``config.axis_name`` (given here or
@@ -161,11 +170,12 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
                    einsum_dot_general=None, qk_attn_weights_einsum=None,
                    attn_weights_value_einsum=None, is_causal=False):
     # The softmax is always float32 (force_fp32_for_softmax holds); `precision` is the kernels'
-    # own (float32 accumulation); broadcast_dropout only matters with dropout.
-    del broadcast_dropout, precision, force_fp32_for_softmax
+    # own (float32 accumulation).
+    del precision, force_fp32_for_softmax
     return _flax_attention(
         spec, query, key, value, config=config, mesh=mesh, bias=bias, mask=mask,
-        dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+        dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout, deterministic=deterministic,
         dtype=dtype, module=module, qk_attn_weights_einsum=qk_attn_weights_einsum,
         attn_weights_value_einsum=attn_weights_value_einsum,
         einsum_dot_general=einsum_dot_general, is_causal=is_causal)
@@ -179,7 +189,7 @@ def _ring_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
                        einsum_dot_general=None, qk_attn_weights_einsum=None,
                        attn_weights_value_einsum=None):
   """``RingAttention``'s default attention_fn: reads its module's call from ``_CALL``."""
-  del broadcast_dropout, precision, force_fp32_for_softmax
+  del precision, force_fp32_for_softmax
   tokens = _CALL.get()
   if tokens is None:
     raise RuntimeError("pallas_ring.nn._ring_attention_fn is RingAttention's internal "
@@ -187,7 +197,8 @@ def _ring_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
   return _flax_attention(
       masks_lib.as_spec(tokens.mask, "RingAttention.mask"), query, key, value,
       config=tokens.config, mesh=tokens.mesh, bias=bias, mask=mask, dropout_rng=dropout_rng,
-      dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, module=module,
+      dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+      deterministic=deterministic, dtype=dtype, module=module,
       qk_attn_weights_einsum=qk_attn_weights_einsum,
       attn_weights_value_einsum=attn_weights_value_einsum,
       einsum_dot_general=einsum_dot_general, is_causal=False, tokens=tokens)
@@ -200,8 +211,9 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   ``qkv_features``, ``out_features``, ``broadcast_dropout``, ``dropout_rate``, ``deterministic``,
   ``precision``, ``kernel_init``, ``out_kernel_init``, ``bias_init``, ``out_bias_init``,
   ``use_bias``, ``decode``, ``normalize_qk``, ``force_fp32_for_softmax``, the ``dot_general``
-  fields). What pallas_ring cannot do yet (attention-probability dropout while training,
-  ``sow_weights=True``, custom attention einsums) raises with the fix; nothing is ignored.
+  fields), attention dropout included (``dropout_rate`` with ``deterministic=False`` and a
+  'dropout' rng). What pallas_ring cannot do (``sow_weights=True``, custom attention einsums)
+  raises with the fix; nothing is ignored.
 
   Attributes:
     config: sequence-parallel config (axis, layout, strategy, blocks, backend).

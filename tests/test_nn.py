@@ -8,7 +8,8 @@ import flax.linen as nn
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from pallas_ring import SequenceParallelConfig, layouts, masks
+import pallas_ring
+from pallas_ring import SequenceParallelConfig, layouts, masks, reference
 from pallas_ring.examples.transformer import TransformerLM, train
 from pallas_ring.nn import RingAttention, make_attention_fn
 from conftest import rel_err
@@ -99,26 +100,55 @@ def test_attention_fn_names_every_flax_keyword():
 
 def test_unsupported_features_raise_with_the_fix():
   x = _x(4)
-  m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=False,
-                                      attention_fn=make_attention_fn())
-  with pytest.raises(NotImplementedError, match="dropout_rate=0.0"):
-    m.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
   m = nn.MultiHeadDotProductAttention(num_heads=N, attention_fn=make_attention_fn())
   params = m.init(jax.random.key(0), x)
   with pytest.raises(NotImplementedError, match="sow_weights=False"):
     m.apply(params, x, sow_weights=True, mutable=["intermediates"])
-  with pytest.raises(NotImplementedError, match="dropout_rate=0.0"):
-    RingAttention(num_heads=N, dropout_rate=0.1).init(
-        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, deterministic=False)
   with pytest.raises(NotImplementedError, match="sow_weights=False"):
     RingAttention(num_heads=N).init(jax.random.key(0), x, sow_weights=True)
   with pytest.raises(NotImplementedError, match="custom einsums"):
     RingAttention(num_heads=N, qk_attn_weights_einsum_cls=lambda: jnp.einsum).init(
         jax.random.key(0), x)
-  # dropout in eval mode is fine
-  m = nn.MultiHeadDotProductAttention(num_heads=N, dropout_rate=0.1, deterministic=True,
-                                      attention_fn=make_attention_fn())
-  m.init(jax.random.key(0), x)
+  fn = make_attention_fn()
+  q = jnp.ones((1, 8, 2, 4))
+  with pytest.raises(ValueError, match="needs a `dropout_rng`"):
+    fn(q, q, q, dropout_rate=0.1, deterministic=False)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_attention_fn_dropout_and_bias_match_the_reference(broadcast):
+  """Flax's keywords: dropout (broadcast over batch and heads as Flax's default, or not) and an
+  additive bias, against the reference with ``dropout_keep_mask``'s mask."""
+  r = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(r.standard_normal((B, T, N, 8)), jnp.float32) for _ in range(3))
+  bias = jnp.asarray(r.standard_normal((B, N, T, T)), jnp.float32)
+  key = jax.random.key(1)
+  fn = make_attention_fn(mask=masks.Causal())
+  out = fn(q, k, v, bias=bias, dropout_rng=key, dropout_rate=0.25, deterministic=False,
+           broadcast_dropout=broadcast)
+  keep = pallas_ring.dropout_keep_mask(key, 0.25, B, N, jnp.arange(T), jnp.arange(T),
+                                       broadcast=broadcast)
+  ref = reference.attention(q, k, v, mask=masks.Causal(), bias=bias, dropout_rate=0.25,
+                            dropout_mask=keep)[0]
+  assert rel_err(out, ref) < 1e-5
+  # Evaluation (deterministic=True) is dropout-free and equals Flax's own attention.
+  evaluated = fn(q, k, v, bias=bias, dropout_rng=key, dropout_rate=0.25, deterministic=True)
+  stock = nn.dot_product_attention(q, k, v, bias=bias, mask=nn.make_causal_mask(jnp.ones((B, T))))
+  assert rel_err(evaluated, stock) < 1e-5
+
+
+def test_ring_attention_module_trains_with_dropout():
+  """RingAttention(dropout_rate=...) with deterministic=False and a 'dropout' rng: different
+  keys give different outputs, the same key the same one, and gradients are finite."""
+  x = _x(5)
+  m = RingAttention(num_heads=N, dropout_rate=0.3, mask=masks.Causal())
+  params = m.init(jax.random.key(0), x, deterministic=True)
+  run = lambda p, seed: m.apply(p, x, deterministic=False,
+                                rngs={"dropout": jax.random.key(seed)})
+  a, b, a2 = run(params, 1), run(params, 2), run(params, 1)
+  assert rel_err(a, b) > 1e-2 and rel_err(a, a2) == 0.0
+  g = jax.grad(lambda p: (run(p, 1) ** 2).sum())(params)
+  assert all(np.isfinite(np.asarray(l)).all() for l in jax.tree.leaves(g))
 
 
 FIELD_COMBOS = [
@@ -254,6 +284,24 @@ def test_transformer_trains_identically_on_a_zigzag_mesh():
     ring = train(TransformerLM(attention_fn=make_attention_fn(cfg, mask=masks.Causal())),
                  steps=50, layout="zigzag", ring_size=4, shard=shard)
   np.testing.assert_allclose(ring, stock, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_transformer_trains_with_attention_dropout():
+  """Flax's MultiHeadDotProductAttention(dropout_rate=0.1) with our attention_fn: the example LM
+  trains (finite, falling loss), on one device and on a zigzag ring."""
+  from pallas_ring.examples.transformer import LMConfig
+  lm = lambda cfg=None: TransformerLM(LMConfig(dropout_rate=0.1),
+                                      attention_fn=make_attention_fn(cfg, mask=masks.Causal()))
+  losses = train(lm(), steps=50)
+  assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5])
+  mesh = _mesh()
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",), backend="xla")
+  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P("dp", "sp")))
+  with jax.set_mesh(mesh):
+    ring = train(lm(cfg), steps=50, layout="zigzag", ring_size=4, shard=shard)
+  # The same keys and global positions: the ring drops exactly what one device drops.
+  np.testing.assert_allclose(ring, losses, rtol=1e-3)
 
 
 def test_nn_is_reachable_from_the_package():

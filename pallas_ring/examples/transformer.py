@@ -33,6 +33,7 @@ class LMConfig:
   heads: int = 4  # attention heads N (head dim D / N)
   layers: int = 2  # transformer blocks
   mlp: int = 64  # MLP hidden width
+  dropout_rate: float = 0.0  # attention-probability dropout while training
 
 
 class Block(nn.Module):
@@ -40,10 +41,11 @@ class Block(nn.Module):
   attention_fn: Callable
 
   @nn.compact
-  def __call__(self, x, mask):  # x [B, T, D]; mask [B, 1, T, T]
+  def __call__(self, x, mask, deterministic=True):  # x [B, T, D]; mask [B, 1, T, T]
     h = nn.LayerNorm()(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=self.cfg.heads,
-                                        attention_fn=self.attention_fn)(h, mask=mask)
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=self.cfg.heads, dropout_rate=self.cfg.dropout_rate,
+        attention_fn=self.attention_fn)(h, mask=mask, deterministic=deterministic)
     x = x + h
     h = nn.Dense(self.cfg.mlp)(nn.LayerNorm()(x))
     return x + nn.Dense(self.cfg.width)(nn.gelu(h))
@@ -54,13 +56,13 @@ class TransformerLM(nn.Module):
   attention_fn: Callable = nn.dot_product_attention  # <- the one line to swap
 
   @nn.compact
-  def __call__(self, tokens, positions):  # tokens, positions [B, T] (any layout order)
+  def __call__(self, tokens, positions, deterministic=True):  # tokens, positions [B, T]
     x = nn.Embed(self.cfg.vocab, self.cfg.width)(tokens) + nn.Embed(
         self.cfg.max_len, self.cfg.width)(positions)
     # Causal in global positions, so it stays right when tokens are permuted for a ring.
     mask = nn.make_attention_mask(positions, positions, jnp.greater_equal)
     for _ in range(self.cfg.layers):
-      x = Block(self.cfg, self.attention_fn)(x, mask)
+      x = Block(self.cfg, self.attention_fn)(x, mask, deterministic)
     return nn.Dense(self.cfg.vocab)(nn.LayerNorm()(x))  # [B, T, V]
 
 
@@ -95,17 +97,20 @@ def train(model: TransformerLM, steps: int = 50, batch: int = 4, length: int = 3
   opt = optax.adam(lr)
   state = opt.init(params)
 
+  dropout = model.cfg.dropout_rate > 0
+
   @jax.jit
-  def step(params, state, tokens, labels):
+  def step(params, state, tokens, labels, key):
     def loss_fn(p):
-      logits = model.apply(p, tokens, pos)
+      logits = model.apply(p, tokens, pos, deterministic=not dropout, rngs={"dropout": key})
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
   losses = []
-  for tokens, labels in data:
-    params, state, loss = step(params, state, prep(tokens), prep(labels))
+  for i, (tokens, labels) in enumerate(data):
+    key = jax.random.fold_in(jax.random.key(seed + 1), i)
+    params, state, loss = step(params, state, prep(tokens), prep(labels), key)
     losses.append(float(loss))
   return losses
