@@ -210,6 +210,33 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
   return rows
 
 
+def extras_cost(t=16384, b=1, n=16, h=128, log=print):
+  """Causal forward+backward with attention dropout 0.1 and with ALiBi, against the same call
+  without them (issue 15's cost targets: <= 1.15x and <= 1.05x)."""
+  q, k, v, do = _inputs(b, t, n, h, seed=4)
+  slopes = jnp.asarray(2.0 ** (-8.0 * (np.arange(n) + 1) / n), jnp.float32)
+  key = jax.random.key(0)
+  impls = {
+      "ours": {},
+      "ours + dropout 0.1": dict(dropout_rate=0.1, dropout_rng=key),
+      "ours + ALiBi": dict(alibi_slopes=slopes),
+  }
+  pairs = visible_pairs(t, "causal")
+  rows = []
+  for pass_ in ("fwd", "fwd+bwd"):
+    res = {}
+    for name, kw in impls.items():
+      f = lambda q_, k_, v_, kw=kw: flash_attention(q_, k_, v_, mask=masks.Causal(), **kw)
+      fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
+      res[name] = timeit(fn, *((q, k, v) if pass_ == "fwd" else (q, k, v, do)))
+    for name, secs in res.items():
+      ratio = "" if name == "ours" else f"{secs / res['ours']:.3f}x the time of ours"
+      rows.append(Row(f"T={t} causal", name, pass_, secs * 1e3,
+                      _tflops(pairs, b, n, h, secs, pass_), ratio))
+      log(f"  {pass_:8s} {name:22s} {secs * 1e3:8.3f} ms {rows[-1].tflops:7.1f} TFLOP/s {ratio}")
+  return rows
+
+
 def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
   """Per-GPU throughput of the ring on all local GPUs."""
   from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
@@ -298,6 +325,8 @@ def main(args) -> None:
     rows, name = long_context(args.long_context, log=log), "long_context"
   elif args.ring:
     rows, name = ring(log=log), "ring"
+  elif args.extras:
+    rows, name = extras_cost(log=log), "extras"
   else:
     rows, name = single_device(log=log), "single"
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

@@ -8,8 +8,6 @@ kernels apply.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 from jax import lax
 import jax.numpy as jnp
