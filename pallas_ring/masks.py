@@ -321,7 +321,20 @@ def is_full(spec: MaskSpec) -> bool:
   return False
 
 
+def is_causal(spec: MaskSpec) -> bool:
+  """True when the spec statically sees only keys at or before the query (``k <= q``)."""
+  if isinstance(spec, (Causal, ChunkedCausal)):
+    return True
+  if isinstance(spec, SlidingWindow):
+    return spec.right == 0
+  if isinstance(spec, And):
+    return is_causal(spec.a) or is_causal(spec.b)
+  if isinstance(spec, Or):
+    return is_causal(spec.a) and is_causal(spec.b)
+  return False
+
+
 __all__ = [
     "MaskSpec", "BlockBounds", "Full", "Causal", "SlidingWindow", "ChunkedCausal", "PrefixLM",
-    "Custom", "And", "Or", "as_spec", "is_full",
+    "Custom", "And", "Or", "as_spec", "is_full", "is_causal",
 ]

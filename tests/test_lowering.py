@@ -15,6 +15,8 @@ CASES = {
     # issue 15: additive bias (per head), ALiBi and hashed dropout, in every kernel
     "bias_alibi_dropout": dict(mask=masks.Causal(), bias=True, dropout_rate=0.1,
                                alibi_slopes=np.linspace(0.01, 0.1, 4, dtype=np.float32)),
+    "alibi_bidirectional": dict(mask=masks.SlidingWindow(100, 50),
+                                alibi_slopes=np.linspace(0.01, 0.1, 4, dtype=np.float32)),
 }
 
 

@@ -142,17 +142,20 @@ def col_keys(seed, k_pos):
 
 
 def keep_threshold(rate: float) -> int:
-  """Probabilities are kept where a uniform 31-bit hash is >= this (``rate * 2**31``)."""
-  return int(round(float(rate) * 2.0 ** 31))
+  """Probabilities are kept where the (signed) int32 element hash is >= this:
+  ``rate * 2**32 - 2**31``, so a uniform hash keeps a fraction ``1 - rate``."""
+  return min(int(round(float(rate) * 2.0 ** 32)) - 2 ** 31, 2 ** 31 - 1)
 
 
 def dropout_keep(rate: float, row_key, col_key):
   """``[bq, bk]`` keep decisions from ``[bq, 1]`` row and ``[1, bk]`` column keys.
 
-  A few integer operations per element: one add, the finaliser, a shift and a compare.
+  The row and column keys are fully mixed once (``row_keys``, ``col_keys``); each element then
+  costs an add, a xorshift, a multiply and a compare.
   """
-  h = mix32(row_key + col_key)
-  return lax.shift_right_logical(h, np.int32(1)) >= np.int32(keep_threshold(rate))
+  x = row_key + col_key
+  x = (x ^ lax.shift_right_logical(x, np.int32(15))) * _P_BATCH
+  return x >= np.int32(keep_threshold(rate))
 
 
 def score_terms(s, bias=None, slope=None, q_pos=None, k_pos=None, weight: float = 1.0):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
 
 LOG2E = math.log2(math.e)
@@ -99,16 +100,36 @@ def _k_side(info: _Info, sl) -> _Side:
   return _Side(info.kpos[sl], get(info.kseg), get(info.cols))
 
 
-def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked):
+def _causal_alibi(cfg, info: _Info) -> bool:
+  """ALiBi under a mask that only sees ``k <= q``: there ``-slope * |q - k|`` splits into a
+  column term ``slope * (k - a)``, added to the logits (fused into their scaling), and a row
+  term ``slope * (q - a)`` that is constant along a row, so it only shifts the lse (``a`` is an
+  anchor position near the rows, keeping both terms small in float32)."""
+  return info.alibi is not None and masks_lib.is_causal(cfg.mask)
+
+
+def _alibi_rows(cfg, info: _Info, q_pos, anchor):
+  """The row term (base 2) ``slope * (q - anchor) * log2(e)`` ``[bq]``, or None (no split)."""
+  if not _causal_alibi(cfg, info):
+    return None
+  return (info.alibi[0] * LOG2E) * (q_pos - anchor).astype(jnp.float32)
+
+
+def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked, anchor):
   """Adds bias / ALiBi to base-2 logits ``s`` and computes the tile's mask and dropout keep.
+
+  With ``_causal_alibi`` the logits get only the column term; the caller owns the row term.
 
   Returns:
     ``(s, vis, keep)``; ``vis`` is None on unmasked tiles, ``keep`` None without dropout.
   """
   q_pos, k_pos = qs.pos[:, None], ks.pos[None, :]
+  split = _causal_alibi(cfg, info)
   s = common.score_terms(s, None if info.bias is None else info.bias[tile_idx],
-                         None if info.alibi is None else info.alibi[0], q_pos, k_pos,
+                         None if info.alibi is None or split else info.alibi[0], q_pos, k_pos,
                          weight=LOG2E)
+  if split:
+    s = s + ((info.alibi[0] * LOG2E) * (ks.pos - anchor).astype(jnp.float32))[None, :]
   vis = None
   if masked:
     k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
@@ -136,6 +157,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   hp = q_ref.shape[-1]
   q = q_ref[...]
   qs = _q_side(info, slice(None))
+  anchor = jnp.min(qs.pos)
 
   def step(j, carry, masked):
     m, l, acc = carry
@@ -144,7 +166,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
     s, vis, keep = _tile(cfg, info, _logits2(q, k, cfg), qs, _k_side(info, kv_slice), k0, bk,
-                         (slice(None), kv_slice), masked)
+                         (slice(None), kv_slice), masked, anchor)
     if masked:
       s = jnp.where(vis, s, common.NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -165,6 +187,9 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l) * (1.0 - cfg.dropout_rate)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  rows = _alibi_rows(cfg, info, qs.pos, anchor)
+  if rows is not None:
+    m = m - rows
   lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
@@ -267,6 +292,10 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   lse2 = common.safe_lse(lse_ref[...]) * LOG2E
   delta = delta_ref[...]
   qs = _q_side(info, slice(None))
+  anchor = jnp.min(qs.pos)
+  rows = _alibi_rows(cfg, info, qs.pos, anchor)
+  if rows is not None:
+    lse2 = lse2 + rows
 
   def step(j, dq, masked):
     k0 = _block_start(idx_ref, j, bk)
@@ -275,7 +304,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     v = v_ref[kv_slice, :]
     s_cap = _logits2(q, k, cfg)
     s, vis, keep = _tile(cfg, info, s_cap, qs, _k_side(info, kv_slice), k0, bk,
-                         (slice(None), kv_slice), masked)
+                         (slice(None), kv_slice), masked, anchor)
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
@@ -305,9 +334,14 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     do = do_ref[q_slice, :]
     lse2 = common.safe_lse(lse_ref[q_slice]) * LOG2E
     delta = delta_ref[q_slice]
+    qs = _q_side(info, q_slice)
+    anchor = jnp.min(qs.pos)
+    rows = _alibi_rows(cfg, info, qs.pos, anchor)
+    if rows is not None:
+      lse2 = lse2 + rows
     s_cap = _logits2(q, k, cfg)
-    s, vis, keep = _tile(cfg, info, s_cap, _q_side(info, q_slice), ks, k0, bk,
-                         (q_slice, slice(None)), masked)
+    s, vis, keep = _tile(cfg, info, s_cap, qs, ks, k0, bk, (q_slice, slice(None)), masked,
+                         anchor)
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
