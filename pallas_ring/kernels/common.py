@@ -151,11 +151,10 @@ def dropout_keep(rate: float, row_key, col_key):
   """``[bq, bk]`` keep decisions from ``[bq, 1]`` row and ``[1, bk]`` column keys.
 
   The row and column keys are fully mixed once (``row_keys``, ``col_keys``); each element then
-  costs one multiply-add and a compare: ``(row + col) * (row | 1)``, a multiplicative hash of the
-  column key with a per-row odd multiplier, computed as ``col * odd + row * odd``.
+  costs an add, a xorshift, a multiply and a compare.
   """
-  odd = row_key | np.int32(1)
-  x = col_key * odd + row_key * odd
+  x = row_key + col_key
+  x = (x ^ lax.shift_right_logical(x, np.int32(15))) * _P_BATCH
   return x >= np.int32(keep_threshold(rate))
 
 

@@ -122,7 +122,9 @@ def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked, a
   With ``_causal_alibi`` the logits get only the column term; the caller owns the row term.
 
   Returns:
-    ``(s, vis, keep)``; ``vis`` is None on unmasked tiles, ``keep`` None without dropout.
+    ``(s, vis, keep)``; ``vis`` is None on unmasked tiles; ``keep`` is None without dropout, else
+    a function that computes the keep mask: called where it is used, after the row reductions,
+    so a ``[bq, bk]`` predicate never stays live across them (registers).
   """
   q_pos, k_pos = qs.pos[:, None], ks.pos[None, :]
   split = _causal_alibi(cfg, info)
@@ -140,13 +142,14 @@ def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked, a
         None if info.dense is None else info.dense[tile_idx])
   keep = None
   if cfg.dropout_rate:
-    keep = common.dropout_keep(cfg.dropout_rate, qs.key[:, None], ks.key[None, :])
+    keep = lambda: common.dropout_keep(cfg.dropout_rate, qs.key[:, None], ks.key[None, :])
   return s, vis, keep
 
 
-def _dropped(x, keep, cfg):
-  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped."""
-  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
+def _dropped(x, keep):
+  """``x`` where kept, 0 where dropped. The ``1 / (1 - rate)`` scale of kept terms is applied
+  once per row or output instead (``o``, ``dq``, ``dk``, ``dv``, with ``delta`` pre-divided)."""
+  return x if keep is None else jnp.where(keep(), x, 0.0)
 
 
 # ----------------------------------------------------------------------------------- forward --
@@ -176,7 +179,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
       p = jnp.where(vis, p, 0.0)
     alpha = jnp.exp2(m - m_new)
     l = alpha * l + jnp.sum(p, axis=1)
-    pv = p if keep is None else jnp.where(keep, p, 0.0)
+    pv = _dropped(p, keep)
     acc = alpha[:, None] * acc + _dot(pv.astype(v.dtype), v)
     return m_new, l, acc
 
@@ -291,7 +294,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   bk = cfg.block_kv_bwd
   q, do = q_ref[...], do_ref[...]
   lse2 = common.safe_lse(lse_ref[...]) * LOG2E
-  delta = delta_ref[...]
+  delta = delta_ref[...] * (1.0 - cfg.dropout_rate)  # see _dropped
   qs = _q_side(info, slice(None))
   anchor = jnp.min(qs.pos)
   rows = _alibi_rows(cfg, info, qs.pos, anchor)
@@ -309,14 +312,14 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
-    dp = _dropped(_dot_nt(do, v), keep, cfg)
+    dp = _dropped(_dot_nt(do, v), keep)
     ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
   dq = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), dq)
   dq = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), dq)
-  dq_ref[...] = dq * cfg.scale
+  dq_ref[...] = dq * (cfg.scale * cfg.keep_scale)
 
 
 def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
@@ -335,7 +338,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     q = q_ref[q_slice, :]
     do = do_ref[q_slice, :]
     lse2 = common.safe_lse(lse_ref[q_slice]) * LOG2E
-    delta = delta_ref[q_slice]
+    delta = delta_ref[q_slice] * (1.0 - cfg.dropout_rate)  # see _dropped
     qs = _q_side(info, q_slice)
     rows = _alibi_rows(cfg, info, qs.pos, anchor)
     if rows is not None:
@@ -346,8 +349,8 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
-    dv = dv + _dot(_dropped(p, keep, cfg).astype(do.dtype).T, do)
-    dp = _dropped(_dot_nt(do, v), keep, cfg)
+    dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
+    dp = _dropped(_dot_nt(do, v), keep)
     ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
     dk = dk + _dot(ds.astype(q.dtype).T, q)
     return dk, dv
@@ -355,8 +358,8 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   zeros = jnp.zeros(dk_ref.shape, jnp.float32)
   carry = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), (zeros, zeros))
   dk, dv = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), carry)
-  dk_ref[...] = dk * cfg.scale
-  dv_ref[...] = dv
+  dk_ref[...] = dk * (cfg.scale * cfg.keep_scale)
+  dv_ref[...] = dv * cfg.keep_scale
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
