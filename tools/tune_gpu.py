@@ -21,12 +21,17 @@ SHAPES = [  # (name, T, N, K, H, B, mask)
     ("16 docs of 1024", 16384, 16, 16, 128, 1, "docs:1024"),
     ("Llama GQA 32/8 T=8k", 8192, 32, 8, 128, 1, "causal"),
     ("H=256 T=8k", 8192, 16, 16, 256, 1, "causal"),
+    ("dense T=4k", 4096, 16, 16, 128, 1, "full"),
+    ("causal T=4k", 4096, 16, 16, 128, 1, "causal"),
+    ("causal window 1024 T=16k", 16384, 16, 16, 128, 1, "window:1024"),
 ]
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true", help="two shapes, fewer repeats")
+  p.add_argument("--shapes", default=None,
+                 help="comma-separated shape names to run (default: all), e.g. 'dense T=4k'")
   p.add_argument("--out", default=os.environ.get("OUT", "tune_out"))
   args = p.parse_args()
   os.environ.setdefault("PALLAS_RING_CACHE_DIR", args.out)
@@ -40,7 +45,14 @@ def main():
   print(f"device {kind}, jax {jax.__version__}, cache {tile_cache.tuning_cache_path()}",
         flush=True)
   rows = []
-  for name, t, n, kh, h, b, mask_spec in SHAPES[:2] if args.quick else SHAPES:
+  shapes = SHAPES[:2] if args.quick else SHAPES
+  if args.shapes:
+    wanted = [w.strip() for w in args.shapes.split(",")]
+    unknown = set(wanted) - {s[0] for s in SHAPES}
+    if unknown:
+      sys.exit(f"--shapes: unknown {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
+    shapes = [s for s in SHAPES if s[0] in wanted]
+  for name, t, n, kh, h, b, mask_spec in shapes:
     t0 = time.time()
     mask, seg = tune.parse_mask(mask_spec, t)
     seg = None if seg is None else jnp.broadcast_to(seg, (b, t))

@@ -349,6 +349,9 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
+    if keep is not None:  # one hash evaluation for both uses
+      kept = keep()
+      keep = lambda: kept
     dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
     dp = _dropped(_dot_nt(do, v), keep)
     ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
