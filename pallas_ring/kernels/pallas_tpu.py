@@ -41,18 +41,28 @@ def _sel(size, idx):
   return idx if size > 1 else 0
 
 
-class _Lists:
-  """Flattened ``[Bp, Np, rows, slots]`` plan lists and how to index them from grid ids.
+# Scalar memory for one kernel call's plan lists. SMEM is 1 MiB on v5e and the lists grow as
+# rows * slots (quadratically in the length): a pass whose lists exceed this budget runs as
+# several calls over consecutive row ranges, writing one set of outputs in place (aliased).
+SMEM_LIST_BYTES = 256 * 1024
 
-  Scalar memory is small (1 MiB on v5e) and the lists grow as ``rows * slots``: block indices are
-  stored as int16 when they fit and classes as int8 (a quarter of int32's bytes per slot).
+
+class _Lists:
+  """Rows ``[r0, r1)`` of ``[Bp, Np, rows, slots]`` plan lists, flattened for scalar prefetch, and
+  how to index them from grid ids (the grid's row id is local to the range).
+
+  Block indices are stored as int16 when they fit and classes as int8 (a quarter of int32's
+  bytes per slot).
   """
 
-  def __init__(self, index, klass, count):
-    self.bp, self.np, self.rows, self.slots = index.shape
-    index_dtype = jnp.int16 if max(self.rows, self.slots) < 2**15 else jnp.int32
-    self.arrays = (index.reshape(-1).astype(index_dtype), klass.reshape(-1).astype(jnp.int8),
-                   count.reshape(-1))
+  def __init__(self, index, klass, count, r0=0, r1=None):
+    self.bp, self.np, rows, self.slots = index.shape
+    self.r0, r1 = r0, rows if r1 is None else r1
+    self.rows = r1 - r0
+    index_dtype = _index_dtype(rows, self.slots)
+    sl = lambda x: x[:, :, r0:r1]
+    self.arrays = (sl(index).reshape(-1).astype(index_dtype),
+                   sl(klass).reshape(-1).astype(jnp.int8), sl(count).reshape(-1))
 
   @staticmethod
   def at(ref, slot):
@@ -64,6 +74,43 @@ class _Lists:
 
   def slot(self, b, n, i, j):
     return self.row(b, n, i) * self.slots + j
+
+
+def _index_dtype(rows, slots):
+  return jnp.int16 if max(rows, slots) < 2**15 else jnp.int32
+
+
+def _row_ranges(index, budget=None):
+  """Consecutive row ranges ``[(r0, r1), ...]`` whose lists each fit ``SMEM_LIST_BYTES``."""
+  bp, np_, rows, slots = index.shape
+  per_row = bp * np_ * (slots * (jnp.dtype(_index_dtype(rows, slots)).itemsize + 1) + 4)
+  step = max(1, min(rows, (budget or SMEM_LIST_BYTES) // per_row))
+  return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
+def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name):
+  """Runs ``kernel`` once per row range, each call writing its rows of the same outputs.
+
+  ``make_grid_spec(r0, r1) -> (grid_spec, lists)`` builds one call's grid; ``out_shape`` is a
+  list. The outputs of one call are aliased into the next (as unread ``ANY`` inputs), so they are
+  written in place; each call writes only the blocks of its rows.
+  """
+  outs = None
+  for r0, r1 in ranges:
+    grid_spec, lists = make_grid_spec(r0, r1)
+    extra = [] if outs is None else list(outs)
+    if extra:
+      grid_spec = pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=grid_spec.num_scalar_prefetch, grid=grid_spec.grid,
+          in_specs=list(grid_spec.in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
+          out_specs=grid_spec.out_specs, scratch_shapes=grid_spec.scratch_shapes)
+    first_alias = len(lists.arrays) + len(jax.tree.leaves(args))  # (None args are no inputs)
+    outs = pl.pallas_call(
+        functools.partial(kernel, lists=lists, n_aliased=len(extra)), grid_spec=grid_spec,
+        out_shape=out_shape, compiler_params=_params(), interpret=kernel.keywords["cfg"].interpret,
+        input_output_aliases={first_alias + a: a for a in range(len(extra))}, name=name,
+    )(*lists.arrays, *args, *extra)
+  return outs
 
 
 def _lanes(x):
@@ -181,9 +228,10 @@ def _params():
 
 # ----------------------------------------------------------------------------------- forward --
 
-def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists):
+def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[9:]
+  q_ref, k_ref, v_ref = refs[9:12]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[12 + n_aliased:]  # (aliased outputs: unread)
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -237,27 +285,29 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   kh = k.shape[2]
   g = n // kh
   bq, bk = cfg.block_q, cfg.block_kv
-  lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
   info = _info_arrays(ops)
 
-  q_blk = lambda b_, n_, i, j, *r: i
-  k_blk = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
-  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, i, n_))
-  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
-      b_, k_blk(b_, n_, i, j, idx), _group(n_, g)))
-  out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots),
-      in_specs=_info_specs(info, bq, bk, q_blk, k_blk) + [q_spec, kv_spec, kv_spec],
-      out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                      pltpu.VMEM((bq, h), jnp.float32)])
-  o, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg, lists=lists), grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
-                 jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)],
-      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_fwd",
-  )(*lists.arrays, *info, _lanes(q), _lanes(k), _lanes(v))
+  def grid_spec(r0, r1):
+    lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
+    q_blk = lambda b_, n_, i, j, *r: r0 + i
+    k_blk = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
+    q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
+    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
+        b_, k_blk(b_, n_, i, j, idx), _group(n_, g)))
+    lse_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, r0 + i, 0))
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
+        in_specs=_info_specs(info, bq, bk, q_blk, k_blk) + [q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, lse_spec],
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                        pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, h), jnp.float32)],
+    ), lists
+
+  o, lse = _chained_call(
+      functools.partial(_fwd_kernel, cfg=cfg), _row_ranges(plan.kv_index), grid_spec,
+      [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
+       jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)],
+      [*info, _lanes(q), _lanes(k), _lanes(v)], "pallas_ring_fwd")
   return _heads(o, n), lse[..., 0]
 
 
@@ -273,9 +323,10 @@ def _probs(cfg, info, q, k, lse, k_block_index, masked):
   return p, s_cap, keep
 
 
-def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists):
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[9:]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
+  dq_ref, dq_sc = refs[15 + n_aliased:]
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -300,9 +351,10 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists):
     dq_ref[...] = dq_sc[...] * cfg.scale
 
 
-def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group):
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[9:]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
+  dk_ref, dv_ref, dk_sc, dv_sc = refs[15 + n_aliased:]
   b, kv_head, jk, step = (pl.program_id(a) for a in range(4))
 
   @pl.when(step == 0)
@@ -315,7 +367,7 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group):
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...], jk, masked)
+    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...], lists.r0 + jk, masked)
     do = do_ref[...]
     dv_sc[...] += jax.lax.dot_general(_dropped(p, keep, cfg).astype(do.dtype), do, _TN,
                                       preferred_element_type=jnp.float32)
@@ -346,46 +398,47 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   scratch = lambda rows_: [pltpu.VMEM((rows_, h), jnp.float32)]
 
   # dQ: rows are q blocks, slots walk the live kv blocks.
-  lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count)
-  kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
-  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, i, n_))
-  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
-      b_, kv_at(b_, n_, i, j, idx), _group(n_, g)))
-  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, i, 0))
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg, lists=lists),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, n, tp // bq, lists.slots),
-          in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: i, kv_at)
-          + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-          out_specs=q_spec, scratch_shapes=scratch(bq)),
-      out_shape=jax.ShapeDtypeStruct((b, tp, n * h), jnp.float32),
-      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dq",
-  )(*lists.arrays, *info, qf, kf, vf, dof, *rows)
+  def dq_grid(r0, r1):
+    lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
+    kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
+    q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
+    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
+        b_, kv_at(b_, n_, i, j, idx), _group(n_, g)))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, r0 + i, 0))
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
+        in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: r0 + i, kv_at)
+        + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=[q_spec], scratch_shapes=scratch(bq)), lists
+
+  args = [*info, qf, kf, vf, dof, *rows]
+  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg), _row_ranges(plan.kv_index),
+                      dq_grid, [jax.ShapeDtypeStruct((b, tp, n * h), jnp.float32)], args,
+                      "pallas_ring_dq")
 
   # dK/dV: one program per (kv head, kv block); its reduction axis walks the live q blocks of
   # each query head of the group in turn, so dK/dV accumulate per kv head in VMEM.
-  lists = _Lists(plan.q_index, plan.q_class, plan.q_count)
-  head = lambda b_, kvh, jk, st, *r: _group_step(kvh, st, g, lists.slots)[0]
+  def dkv_grid(r0, r1):
+    lists = _Lists(plan.q_index, plan.q_class, plan.q_count, r0, r1)
+    head = lambda b_, kvh, jk, st, *r: _group_step(kvh, st, g, lists.slots)[0]
 
-  def q_at(b_, kvh, jk, st, idx, *r):
-    n_, i = _group_step(kvh, st, g, lists.slots)
-    return _Lists.at(idx, lists.slot(b_, n_, jk, i))
+    def q_at(b_, kvh, jk, st, idx, *r):
+      n_, i = _group_step(kvh, st, g, lists.slots)
+      return _Lists.at(idx, lists.slot(b_, n_, jk, i))
 
-  q_spec = pl.BlockSpec((None, bq, h), lambda b_, kvh, jk, st, idx, *r: (
-      b_, q_at(b_, kvh, jk, st, idx), head(b_, kvh, jk, st)))
-  row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, kvh, jk, st, idx, *r: (
-      b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx), 0))
-  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, kvh, jk, st, *r: (b_, jk, kvh))
+    q_spec = pl.BlockSpec((None, bq, h), lambda b_, kvh, jk, st, idx, *r: (
+        b_, q_at(b_, kvh, jk, st, idx), head(b_, kvh, jk, st)))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, kvh, jk, st, idx, *r: (
+        b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx), 0))
+    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, kvh, jk, st, *r: (b_, r0 + jk, kvh))
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(b, kh, lists.rows, g * lists.slots),
+        in_specs=_info_specs(info, bq, bk, q_at, lambda b_, kvh, jk, st, *r: r0 + jk, head)
+        + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2), lists
+
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), jnp.float32)
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, lists=lists, group=g),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, kh, sp // bk, g * lists.slots),
-          in_specs=_info_specs(info, bq, bk, q_at, lambda b_, kvh, jk, st, *r: jk, head)
-          + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-          out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2),
-      out_shape=[dkv_shape, dkv_shape],
-      compiler_params=_params(), interpret=cfg.interpret, name="pallas_ring_dkv",
-  )(*lists.arrays, *info, qf, kf, vf, dof, *rows)
+  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, group=g),
+                         _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
+                         "pallas_ring_dkv")
   return _heads(dq, n), _heads(dk, kh), _heads(dv, kh)

@@ -6,8 +6,9 @@ and each program loops over its live blocks: ``[0, n_full)`` with no mask arithm
 sequence BlockSpecs sliced with ``pl.ds(pl.multiple_of(j * b, b), b)``. Every in-kernel array has
 power-of-two sizes: the caller pads the head dim, and the lists are padded here.
 
-Grids: forward and dQ ``(nq, B, N)``; dK/dV ``(nk, B, N)``, one program per query head; the query
-heads of a K/V group are summed afterwards (GQA never repeats K/V in memory).
+Grids: forward and dQ ``(nq, B, N)``; dK/dV ``(nk, B, K)``, one program per kv head that loops
+over the query heads of its GQA group, so dK/dV accumulate per kv head (no per-query-head
+temporary, and K/V are never repeated).
 
 Exponentials run in base 2 (``exp2`` of logits pre-scaled by log2(e)); lse is returned in natural
 log as the contract says.
@@ -197,13 +198,20 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
+def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
   """BlockSpecs and arrays of ``_Info`` (token info, dense mask, bias, ALiBi, dropout keys) for
   grids ``(i, b, n)``.
 
   ``tp_block`` / ``sp_block`` are the query / key extents one program sees; the grid axis 0
-  indexes the query side when ``q_grid_axis`` else the key side.
+  indexes the query side when ``q_grid_axis`` else the key side. With ``group`` the grid's last
+  axis is a kv head and per-head arrays get a block of its ``group`` query heads (an extra
+  leading block axis; see ``_HeadRef``).
+
+  Returns:
+    ``(specs, arrays, grouped)``; ``grouped`` says which fields carry that head-group axis.
   """
+  per_head = lambda nx: group is not None and nx > 1
+  heads = lambda nx: group if per_head(nx) else None
 
   def seq_spec(arr, block, blocked):  # [Bp, L] per-token vectors
     if arr is None:
@@ -219,13 +227,13 @@ def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
       idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), i, 0)
     else:
       idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), 0, i)
-    return pl.BlockSpec((None, None, tp_block, sp_block), idx)
+    return pl.BlockSpec((None, heads(nm), tp_block, sp_block), idx)
 
   def head_spec(arr, block, blocked):  # [Bx, Nx, L] per-(batch, head) vectors
     if arr is None:
       return None
     bx, nx = arr.shape[:2]
-    return pl.BlockSpec((None, None, block), lambda i, b, n: (
+    return pl.BlockSpec((None, heads(nx), block), lambda i, b, n: (
         _sel(bx, b), _sel(nx, n), i if blocked else 0))
 
   drop = ops.dropout
@@ -240,19 +248,39 @@ def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis):
                 tile_spec(dense), tile_spec(ops.bias), head_spec(ops.alibi, 1, False),
                 head_spec(args.rows, tp_block, q_grid_axis),
                 seq_spec(args.cols, sp_block, kv_grid_axis))
-  return list(specs), list(args)
+  grouped = _Info(*(a is not None and a.ndim >= 3 and per_head(a.shape[1]) for a in args))
+  return list(specs), list(args), grouped
 
 
-def _list_specs(index, count, nfull):
-  """BlockSpecs for one program's list row: ``index [Bp, Np, nrows, L]`` (L padded to pow2)."""
+def _list_specs(index, count, nfull, group=None):
+  """BlockSpecs for one program's list row: ``index [Bp, Np, nrows, L]`` (L padded to pow2).
+
+  With ``group`` (and per-head lists, Np > 1) a program's grid head is a kv head and its block
+  holds the rows of that head's ``group`` query heads (see ``_HeadRef``).
+  """
   bp, np_ = index.shape[:2]
   length = _pow2(index.shape[-1])
   index = _pad_last(index, length)
+  heads = group if group is not None and np_ > 1 else None
   row = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i, 0)
   one = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i)
-  specs = [pl.BlockSpec((None, None, None, length), row),
-           pl.BlockSpec((None, None, 1), one), pl.BlockSpec((None, None, 1), one)]
-  return specs, [index, count, nfull]
+  specs = [pl.BlockSpec((None, heads, None, length), row),
+           pl.BlockSpec((None, heads, 1), one), pl.BlockSpec((None, heads, 1), one)]
+  return specs, [index, count, nfull], heads is not None
+
+
+class _HeadRef:
+  """A ref seen at query head ``g`` of its head-group block axis ``axis`` (``ref[..]`` inserts
+  ``g`` there), so per-head code runs unchanged over the heads of a GQA group."""
+
+  def __init__(self, ref, g, axis=0):
+    self.ref, self.g, self.axis = ref, g, axis
+
+  def __getitem__(self, idx):
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if idx == (Ellipsis,):
+      idx = ()
+    return self.ref[idx[:self.axis] + (self.g,) + idx[self.axis:]]
 
 
 def _params(cfg, bwd=False):
@@ -268,8 +296,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
   bq = cfg.block_q
-  list_specs, list_args = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
-  info_specs, info_args = _info_specs(ops, bq, sp, True, False)
+  list_specs, list_args, _ = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
+  info_specs, info_args, _ = _info_specs(ops, bq, sp, True, False)
   in_specs = list_specs + info_specs + [
       pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
       pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
@@ -322,7 +350,9 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   dq_ref[...] = dq * (cfg.scale * cfg.keep_scale)
 
 
-def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
+def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped_lists):
+  """dK/dV of one (kv block, batch, kv head): loops over the ``group`` query heads of the kv head
+  (q, dO, lse, delta blocks hold all of them), so dK/dV accumulate per kv head in registers."""
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs[9:]
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
@@ -331,36 +361,45 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   ks = _k_side(info, slice(None))
   anchor = jnp.min(ks.pos)  # once per program (a reduction in the loop would cost barriers)
 
-  def step(i, carry, masked):
-    dk, dv = carry
-    q0 = _block_start(idx_ref, i, bq)
-    q_slice = pl.ds(q0, bq)
-    q = q_ref[q_slice, :]
-    do = do_ref[q_slice, :]
-    lse2 = common.safe_lse(lse_ref[q_slice]) * LOG2E
-    delta = delta_ref[q_slice] * (1.0 - cfg.dropout_rate)  # see _dropped
-    qs = _q_side(info, q_slice)
-    rows = _alibi_rows(cfg, info, qs.pos, anchor)
-    if rows is not None:
-      lse2 = lse2 + rows
-    s_cap = _logits2(q, k, cfg)
-    s, vis, keep = _tile(cfg, info, s_cap, qs, ks, k0, bk, (q_slice, slice(None)), masked,
-                         anchor)
-    p = jnp.exp2(s - lse2[:, None])
-    if masked:
-      p = jnp.where(vis, p, 0.0)
-    if keep is not None:  # one hash evaluation for both uses
-      kept = keep()
-      keep = lambda: kept
-    dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
-    dp = _dropped(_dot_nt(do, v), keep)
-    ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
-    dk = dk + _dot(ds.astype(q.dtype).T, q)
-    return dk, dv
+  def one_head(g, carry):
+    at = lambda r, axis=0: _HeadRef(r, g, axis)
+    hinfo = _Info(*(r if not f else at(r) for r, f in zip(info, grouped)))
+    lists = [at(r) if grouped_lists else r for r in (idx_ref, cnt_ref, nfull_ref)]
+    idx, cnt, nfull = lists
+    q_h, do_h, lse_h, delta_h = at(q_ref, 1), at(do_ref, 1), at(lse_ref), at(delta_ref)
+
+    def step(i, carry, masked):
+      dk, dv = carry
+      q0 = _block_start(idx, i, bq)
+      q_slice = pl.ds(q0, bq)
+      q = q_h[q_slice, :]
+      do = do_h[q_slice, :]
+      lse2 = common.safe_lse(lse_h[q_slice]) * LOG2E
+      delta = delta_h[q_slice] * (1.0 - cfg.dropout_rate)  # see _dropped
+      qs = _q_side(hinfo, q_slice)
+      rows = _alibi_rows(cfg, hinfo, qs.pos, anchor)
+      if rows is not None:
+        lse2 = lse2 + rows
+      s_cap = _logits2(q, k, cfg)
+      s, vis, keep = _tile(cfg, hinfo, s_cap, qs, ks, k0, bk, (q_slice, slice(None)), masked,
+                           anchor)
+      p = jnp.exp2(s - lse2[:, None])
+      if masked:
+        p = jnp.where(vis, p, 0.0)
+      if keep is not None:  # one hash evaluation for both uses
+        kept = keep()
+        keep = lambda: kept
+      dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
+      dp = _dropped(_dot_nt(do, v), keep)
+      ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
+      dk = dk + _dot(ds.astype(q.dtype).T, q)
+      return dk, dv
+
+    carry = jax.lax.fori_loop(0, nfull[0], functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(nfull[0], cnt[0], functools.partial(step, masked=True), carry)
 
   zeros = jnp.zeros(dk_ref.shape, jnp.float32)
-  carry = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), (zeros, zeros))
-  dk, dv = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), carry)
+  dk, dv = jax.lax.fori_loop(0, group, one_head, (zeros, zeros))
   dk_ref[...] = dk * (cfg.scale * cfg.keep_scale)
   dv_ref[...] = dv * cfg.keep_scale
 
@@ -374,8 +413,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   params = _params(cfg, bwd=True)
 
-  list_specs, list_args = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
-  info_specs, info_args = _info_specs(ops, bq, sp, True, False)
+  list_specs, list_args, _ = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
+  info_specs, info_args, _ = _info_specs(ops, bq, sp, True, False)
   q_block = pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0))
   kv_whole = pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0))
   row_block = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
@@ -387,21 +426,21 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dq",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
 
-  list_specs, list_args = _list_specs(plan.q_index, plan.q_count, plan.q_full)
-  info_specs, info_args = _info_specs(ops, tp, bk, False, True)
-  q_whole = pl.BlockSpec((None, tp, None, hp), lambda j, b_, n_: (b_, 0, n_, 0))
-  kv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, n_: (b_, j, n_ // g, 0))
-  rows_whole = pl.BlockSpec((None, None, tp), lambda j, b_, n_: (b_, n_, 0))
-  dkv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, n_: (b_, j, n_, 0))
-  dkv_shape = jax.ShapeDtypeStruct((b, sp, n, hp), jnp.float32)
+  # dK/dV: one program per (kv block, batch, kv head), looping over the group's query heads.
+  list_specs, list_args, grouped_lists = _list_specs(plan.q_index, plan.q_count, plan.q_full,
+                                                     group=g)
+  info_specs, info_args, grouped = _info_specs(ops, tp, bk, False, True, group=g)
+  q_whole = pl.BlockSpec((None, tp, g, hp), lambda j, b_, kvh: (b_, 0, kvh, 0))
+  kv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, kvh: (b_, j, kvh, 0))
+  rows_whole = pl.BlockSpec((None, g, tp), lambda j, b_, kvh: (b_, kvh, 0))
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), jnp.float32)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg), grid=(sp // bk, b, n),
+      functools.partial(_dkv_kernel, cfg=cfg, group=g, grouped=grouped,
+                        grouped_lists=grouped_lists),
+      grid=(sp // bk, b, kh),
       in_specs=list_specs + info_specs + [q_whole, kv_block, kv_block, q_whole, rows_whole,
                                           rows_whole],
-      out_specs=[dkv_block, dkv_block], out_shape=[dkv_shape, dkv_shape],
+      out_specs=[kv_block, kv_block], out_shape=[dkv_shape, dkv_shape],
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
-  if g > 1:  # sum the query heads of each K/V group
-    dk = dk.reshape(b, sp, kh, g, hp).sum(axis=3)
-    dv = dv.reshape(b, sp, kh, g, hp).sum(axis=3)
   return dq, dk, dv
