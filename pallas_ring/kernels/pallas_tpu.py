@@ -6,10 +6,12 @@ visits the ``j``-th live block of that row; slots past the row's count have clas
 index maps repeat the last live block, so the pipeline issues no copy and the body does nothing.
 FULL tiles run with no mask arithmetic; PARTIAL tiles apply the elementwise mask.
 
-No layout transposes: q, k, v, o and the gradients stay ``[B, L, heads, H]`` in HBM, seen as
-``[B, L, heads * H]`` (a free reshape); a ``(bq, H)`` block whose last-axis index is the head reads
-one head's lanes in place. The head dim is therefore padded to a multiple of 128 lanes (a no-op for
-H = 128, 256). dK/dV accumulate over the query heads of a GQA group inside one program per kv head
+q, k, v, o and the gradients are seen as ``[B, L, heads * H]``; a ``(bq, H)`` block whose last-axis
+index is the head reads one head's lanes. The head dim is therefore padded to a multiple of 128
+lanes (a no-op for H = 128, 256). That reshape is not free on TPU: XLA tiles ``[B, L, heads, H]``
+by ``(heads, H)`` and ``[B, L, heads * H]`` by ``(L, heads * H)``, so it relayouts each operand
+once (measured in BENCHMARKS.md; a Mosaic block cannot select one head inside a ``(8, 128)``
+tile, so reading the caller's layout in place needs blocks of 8 heads). dK/dV accumulate over the query heads of a GQA group inside one program per kv head
 (the group is part of the reduction axis), so no per-query-head float32 temporary exists.
 
 Mosaic tiling: blocks are ``(bq, H)`` / ``(bk, H)``; row statistics live in ``(bq, 128)``
