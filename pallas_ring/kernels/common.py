@@ -16,7 +16,9 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
   ``-inf`` on rows with no visible key (their ``o`` is 0)
 * ``do`` ``[B, Tp, N, H]``; ``lse`` and ``delta = sum(o * do, -1)`` ``[B, N, Tp]`` are the *final*
   row statistics (after merging ring steps and sinks), so a pass over one kv shard yields exact
-  contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``acc_dtype``.
+  contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``cfg.out_dtype``
+  (accumulated in ``acc_dtype`` inside the pass; the ring sets ``out_dtype`` to the accumulation
+  dtype because it sums several passes, ``flash_attention`` to the inputs' dtype).
 
 Logits are ``s = softcap(q.k * scale) + bias - slope * |q_pos - k_pos|`` (``score_terms``), then
 the mask. With ``cfg.dropout_rate > 0`` each probability is kept where ``dropout_keep`` says and the
@@ -65,7 +67,7 @@ class KernelConfig:
   block_kv: int  # forward key tile
   block_q_bwd: int  # backward query tile
   block_kv_bwd: int  # backward key tile
-  out_dtype: Any = jnp.float32  # dtype of the forward output o
+  out_dtype: Any = jnp.float32  # dtype of the forward output o and of dq, dk, dv
   num_warps: Optional[int] = None  # Triton: warps per program (None: heuristic)
   num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
   interpret: bool = False  # run Pallas kernels in interpret mode

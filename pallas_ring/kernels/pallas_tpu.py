@@ -350,7 +350,7 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
 
   @pl.when(j == lists.slots - 1)
   def _finish():
-    dq_ref[...] = dq_sc[...] * cfg.scale
+    dq_ref[...] = (dq_sc[...] * cfg.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased):
@@ -383,13 +383,13 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased):
 
   @pl.when(step == group * lists.slots - 1)
   def _finish():
-    dk_ref[...] = dk_sc[...] * cfg.scale
-    dv_ref[...] = dv_sc[...]
+    dk_ref[...] = (dk_sc[...] * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns float32 ``(dq, dk, dv)``."""
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
@@ -415,7 +415,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   args = [*info, qf, kf, vf, dof, *rows]
   dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg), _row_ranges(plan.kv_index),
-                      dq_grid, [jax.ShapeDtypeStruct((b, tp, n * h), jnp.float32)], args,
+                      dq_grid, [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype)], args,
                       "pallas_ring_dq")
 
   # dK/dV: one program per (kv head, kv block); its reduction axis walks the live q blocks of
@@ -439,7 +439,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2), lists
 
-  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), jnp.float32)
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), cfg.out_dtype)
   dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, group=g),
                          _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
                          "pallas_ring_dkv")

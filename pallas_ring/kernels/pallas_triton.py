@@ -347,7 +347,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
   dq = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), dq)
   dq = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), dq)
-  dq_ref[...] = dq * (cfg.scale * cfg.keep_scale)
+  dq_ref[...] = (dq * (cfg.scale * cfg.keep_scale)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped_lists):
@@ -400,13 +400,13 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
 
   zeros = jnp.zeros(dk_ref.shape, jnp.float32)
   dk, dv = jax.lax.fori_loop(0, group, one_head, (zeros, zeros))
-  dk_ref[...] = dk * (cfg.scale * cfg.keep_scale)
-  dv_ref[...] = dv * cfg.keep_scale
+  dk_ref[...] = (dk * (cfg.scale * cfg.keep_scale)).astype(dk_ref.dtype)
+  dv_ref[...] = (dv * cfg.keep_scale).astype(dv_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns float32 ``(dq, dk, dv)``."""
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
@@ -422,7 +422,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       functools.partial(_dq_kernel, cfg=cfg), grid=(tp // bq, b, n),
       in_specs=list_specs + info_specs + [q_block, kv_whole, kv_whole, q_block, row_block,
                                           row_block],
-      out_specs=q_block, out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), jnp.float32),
+      out_specs=q_block, out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), cfg.out_dtype),
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dq",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
 
@@ -433,7 +433,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   q_whole = pl.BlockSpec((None, tp, g, hp), lambda j, b_, kvh: (b_, 0, kvh, 0))
   kv_block = pl.BlockSpec((None, bk, None, hp), lambda j, b_, kvh: (b_, j, kvh, 0))
   rows_whole = pl.BlockSpec((None, g, tp), lambda j, b_, kvh: (b_, kvh, 0))
-  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), jnp.float32)
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), cfg.out_dtype)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, group=g, grouped=grouped,
                         grouped_lists=grouped_lists),

@@ -237,7 +237,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``acc_dtype``."""
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   b, tp, n, h = q.shape
   kh = k.shape[2]
   do5 = do.reshape(b, tp, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
@@ -253,7 +253,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # [B, K, G, Sp, H] -> sum the query heads of each group -> [B, Sp, K, H]
   dk = jnp.sum(dk, axis=2).transpose(0, 2, 1, 3)
   dv = jnp.sum(dv, axis=2).transpose(0, 2, 1, 3)
-  return dq, dk, dv
+  return tuple(x.astype(cfg.out_dtype) for x in (dq, dk, dv))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
