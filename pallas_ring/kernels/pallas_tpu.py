@@ -207,6 +207,42 @@ def _tile(cfg, info: _Info, s, k_block_index, bk, masked):
   return s, vis, keep
 
 
+class _RowStats:
+  """How ``[B, N, Tp]`` float32 row statistics (lse, delta) travel through the kernels.
+
+  Lane-dense ``[B, N, 1, Tp]`` with ``(1, bq)`` blocks when the query tile is a multiple of 128
+  (converted to and from the kernels' ``(bq, 1)`` columns by a transpose), else ``[B, N, Tp, 1]``
+  with ``(bq, 1)`` blocks, whose unit minor axis XLA pads to 128 lanes in HBM (128x the bytes).
+  """
+
+  def __init__(self, bq: int):
+    self.bq, self.dense = bq, bq % LANES == 0
+
+  def to_kernel(self, x):
+    return x[:, :, None, :] if self.dense else x[..., None]
+
+  def from_kernel(self, x):
+    return x[:, :, 0, :] if self.dense else x[..., 0]
+
+  def shape(self, b, n, tp):
+    return (b, n, 1, tp) if self.dense else (b, n, tp, 1)
+
+  def spec(self, where):
+    """BlockSpec of the rows ``where(*grid ids) = (batch, head, q block)`` selects."""
+    if self.dense:
+      return pl.BlockSpec((None, None, 1, self.bq), lambda *a: (*where(*a)[:2], 0, where(*a)[2]))
+    return pl.BlockSpec((None, None, self.bq, 1), lambda *a: (*where(*a), 0))
+
+  def load(self, ref):
+    """The block as a ``(bq, 1)`` column."""
+    x = ref[...]
+    return jnp.broadcast_to(x, (LANES, self.bq)).T[:, :1] if self.dense else x
+
+  def store(self, ref, column):
+    """Writes a ``(bq, 1)`` column."""
+    ref[...] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
+
+
 def _dropped(x, keep, cfg):
   """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped."""
   return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
@@ -230,7 +266,7 @@ def _params():
 
 # ----------------------------------------------------------------------------------- forward --
 
-def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
+def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref = refs[9:12]
   o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[12 + n_aliased:]  # (aliased outputs: unread)
@@ -269,7 +305,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
   def _finish():
     o, lse = common.finalize(acc_sc[...], m_sc[:, :1], l_sc[:, :1], cfg.keep_scale)
     o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    stats.store(lse_ref, lse)
 
 
 def _capped_logits(cfg, q, k):
@@ -288,6 +324,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   g = n // kh
   bq, bk = cfg.block_q, cfg.block_kv
   info = _info_arrays(ops)
+  stats = _RowStats(bq)
 
   def grid_spec(r0, r1):
     lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
@@ -296,7 +333,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
     q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
     kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
         b_, k_blk(b_, n_, i, j, idx), _group(n_, g)))
-    lse_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, r0 + i, 0))
+    lse_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
         in_specs=_info_specs(info, bq, bk, q_blk, k_blk) + [q_spec, kv_spec, kv_spec],
@@ -306,11 +343,11 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
     ), lists
 
   o, lse = _chained_call(
-      functools.partial(_fwd_kernel, cfg=cfg), _row_ranges(plan.kv_index), grid_spec,
-      [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
-       jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)],
+      functools.partial(_fwd_kernel, cfg=cfg, stats=stats), _row_ranges(plan.kv_index),
+      grid_spec, [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
+                  jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
       [*info, _lanes(q), _lanes(k), _lanes(v)], "pallas_ring_fwd")
-  return _heads(o, n), lse[..., 0]
+  return _heads(o, n), stats.from_kernel(lse)
 
 
 # ---------------------------------------------------------------------------------- backward --
@@ -325,7 +362,7 @@ def _probs(cfg, info, q, k, lse, k_block_index, masked):
   return p, s_cap, keep
 
 
-def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   dq_ref, dq_sc = refs[15 + n_aliased:]
@@ -339,10 +376,10 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...],
+    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref),
                         _Lists.at(idx_ref, slot), masked)
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (_dropped(dp, keep, cfg) - delta_ref[...]) * common.softcap_grad(s, cfg)
+    ds = p * (_dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
     dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
 
   pl.when(klass == FULL)(lambda: compute(False))
@@ -353,7 +390,7 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased):
     dq_ref[...] = (dq_sc[...] * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased):
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   dk_ref, dv_ref, dk_sc, dv_sc = refs[15 + n_aliased:]
@@ -369,12 +406,13 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased):
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], lse_ref[...], lists.r0 + jk, masked)
+    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref), lists.r0 + jk,
+                        masked)
     do = do_ref[...]
     dv_sc[...] += jax.lax.dot_general(_dropped(p, keep, cfg).astype(do.dtype), do, _TN,
                                       preferred_element_type=jnp.float32)
     dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (_dropped(dp, keep, cfg) - delta_ref[...]) * common.softcap_grad(s, cfg)
+    ds = p * (_dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
     dk_sc[...] += jax.lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], _TN,
                                       preferred_element_type=jnp.float32)
 
@@ -395,7 +433,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   g = n // kh
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   qf, kf, vf, dof = _lanes(q), _lanes(k), _lanes(v), _lanes(do)
-  rows = lse[..., None], delta[..., None]  # [B, N, Tp, 1]
+  stats = _RowStats(bq)
+  rows = stats.to_kernel(lse), stats.to_kernel(delta)
   info = _info_arrays(ops)
   scratch = lambda rows_: [pltpu.VMEM((rows_, h), jnp.float32)]
 
@@ -406,7 +445,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
     kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
         b_, kv_at(b_, n_, i, j, idx), _group(n_, g)))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, n_, i, j, *r: (b_, n_, r0 + i, 0))
+    row_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
         in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: r0 + i, kv_at)
@@ -414,9 +453,9 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         out_specs=[q_spec], scratch_shapes=scratch(bq)), lists
 
   args = [*info, qf, kf, vf, dof, *rows]
-  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg), _row_ranges(plan.kv_index),
-                      dq_grid, [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype)], args,
-                      "pallas_ring_dq")
+  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, stats=stats),
+                      _row_ranges(plan.kv_index), dq_grid,
+                      [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype)], args, "pallas_ring_dq")
 
   # dK/dV: one program per (kv head, kv block); its reduction axis walks the live q blocks of
   # each query head of the group in turn, so dK/dV accumulate per kv head in VMEM.
@@ -430,8 +469,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
     q_spec = pl.BlockSpec((None, bq, h), lambda b_, kvh, jk, st, idx, *r: (
         b_, q_at(b_, kvh, jk, st, idx), head(b_, kvh, jk, st)))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b_, kvh, jk, st, idx, *r: (
-        b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx), 0))
+    row_spec = stats.spec(lambda b_, kvh, jk, st, idx, *r: (
+        b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx)))
     kv_spec = pl.BlockSpec((None, bk, h), lambda b_, kvh, jk, st, *r: (b_, r0 + jk, kvh))
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, kh, lists.rows, g * lists.slots),
@@ -440,7 +479,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2), lists
 
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), cfg.out_dtype)
-  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, group=g),
+  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, group=g, stats=stats),
                          _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
                          "pallas_ring_dkv")
   return _heads(dq, n), _heads(dk, kh), _heads(dv, kh)
