@@ -206,15 +206,12 @@ def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, *, 
 
 def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
   """Segment ids ``(q [1, T], kv [1, S])`` from ``cu_seqlens`` (padding tails invisible)."""
-  if segment_ids is not None:
-    raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
-                     "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
+  packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   if kv_cu_seqlens is None:
     if t != s:
       raise ValueError(f"`kv_cu_seqlens` is required when T != S (T={t}, S={s}): pass the "
                        "cumulative lengths of the packed keys.")
     kv_cu_seqlens = cu_seqlens
-  packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b)
   packing.check_cu_seqlens("kv_cu_seqlens", kv_cu_seqlens, s, b)
   return (packing.packed_segment_ids(cu_seqlens, jnp.arange(t), packing.Q_PAD),
           packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))

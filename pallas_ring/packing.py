@@ -11,8 +11,11 @@ import numpy as np
 Q_PAD, KV_PAD = -1, -2
 
 
-def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int) -> None:
-  """Shape, dtype and (when concrete) values of ``cu_seqlens``."""
+def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int, segment_ids=None) -> None:
+  """Shape, dtype and (when concrete) values of ``cu_seqlens``; no ``segment_ids`` beside it."""
+  if segment_ids is not None:
+    raise ValueError(f"pass either `{name}` or `segment_ids`, not both: {name} is converted to "
+                     "segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
   shape = tuple(np.shape(cu_seqlens))
   if batch != 1:
     raise ValueError(f"`{name}` packs sequences along one row and needs batch size 1, got B="

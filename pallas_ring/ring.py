@@ -367,10 +367,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   kv_segment_ids = segment_ids
   if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
-    if segment_ids is not None:
-      raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
-                       "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
-    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b)
+    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b, segment_ids)
     segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.Q_PAD)
     kv_segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.KV_PAD)
   derived = positions is None

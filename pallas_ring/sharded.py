@@ -117,10 +117,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     alibi_slopes = validation.normalize_alibi(alibi_slopes, b, n)[..., 0]  # [Ba, N]
   rate = dropout.check_dropout(dropout_rate, dropout_rng)
   if cu_seqlens is not None:
-    if segment_ids is not None:
-      raise ValueError("pass either `cu_seqlens` or `segment_ids`, not both: cu_seqlens is "
-                       "converted to segment ids (pallas_ring.segment_ids_from_cu_seqlens).")
-    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b)
+    packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   if rate == 0.0:
     dropout_rng = None
   # One compiled program per static setting, so eager calls are as fast as jitted ones.

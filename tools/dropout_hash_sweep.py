@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_ring import masks

@@ -316,6 +316,23 @@ def _capped_logits(cfg, q, k):
   return s
 
 
+def _q_row_specs(plan, r0, r1, info, stats, bq, bk, h, group):
+  """Lists and BlockSpecs of a pass over rows ``[r0, r1)`` of q blocks whose slots walk each
+  row's live kv blocks (forward and dQ; grid ``(B, N, rows, slots)``).
+
+  Returns:
+    ``(lists, info_specs, q_spec, kv_spec, row_spec)``.
+  """
+  lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
+  q_at = lambda b_, n_, i, j, *r: r0 + i
+  kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
+  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
+  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
+      b_, kv_at(b_, n_, i, j, idx), _group(n_, group)))
+  row_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
+  return lists, _info_specs(info, bq, bk, q_at, kv_at), q_spec, kv_spec, row_spec
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
@@ -327,17 +344,11 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   stats = _RowStats(bq)
 
   def grid_spec(r0, r1):
-    lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
-    q_blk = lambda b_, n_, i, j, *r: r0 + i
-    k_blk = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
-    q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
-    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
-        b_, k_blk(b_, n_, i, j, idx), _group(n_, g)))
-    lse_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
+    lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats, bq,
+                                                                bk, h, g)
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
-        in_specs=_info_specs(info, bq, bk, q_blk, k_blk) + [q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, lse_spec],
+        in_specs=info_specs + [q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                         pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, h), jnp.float32)],
     ), lists
@@ -440,16 +451,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   # dQ: rows are q blocks, slots walk the live kv blocks.
   def dq_grid(r0, r1):
-    lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
-    kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
-    q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
-    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
-        b_, kv_at(b_, n_, i, j, idx), _group(n_, g)))
-    row_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
+    lists, info_specs, q_spec, kv_spec, row_spec = _q_row_specs(plan, r0, r1, info, stats, bq,
+                                                                bk, h, g)
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
-        in_specs=_info_specs(info, bq, bk, lambda b_, n_, i, j, *r: r0 + i, kv_at)
-        + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        in_specs=info_specs + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[q_spec], scratch_shapes=scratch(bq)), lists
 
   args = [*info, qf, kf, vf, dof, *rows]
