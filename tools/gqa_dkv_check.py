@@ -18,6 +18,17 @@ SHAPES = [("Llama GQA 32/8 T=8k", 8192, 32, 8), ("GQA 16/2 T=16k", 16384, 16, 2)
 
 def main():
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  from pallas_ring.kernels import pallas_triton
+  shipped = pallas_triton.UNROLL_GROUP
+  for unroll in (0, shipped):  # the group loop as a fori_loop, then as shipped (unrolled)
+    jax.clear_caches()
+    pallas_triton.UNROLL_GROUP = unroll
+    print(f"UNROLL_GROUP={unroll}")
+    run_shapes()
+  pallas_triton.UNROLL_GROUP = shipped
+
+
+def run_shapes():
   for name, t, n, kh in SHAPES:
     q, k, v, do = _inputs(1, t, n, 128, kv_heads=kh)
     f = lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=masks.Causal())

@@ -29,6 +29,8 @@ from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
 
 LOG2E = math.log2(math.e)
+# dK/dV programs unroll the loop over their GQA group's query heads up to this group size.
+UNROLL_GROUP = 8
 LN2 = math.log(2.0)
 
 
@@ -398,8 +400,13 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
     carry = jax.lax.fori_loop(0, nfull[0], functools.partial(step, masked=False), carry)
     return jax.lax.fori_loop(nfull[0], cnt[0], functools.partial(step, masked=True), carry)
 
-  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
-  dk, dv = jax.lax.fori_loop(0, group, one_head, (zeros, zeros))
+  carry = (jnp.zeros(dk_ref.shape, jnp.float32),) * 2
+  if group <= UNROLL_GROUP:  # static head indices: plain strided addressing
+    for g in range(group):
+      carry = one_head(g, carry)
+    dk, dv = carry
+  else:
+    dk, dv = jax.lax.fori_loop(0, group, one_head, carry)
   dk_ref[...] = (dk * (cfg.scale * cfg.keep_scale)).astype(dk_ref.dtype)
   dv_ref[...] = (dv * cfg.keep_scale).astype(dv_ref.dtype)
 
