@@ -117,6 +117,7 @@ class DropoutKeys(NamedTuple):
 _M1, _M2 = np.int32(-2048144789), np.int32(-1028477387)  # murmur3 fmix32: 0x85ebca6b, 0xc2b2ae35
 _P_BATCH, _P_HEAD = np.int32(-1640531535), np.int32(-2048144777)  # 0x9e3779b1, 0x85ebca77
 _P_ROW, _P_COL = np.int32(-1028477379), np.int32(668265263)  # 0xc2b2ae3d, 0x27d4eb2f
+_M_ELEM = np.int32(-1640531535)  # 0x9e3779b1: the per-element multiplier
 
 
 def _i32(x):
@@ -156,7 +157,7 @@ def dropout_keep(rate: float, row_key, col_key):
   costs an add, a xorshift, a multiply and a compare.
   """
   x = row_key + col_key
-  x = (x ^ lax.shift_right_logical(x, np.int32(15))) * _P_BATCH
+  x = (x ^ lax.shift_right_logical(x, np.int32(15))) * _M_ELEM
   return x >= np.int32(keep_threshold(rate))
 
 
