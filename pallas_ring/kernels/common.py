@@ -161,6 +161,11 @@ def dropout_keep(rate: float, row_key, col_key):
   return x >= np.int32(keep_threshold(rate))
 
 
+def dropped(x, keep, cfg: KernelConfig):
+  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped (``keep`` None: ``x``)."""
+  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
+
+
 def score_terms(s, bias=None, slope=None, q_pos=None, k_pos=None, weight: float = 1.0):
   """Adds ``weight * (bias - slope * |q_pos - k_pos|)`` to logits ``s [bq, bk]``.
 

@@ -243,11 +243,6 @@ class _RowStats:
     ref[...] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
 
 
-def _dropped(x, keep, cfg):
-  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped."""
-  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
-
-
 def _group(head, group_size: int):
   """The kv head of query head ``head`` (int32 also under x64: no mixed-dtype division)."""
   return lax.div(head, jnp.asarray(group_size, head.dtype))
@@ -390,7 +385,7 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased, stats):
     p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref),
                         _Lists.at(idx_ref, slot), masked)
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (_dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
+    ds = p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
     dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
 
   pl.when(klass == FULL)(lambda: compute(False))
@@ -420,10 +415,10 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased, 
     p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref), lists.r0 + jk,
                         masked)
     do = do_ref[...]
-    dv_sc[...] += jax.lax.dot_general(_dropped(p, keep, cfg).astype(do.dtype), do, _TN,
+    dv_sc[...] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
                                       preferred_element_type=jnp.float32)
     dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (_dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
+    ds = p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
     dk_sc[...] += jax.lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], _TN,
                                       preferred_element_type=jnp.float32)
 

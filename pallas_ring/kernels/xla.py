@@ -93,11 +93,6 @@ def _block_ids(n):
   return jnp.arange(n, dtype=jnp.int32)
 
 
-def _dropped(x, keep, cfg):
-  """``x`` where kept, scaled by ``1 / (1 - rate)``; 0 where dropped (no dropout: ``x``)."""
-  return x if keep is None else jnp.where(keep, x * cfg.keep_scale, 0.0)
-
-
 def _fwd_head(q, k, v, kv_index, kv_class, kv_count, *head, cfg):
   """One (batch, head): q ``[Tp, H]``, k/v ``[Sp, H]``, lists ``[nq, nk]`` -> o, lse ``[Tp]``."""
   hops = _HeadOps(*head)
@@ -152,7 +147,7 @@ def _dq_head(q, k, v, do, lse, delta, kv_index, kv_class, kv_count, *head, cfg):
       s, vis, keep = _tile(cfg, hops, s_cap, q0, k0, cls_row[j])
       p = jnp.where(vis, jnp.exp(s - lb), 0.0)
       dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-      ds = p * (_dropped(dp, keep, cfg) - db) * common.softcap_grad(s_cap, cfg)
+      ds = p * (common.dropped(dp, keep, cfg) - db) * common.softcap_grad(s_cap, cfg)
       return dq + jnp.dot(ds.astype(k.dtype), kb, preferred_element_type=acc)
 
     return jax.lax.fori_loop(0, count, body, jnp.zeros((bq, h), acc)) * cfg.scale
@@ -181,10 +176,10 @@ def _dkv_head(q, k, v, do, lse, delta, q_index, q_class, q_count, *head, cfg):
       s_cap = common.logits(qb, kb, cfg)
       s, vis, keep = _tile(cfg, hops, s_cap, q0, k0, cls_row[i])
       p = jnp.where(vis, jnp.exp(s - lb), 0.0)
-      dv = dv + jax.lax.dot_general(_dropped(p, keep, cfg).astype(do.dtype), dob,
+      dv = dv + jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), dob,
                                     (((0,), (0,)), ((), ())), preferred_element_type=acc)
       dp = jax.lax.dot_general(dob, vb, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-      ds = p * (_dropped(dp, keep, cfg) - db) * common.softcap_grad(s_cap, cfg)
+      ds = p * (common.dropped(dp, keep, cfg) - db) * common.softcap_grad(s_cap, cfg)
       dk = dk + jax.lax.dot_general(ds.astype(q.dtype), qb, (((0,), (0,)), ((), ())),
                                     preferred_element_type=acc)
       return dk, dv
@@ -297,7 +292,7 @@ def bias_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelC
     if ops.dropout is not None:
       keep = common.dropout_keep(cfg.dropout_rate, band(ops.dropout.rows, i, 2)[..., None],
                                  ops.dropout.cols[:, None, None, :])
-    ds = p * (_dropped(dp, keep, cfg) - band(delta, i, 2)[..., None])  # [B, N, bq, Sp]
+    ds = p * (common.dropped(dp, keep, cfg) - band(delta, i, 2)[..., None])  # [B, N, bq, Sp]
     return jnp.sum(ds, axis=tuple(a for a, size in ((0, bb), (1, nb)) if size == 1),
                    keepdims=True)
 
