@@ -217,12 +217,39 @@ def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
           packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))
 
 
-def backend_variants(backend: str, interpret, q, block_sizes):
-  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``)."""
+def _mosaic_gpu_gap(q, dense, extras: Optional[Extras]) -> Optional[str]:
+  """Why the ``pallas_mosaic_gpu`` kernels cannot serve a call, or None."""
+  ex = extras or Extras()
+  from pallas_ring.kernels import pallas_mosaic_gpu  # lazy: imports Mosaic GPU
+  return pallas_mosaic_gpu.unsupported(
+      q.dtype, tuning.padded_head_dim("pallas_mosaic_gpu", q.shape[-1]), dense=dense is not None,
+      bias=ex.bias is not None, alibi=ex.alibi is not None, dropout=ex.seeds is not None)
+
+
+def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
+                     extras: Optional[Extras] = None):
+  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
+
+  ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
+  ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
+  """
   validation.check_backend(backend)
   block_sizes = tuning.as_block_sizes(block_sizes)
-  per_platform = kernels.variants(backend, interpret, q.dtype,
-                                  accepts=lambda b: tuning.accepts(b, block_sizes))
+  if backend == "pallas_mosaic_gpu":
+    why = _mosaic_gpu_gap(q, dense, extras)
+    if why is None and jax.devices()[0].platform == "gpu" and not kernels.hopper():
+      why = (f"GPU {jax.devices()[0].device_kind} (compute capability "
+             f"{getattr(jax.devices()[0], 'compute_capability', '?')}; it needs sm_90 or newer)")
+    if why is not None:
+      raise ValueError(f"backend='pallas_mosaic_gpu' cannot serve this call: {why}. Use "
+                       "backend='pallas_triton' (or 'auto', which picks the best kernel that can).")
+
+  def accepts(b):
+    if b == "pallas_mosaic_gpu" and _mosaic_gpu_gap(q, dense, extras) is not None:
+      return False
+    return tuning.accepts(b, block_sizes)
+
+  per_platform = kernels.variants(backend, interpret, q.dtype, accepts=accepts)
   for b, _ in set(per_platform.values()):
     validation.check_backend_dtype(b, q)  # (each backend's tile rules: tuning.resolve)
   return block_sizes, per_platform
@@ -265,9 +292,11 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       at or past ``cu_seqlens[-1]`` are padding (invisible; their output and gradients are 0).
     kv_cu_seqlens: the same for the keys; defaults to ``cu_seqlens`` when ``T == S``.
     block_sizes: ``BlockSizes`` overrides of the backend's tuned tiles.
-    backend: ``"auto" | "pallas_tpu" | "pallas_triton" | "xla"``. ``"auto"`` is resolved for the
-      platform the computation is lowered for (TPU: pallas_tpu, GPU: pallas_triton, CPU and
-      float64 inputs: xla; xla also where the given ``block_sizes`` break a kernel's rules).
+    backend: ``"auto" | "pallas_tpu" | "pallas_mosaic_gpu" | "pallas_triton" | "xla"``.
+      ``"auto"`` is resolved for the platform the computation is lowered for (TPU: pallas_tpu;
+      GPU: pallas_mosaic_gpu on sm_90+ for bfloat16 / float16 where it serves the call, else
+      pallas_triton; CPU and float64 inputs: xla; xla also where the given ``block_sizes`` break
+      a kernel's rules).
     interpret: Pallas interpret mode; None = exactly when the platform the computation is lowered
       for cannot run the kernel natively.
     return_lse: also return ``lse [B, N, T]`` float32 (natural log, ``-inf`` on empty rows).
@@ -312,7 +341,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, s)
   if sinks is not None:
     validation.check_sinks(sinks, n)
-  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes)
+  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras)
   run = functools.partial(_flash_on, mask=mask, scale=scale, softcap=softcap,
                           block_sizes=block_sizes, return_lse=return_lse, dropout_rate=rate,
                           dropout_broadcast=bool(dropout_broadcast))

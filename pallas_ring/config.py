@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
 
-BACKENDS = ("auto", "pallas_tpu", "pallas_triton", "xla")
+BACKENDS = ("auto", "pallas_tpu", "pallas_mosaic_gpu", "pallas_triton", "xla")
 STRATEGIES = ("ring", "all_gather")
 
 
@@ -72,16 +72,17 @@ def _positive_or_none(cls: str, field: str, value, rule: str = "") -> None:
 class BlockSizes:
   """Tile sizes of the attention kernels; None lets the backend's heuristic choose.
 
-  The Triton backend needs powers of two; the TPU backend needs multiples of 128 on the key axis
-  and of 8 on the query axis (or the whole padded sequence).
+  The Triton backend needs powers of two; the Mosaic GPU backend powers of two with block_q >= 128
+  (a CTA's two warpgroups) and block_kv >= 64; the TPU backend needs multiples of 128 on the key
+  axis and of 8 on the query axis (or the whole padded sequence).
   """
 
   block_q: Optional[int] = None  # query rows per forward tile
   block_kv: Optional[int] = None  # key rows per forward tile
   block_q_bwd: Optional[int] = None  # query rows per backward tile (dQ and dK/dV passes)
   block_kv_bwd: Optional[int] = None  # key rows per backward tile
-  num_warps: Optional[int] = None  # Triton only: warps per program
-  num_stages: Optional[int] = None  # Triton only: software pipelining depth
+  num_warps: Optional[int] = None  # Triton: warps per program (pallas_mosaic_gpu: its backward's)
+  num_stages: Optional[int] = None  # Triton: pipelining depth; pallas_mosaic_gpu: K/V SMEM slots
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

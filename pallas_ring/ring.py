@@ -374,7 +374,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if derived:
     positions = layout_pos
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
-  block_sizes, per_platform = attention.backend_variants(backend, interpret, q, block_sizes)
+  block_sizes, per_platform = attention.backend_variants(backend, interpret, q, block_sizes,
+                                                         dense, extras)
   run = functools.partial(
       _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
       derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,
@@ -412,7 +413,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                                 q_len=t, kv_len=t * r if gather else t,
                                 out_dtype=common.acc_dtype(q.dtype),
                                 interpret=interpret, dropout_rate=dropout_rate)
-  gpu = backend == "pallas_triton"
+  gpu = kernels.BACKEND_PLATFORM[backend] == "gpu"
   st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
                    layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
                    pack_sends=gpu, dropout_broadcast=dropout_broadcast)

@@ -16,7 +16,8 @@ def _shape(x):
 def check_backend(backend: str) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"`backend`={backend!r} is not known; use one of {BACKENDS} "
-                     "('auto' picks pallas_tpu on TPU, pallas_triton on GPU, xla on CPU).")
+                     "('auto' picks pallas_tpu on TPU, pallas_mosaic_gpu or pallas_triton on GPU, "
+                     "xla on CPU).")
   return backend
 
 

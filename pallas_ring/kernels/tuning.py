@@ -47,10 +47,17 @@ def _defaults(backend: str, head_dim: int, device_kind: str) -> BlockSizes:
     if head_dim <= 128:
       return BlockSizes(128, 64, 64, 64, 4, 3)
     return BlockSizes(64, 32, 32, 32, 4, 2)
+  if backend == "pallas_mosaic_gpu":  # forward: 2 x 64 rows per CTA; backward: Triton's
+    bwd = _defaults("pallas_triton", head_dim, device_kind)
+    block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    return BlockSizes(128, block_kv, bwd.block_q_bwd, bwd.block_kv_bwd, None, None)
   if backend == "pallas_tpu":
     big = "v6" in device_kind.lower() or "v5p" in device_kind.lower()
     return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
   return BlockSizes(128, 128, 128, 128, None, None)
+
+
+_MOSAIC_MIN = {"block_q": 128, "block_kv": 64, "block_q_bwd": 16, "block_kv_bwd": 16}
 
 
 def check_block_sizes(backend: str, bs: BlockSizes) -> None:
@@ -59,6 +66,12 @@ def check_block_sizes(backend: str, bs: BlockSizes) -> None:
     val = getattr(bs, f)
     if val is None:
       continue
+    if backend == "pallas_mosaic_gpu" and (val < _MOSAIC_MIN[f] or val & (val - 1)):
+      raise ValueError(
+          f"block_sizes.{f}={val} cannot be used by backend 'pallas_mosaic_gpu': its tiles are "
+          f"powers of two, block_q >= 128 (two warpgroups of >= 64 rows), block_kv >= 64, and "
+          f"the backward's (Triton) >= 16. Use {max(_MOSAIC_MIN[f], _next_pow2(val))}, or None "
+          "for the tuned default.")
     if backend == "pallas_triton" and (val < 16 or val & (val - 1)):
       raise ValueError(
           f"block_sizes.{f}={val} cannot be used by backend 'pallas_triton': Triton tiles must be "
@@ -156,6 +169,8 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
   bq, bk, bqb, bkb = (pick(f) for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"))
   if backend == "pallas_triton":
     cap_q, cap_k = max(16, _next_pow2(q_len)), max(16, _next_pow2(kv_len))
+  elif backend == "pallas_mosaic_gpu":
+    cap_q, cap_k = max(128, _next_pow2(q_len)), max(64, _next_pow2(kv_len))
   elif backend == "pallas_tpu":
     cap_q, cap_k = _round_up(q_len, 8), _round_up(kv_len, 128)
   else:
@@ -176,11 +191,14 @@ def padded_len(length: int, *blocks: int) -> int:
 
 
 def padded_head_dim(backend: str, head_dim: int) -> int:
-  """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16;
+  """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16
+  (Mosaic GPU, whose backward is Triton's: >= 64);
   the TPU kernels read one head's lanes of ``[B, L, heads * H]`` in place, so H is a multiple of
   128 lanes there (no padding for H = 128, 256)."""
   if backend == "pallas_triton":
     return max(16, _next_pow2(head_dim))
+  if backend == "pallas_mosaic_gpu":  # wgmma tiles of 64; the Triton backward wants powers of 2
+    return max(64, _next_pow2(head_dim))
   if backend == "pallas_tpu":
     return _round_up(head_dim, 128)
   return head_dim

@@ -1,0 +1,309 @@
+"""Pallas kernels lowered through Mosaic GPU (Hopper, sm_90+), implementing ``kernels.common``.
+
+The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows, split between
+two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams the K/V
+tiles of the CTA's plan row by TMA into a ring of ``num_stages`` shared-memory slots guarded by
+barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
+(base 2, scale folded) in registers; a shared "schedule" barrier makes one warpgroup's softmax
+overlap the other's matmuls.
+
+Both consumers walk the same plan row (the plan's query block is the CTA's rows), so the producer
+loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
+through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
+K/V are read per kv head (GQA is never repeated).
+
+Not served here (``unsupported`` says why; ``backend="auto"`` then uses ``pallas_triton``): dense
+masks, bias, ALiBi, dropout, float32 inputs, GPUs before sm_90. The backward is
+``pallas_triton``'s on the same plan until the Mosaic GPU backward lands (the contract allows
+different lowerings per pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_ring.kernels import common
+from pallas_ring.kernels import pallas_triton
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Rows of one consumer warpgroup's q tile must tile wgmma's M = 64.
+WG_ROWS = 64
+# Shared memory a CTA may use on sm_90 (227 KiB), less room for row statistics and barriers.
+SMEM_BYTES = 227 * 1024 - 4096
+DTYPES = (jnp.bfloat16, jnp.float16)
+_COMPUTE_WGS = 2
+
+
+def unsupported(dtype, head_dim: int, *, dense=False, bias=False, alibi=False, dropout=False
+                ) -> Optional[str]:
+  """Why this lowering cannot serve a call (None when it can).
+
+  Args:
+    dtype: the inputs' dtype; head_dim: the padded head dim (``tuning.padded_head_dim``).
+    dense, bias, alibi, dropout: whether the call has a dense mask, a bias, ALiBi, dropout.
+  """
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return f"inputs of dtype {jnp.dtype(dtype)} (wgmma takes bfloat16 or float16)"
+  if head_dim % 64 or head_dim > 256:
+    return f"head dim {head_dim} (the kernel takes 64, 128 or 256 after padding)"
+  for what, used in (("a dense mask", dense), ("a bias", bias), ("ALiBi slopes", alibi),
+                     ("dropout", dropout)):
+    if used:
+      return f"{what} (not implemented in the Mosaic GPU forward yet)"
+  return None
+
+
+def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> int:
+  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit (at least 2)."""
+  if cfg.num_stages:
+    return cfg.num_stages
+  q_bytes = cfg.block_q * head_dim * itemsize
+  kv_bytes = 2 * cfg.block_kv * head_dim * itemsize
+  return max(2, min(4, (SMEM_BYTES - q_bytes) // kv_bytes))
+
+
+def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> None:
+  """Raises ValueError naming the rule when the forward tiles cannot run."""
+  if cfg.block_q % (_COMPUTE_WGS * WG_ROWS):
+    raise ValueError(
+        f"block_q={cfg.block_q} cannot be used by backend 'pallas_mosaic_gpu': a CTA's query rows "
+        f"are split between {_COMPUTE_WGS} warpgroups of multiples of {WG_ROWS} rows, so block_q "
+        f"must be a multiple of {_COMPUTE_WGS * WG_ROWS}.")
+  if cfg.block_kv % 64:
+    raise ValueError(f"block_kv={cfg.block_kv} cannot be used by backend 'pallas_mosaic_gpu': "
+                     "it must be a multiple of 64.")
+  n = slots(cfg, head_dim, itemsize)
+  need = (cfg.block_q + 2 * n * cfg.block_kv) * head_dim * itemsize
+  if n < 2 or need > SMEM_BYTES:
+    raise ValueError(
+        f"pallas_mosaic_gpu tiles block_q={cfg.block_q}, block_kv={cfg.block_kv} with {n} K/V "
+        f"slots need {need // 1024} KiB of shared memory at head dim {head_dim} (at least 2 slots; "
+        f"{SMEM_BYTES // 1024} KiB available): use a smaller block_kv or num_stages.")
+
+
+def _sel(size: int, idx):
+  return idx if size > 1 else 0
+
+
+# Layouts of a wgmma accumulator's row and column vectors.
+_ROWS, _COLS = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+
+def _row_vector(x, rows: int):
+  """``[rows]`` float32 vector in the layout of a wgmma accumulator's rows."""
+  return plgpu.layout_cast(jnp.full((rows,), x, jnp.float32), _ROWS)
+
+
+def token_info(info) -> jax.Array:
+  """int32 ``[Bi, F, L]``: positions, then segment ids when present (one TMA copy per tile)."""
+  if info.segment_ids is None:
+    return info.positions[:, None]
+  b = info.segment_ids.shape[0]
+  pos = jnp.broadcast_to(info.positions, (b, info.positions.shape[-1]))
+  return jnp.stack([pos, info.segment_ids], axis=1)
+
+
+def _logits2(qk, cfg):
+  """Base-2 logits from raw ``q.k`` scores."""
+  if cfg.softcap is None:
+    return qk * (cfg.scale * LOG2E)
+  return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """Static sizes of one forward call."""
+
+  bq: int  # rows per consumer warpgroup
+  bk: int  # key tile
+  slots: int  # K/V shared-memory slots
+  group: int  # query heads per kv head
+  head_dim: int
+  dtype: object
+  info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
+
+
+def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, o_ref,
+                lse_ref, scoped, *, cfg, g: _Geometry):
+  (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
+  (k_bar, v_bar, q_bar), (k_free, v_free), sched = bars
+  batch, head, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+  wg = lax.axis_index("wg")
+  bq, bk, h = g.bq, g.bk, g.head_dim
+  lists = lambda ref: ref.at[_sel(ref.shape[0], batch), _sel(ref.shape[1], head)]
+  idx_row = lists(idx_ref).at[qi]
+  info_b = _sel(qinfo_ref.shape[0], batch)
+  count = lists(cnt_ref)[qi]
+  n_full = lists(full_ref)[qi]
+
+  def schedule():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
+    q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(qinfo_ref.at[info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+    # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
+    q_info = [lax.broadcast_in_dim(plgpu.load(qinfo_smem.at[f], (), layout=_ROWS), (bq, bk), [0])
+              for f in range(g.info_rows)]
+
+    def visible(j, slot):
+      k0 = idx_row[j] * bk
+      k_info = [lax.broadcast_in_dim(plgpu.load(kinfo_smem.at[slot, f], (), layout=_COLS),
+                                     (bq, bk), [1]) for f in range(g.info_rows)]
+      k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+      return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+
+    def step(j, carry, masked):
+      acc, m, l = carry
+      slot = lax.rem(j, g.slots)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        schedule()
+        return acc_ref[...]
+
+      s = _logits2(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        vis = visible(j, slot)
+        s = jnp.where(vis, s, common.NEG_INF)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      if masked:
+        p = jnp.where(vis, p, 0.0)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(g.dtype)
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(sched)  # softmax done
+      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_wait(sched)  # the other warpgroup's matmul is done
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        nxt = j + 1
+
+        @pl.when(nxt < count)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, g.slots)])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (acc, _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq))
+
+    @pl.when(count > 0)
+    def _():
+      plgpu.barrier_wait(k_bar.at[0])
+
+    pl.when(wg == 1)(schedule)
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(n_full, count, functools.partial(step, masked=True), carry)
+    pl.when(wg == 0)(schedule)
+
+    empty = l == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, l)
+    q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(g.dtype)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, bq), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.int32(g.group))
+
+    @pl.loop(0, count)
+    def _(j):
+      slot = lax.rem(j, g.slots)
+      src = (batch, pl.ds(idx_row[j] * bk, bk), kv_head)
+
+      @pl.when(j >= g.slots)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(kinfo_ref.at[info_b, :, pl.ds(idx_row[j] * bk, bk)],
+                              kinfo_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(j >= g.slots)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``."""
+  if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
+    return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None))
+  why = unsupported(q.dtype, q.shape[-1], dense=ops.dense is not None, bias=ops.bias is not None,
+                    alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+  if why is not None:
+    raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
+  b, tp, n, hp = q.shape
+  itemsize = jnp.dtype(q.dtype).itemsize
+  check_tiles(cfg, hp, itemsize)
+  g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
+                slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
+                dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2)
+  smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=(
+      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+  scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
+             plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
+             plgpu.SMEM((_COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
+             plgpu.SMEM((g.slots, g.info_rows, g.bk), jnp.int32))
+  # q and k tiles arrive with their token info: two copies, so two arrivals per phase.
+  barriers = ((plgpu.Barrier(num_arrivals=2, num_barriers=g.slots),
+               plgpu.Barrier(num_barriers=g.slots),
+               plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS)),
+              (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=g.slots),) * 2,
+              plgpu.Barrier(num_arrivals=_COMPUTE_WGS))
+
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, (scoped[:6], scoped[6:]), cfg=cfg, g=g),
+                  *scratch, *barriers, collective_axes="wg")
+
+  o, lse = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tp),
+                                                                             jnp.float32)),
+      grid=(n, tp // cfg.block_q, b), grid_names=("heads", "q_seq", "batch"),
+      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info),
+    token_info(ops.kv_info), q, k, v)
+  return o.astype(cfg.out_dtype), lse
+
+
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+  """See ``kernels.common``: the ``pallas_triton`` backward on this call's plan (the Mosaic GPU
+  backward is not written yet); ``cfg.num_stages`` means K/V slots here, so Triton gets its own
+  default."""
+  return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
+                                dataclasses.replace(cfg, num_stages=None))
+
+
+__all__ = ["forward", "backward", "unsupported", "check_tiles", "slots"]
