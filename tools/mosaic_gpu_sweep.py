@@ -155,8 +155,8 @@ def tiles():
               q, k, v, mask=mask, block_sizes=bs, backend="pallas_mosaic_gpu"))
           try:
             secs = timeit(f, q, k, v, iters=5, reps=3)
-            pairs = visible_pairs(t, "causal" if mask else "full")
-            print(f"H={h} {'causal' if mask else 'dense'} bk={bk} stages={stages}: "
+            pairs = visible_pairs(t, "full" if mask is None else "causal")
+            print(f"H={h} {'dense' if mask is None else 'causal'} bk={bk} stages={stages}: "
                   f"{secs * 1e3:.3f} ms {4 * 16 * pairs * h / secs / 1e12:.1f} TFLOP/s",
                   flush=True)
           except Exception as e:
@@ -164,6 +164,58 @@ def tiles():
                   flush=True)
 
 
+def interleaved(fns, args, reps=7, iters=10):
+  """Median seconds per call of each compiled fn, the repetitions interleaved across fns (so
+  clock and thermal drift hit every implementation alike)."""
+  import statistics
+  import time
+  for f in fns.values():
+    jax.block_until_ready(f(*args))
+  times = {impl: [] for impl in fns}
+  for _ in range(reps):
+    for impl, f in fns.items():
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        out = f(*args)
+      jax.block_until_ready(out)
+      times[impl].append((time.perf_counter() - t0) / iters)
+  return {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in times.items()}
+
+
+def variants():
+  """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as up
+  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
+            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
+            ("dense T=16k fp16", 16384, 16, 16, 128, None, "full", jnp.float16),
+            ("causal T=16k fp16", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.float16),
+            ("window 1024", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(1024),
+             "window", jnp.bfloat16),
+            ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
+            ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16)]
+  for name, t, n, kh, h, mask, kind, dt in shapes:
+    q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+    pairs = visible_pairs(t, kind)
+    comp = lambda f: jax.jit(f).lower(q, k, v).compile()
+    fns = {"ours": comp(lambda q, k, v: flash_attention(q, k, v, mask=mask,
+                                                        backend="pallas_mosaic_gpu"))}
+    window = (1024, 0) if kind == "window" else None
+    fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=kind != "full", local_window_size=window, implementation="cudnn"))
+    if dt == jnp.float16:
+      cfg = up.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                            causal=kind == "causal")
+      try:
+        fns["upstream attention_mgpu"] = comp(lambda q, k, v: up.attention(q, k, v, cfg))
+      except Exception as e:
+        print(f"{name}: upstream failed {type(e).__name__}: {str(e)[:200]}")
+    res = interleaved(fns, (q, k, v))
+    for impl, (med, lo, hi) in res.items():
+      print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
+            f"{4 * n * pairs * h / med / 1e12:6.1f} TFLOP/s  vs cudnn "
+            f"{res['cudnn'][0] / med:.3f}x", flush=True)
+
+
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  {"correct": correct, "bench": bench, "tiles": tiles}[sys.argv[1]]()
+  {"correct": correct, "bench": bench, "tiles": tiles, "variants": variants}[sys.argv[1]]()

@@ -36,6 +36,9 @@ from pallas_ring.kernels import pallas_triton
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Walk the q blocks from the last: under causal-type masks the longest rows start first, so the
+# short ones fill the tail of the launch.
+HEAVY_FIRST = True
 # Rows of one consumer warpgroup's q tile must tile wgmma's M = 64.
 WG_ROWS = 64
 # Shared memory a CTA may use on sm_90 (227 KiB), less room for row statistics and barriers.
@@ -113,11 +116,13 @@ def token_info(info) -> jax.Array:
   return jnp.stack([pos, info.segment_ids], axis=1)
 
 
-def _logits2(qk, cfg):
-  """Base-2 logits from raw ``q.k`` scores."""
+def _logits(qk, cfg):
+  """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
+  raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
+  fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
   if cfg.softcap is None:
-    return qk * (cfg.scale * LOG2E)
-  return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
+    return qk, cfg.scale * LOG2E
+  return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +136,17 @@ class _Geometry:
   head_dim: int
   dtype: object
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
+  q_blocks: int  # CTAs along the sequence (plan rows)
 
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, o_ref,
                 lse_ref, scoped, *, cfg, g: _Geometry):
   (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free), sched = bars
-  batch, head, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  qi = lax.axis_index("q_seq")
+  if HEAVY_FIRST:  # CTAs launch in grid order: the (causally) longest rows first
+    qi = g.q_blocks - 1 - qi
   wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
   lists = lambda ref: ref.at[_sel(ref.shape[0], batch), _sel(ref.shape[1], head)]
@@ -178,14 +187,14 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         schedule()
         return acc_ref[...]
 
-      s = _logits2(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
+      s, c = _logits(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
         vis = visible(j, slot)
         s = jnp.where(vis, s, common.NEG_INF)
-      m_new = jnp.maximum(m, s.max(axis=1))
+      m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
       if masked:
         p = jnp.where(vis, p, 0.0)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -244,8 +253,14 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         plgpu.barrier_wait(k_free.at[slot])
 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-      plgpu.copy_gmem_to_smem(kinfo_ref.at[info_b, :, pl.ds(idx_row[j] * bk, bk)],
-                              kinfo_smem.at[slot], k_bar.at[slot])
+      @pl.when(j >= n_full)  # only masked tiles read the keys' token info
+      def _():
+        plgpu.copy_gmem_to_smem(kinfo_ref.at[info_b, :, pl.ds(idx_row[j] * bk, bk)],
+                                kinfo_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(j < n_full)
+      def _():
+        plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
 
       @pl.when(j >= g.slots)
       def _():
@@ -268,7 +283,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   check_tiles(cfg, hp, itemsize)
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
-                dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2)
+                dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
+                q_blocks=tp // cfg.block_q)
   smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=(
       plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
