@@ -31,3 +31,26 @@ def rel_err(got, ref):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+# A GPU run (PALLAS_RING_TEST_GPU=1) adds the Mosaic GPU backend to the suites that list backends.
+ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
+
+
+def small_blocks(backend):
+  """Small tiles that still obey each backend's rules (many blocks at test sizes)."""
+  from pallas_ring import BlockSizes
+  if backend == "pallas_tpu":
+    return BlockSizes(block_q=32, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
+  if backend == "pallas_mosaic_gpu":  # two warpgroups of 64 query rows; Triton backward tiles
+    return BlockSizes(block_q=128, block_kv=64, block_q_bwd=16, block_kv_bwd=32)
+  return BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=32)
+
+
+def kernel_dtype(backend, dtype):
+  """The dtype a backend is tested in: float32 cases run in bfloat16 on ``pallas_mosaic_gpu``
+  (wgmma takes 16-bit inputs; float32 calls are refused, see test_mosaic_gpu)."""
+  import jax.numpy as jnp
+  if backend == "pallas_mosaic_gpu" and dtype == jnp.float32:
+    return jnp.bfloat16
+  return dtype

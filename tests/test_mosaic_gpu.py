@@ -1,0 +1,134 @@
+"""The Mosaic GPU (Hopper) backend on a CPU machine: every shipped kernel configuration lowers for
+CUDA, ``"auto"`` picks it exactly where it serves the call, and refusals name the reason.
+
+Natively (PALLAS_RING_TEST_GPU=1 on an H100) the conformance and pitfall suites run it too; see
+test_flash_attention.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
+from pallas_ring.kernels import pallas_mosaic_gpu
+from conftest import rel_err
+
+MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
+TRITON = "__gpu$xla.gpu.triton"
+
+CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap)
+    "causal_gqa": (masks.Causal(), 512, 512, 4, 2, 128, jnp.bfloat16, False, None),
+    "full_odd_lengths": (masks.Full(), 300, 200, 4, 4, 128, jnp.bfloat16, False, None),
+    "window_mqa": (masks.Causal() & masks.SlidingWindow(100), 384, 384, 4, 1, 128, jnp.bfloat16,
+                   False, None),
+    "chunked": (masks.ChunkedCausal(128), 256, 256, 2, 2, 128, jnp.bfloat16, False, None),
+    "prefix_lm": (masks.PrefixLM(50), 256, 256, 2, 2, 128, jnp.float16, False, None),
+    "documents": (masks.Causal(), 256, 256, 2, 2, 128, jnp.bfloat16, True, None),
+    "softcap_h64": (masks.Causal(), 256, 256, 2, 2, 64, jnp.bfloat16, False, 30.0),
+    "h256": (masks.Causal(), 256, 256, 2, 1, 256, jnp.bfloat16, False, None),
+    "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
+    "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
+}
+
+
+def _structs(name):
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  sd = jax.ShapeDtypeStruct
+  args = (sd((2, t, n, h), dt), sd((2, s, kh, h), dt), sd((2, s, kh, h), dt))
+  seg = (sd((2, t), jnp.int32), sd((2, s), jnp.int32)) if segs else (None, None)
+  return args, seg, dict(mask=mask, softcap=cap)
+
+
+def _lower(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_configuration_lowers_for_cuda(name):
+  """Forward: one Mosaic GPU kernel; gradients: it plus the two Triton backward kernels."""
+  args, (qs, ks), kw = _structs(name)
+
+  def f(q, k, v, *seg):
+    extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
+    return flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False, **extra, **kw)
+
+  seg_args = (qs, ks) if qs is not None else ()
+  text = _lower(f, *args, *seg_args)
+  assert text.count(MOSAIC) == 1 and TRITON not in text
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = _lower(grad, *args, *seg_args)
+  assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+
+
+def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
+  monkeypatch.setattr(kernels, "hopper", lambda: True)
+  pick = lambda dt, accepts=lambda b: True: kernels.variants("auto", None, dt, accepts)["cuda"][0]
+  assert pick(jnp.bfloat16) == pick(jnp.float16) == "pallas_mosaic_gpu"
+  assert pick(jnp.float32) == "pallas_triton"
+  assert pick(jnp.bfloat16, lambda b: b != "pallas_mosaic_gpu") == "pallas_triton"
+  assert kernels.variants("auto", None, jnp.bfloat16)["tpu"][0] == "pallas_tpu"
+  monkeypatch.setattr(kernels, "hopper", lambda: False)
+  assert pick(jnp.bfloat16) == "pallas_triton"
+
+
+def test_auto_lowers_mosaic_forward_and_triton_backward_on_hopper(monkeypatch):
+  monkeypatch.setattr(kernels, "hopper", lambda: True)
+  args, _, _ = _structs("causal_gqa")
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = _lower(grad, *args)
+  assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+  # A dense mask is not served by the Mosaic GPU kernel: auto takes Triton for both passes.
+  dense = jax.ShapeDtypeStruct((1, 1, 512, 512), jnp.bool_)
+  g = lambda q, k, v, d: flash_attention(q, k, v, dense_mask=d)
+  text = _lower(g, *args, dense)
+  assert MOSAIC not in text and text.count(TRITON) == 1
+
+
+@pytest.mark.parametrize("what, kw, reason", [
+    ("float32", dict(dtype=jnp.float32), "inputs of dtype float32"),
+    ("dense", dict(dense_mask=np.ones((1, 1, 64, 64), bool)), "a dense mask"),
+    ("bias", dict(bias=np.zeros((64, 64), np.float32)), "a bias"),
+    ("alibi", dict(alibi_slopes=np.ones(2, np.float32)), "ALiBi"),
+    ("dropout", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+])
+def test_explicit_request_it_cannot_serve_names_reason_and_fallback(what, kw, reason):
+  kw = dict(kw)
+  x = jnp.ones((1, 64, 2, 64), kw.pop("dtype", jnp.bfloat16))
+  with pytest.raises(ValueError, match=f"cannot serve this call: {reason}.*pallas_triton"):
+    flash_attention(x, x, x, backend="pallas_mosaic_gpu", **kw)
+
+
+def test_tile_rules_are_checked_with_the_fix():
+  x = jnp.ones((1, 256, 2, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"block_q=64 cannot be used by backend "
+                                       r"'pallas_mosaic_gpu'.*Use 128"):
+    flash_attention(x, x, x, backend="pallas_mosaic_gpu", block_sizes=BlockSizes(block_q=64))
+  # 128 + 2 slots x 2 x 256 keys of H=256 in bf16 do not fit in shared memory.
+  with pytest.raises(ValueError, match="shared memory"):
+    f = lambda x: flash_attention(x, x, x, backend="pallas_mosaic_gpu", interpret=False,
+                                  block_sizes=BlockSizes(block_kv=256))
+    _lower(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
+def test_slots_fill_shared_memory_with_at_least_two():
+  from pallas_ring.kernels import common
+  cfg = lambda bk, stages=None: common.KernelConfig(
+      mask=masks.Causal(), scale=1.0, softcap=None, q_len=1, kv_len=1, block_q=128, block_kv=bk,
+      block_q_bwd=16, block_kv_bwd=16, num_stages=stages)
+  assert pallas_mosaic_gpu.slots(cfg(128), 128, 2) == 2  # 32 KiB q + 2 x 64 KiB K/V
+  assert pallas_mosaic_gpu.slots(cfg(64), 128, 2) == 4  # 32 KiB q + 4 x 32 KiB (capped at 4)
+  assert pallas_mosaic_gpu.slots(cfg(64, stages=3), 128, 2) == 3
+
+
+def test_interpret_on_cpu_emulates_the_plan_walk():
+  """On CPU the Mosaic GPU kernel cannot run (its interpreter lacks FA3 primitives): the call
+  interprets the Triton kernels over the same tiles and plan, and is correct."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 200, 4, 64)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((1, 200, 2, 64)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((1, 200, 2, 64)), jnp.bfloat16)
+  out = flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_mosaic_gpu")
+  ref = reference.attention(q, k, v, mask=masks.Causal())[0]
+  assert rel_err(out, ref) < 2e-2
