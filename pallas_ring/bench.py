@@ -42,6 +42,24 @@ def timeit(fn, *args, iters=10, reps=5) -> float:
   return statistics.median(times)
 
 
+def timeit_interleaved(calls, iters=10, reps=5) -> dict:
+  """Median seconds per call of each ``name: (jitted fn, args)``, the repetitions interleaved
+  across the calls, so that clock and thermal drift during a run (measured at 5-15% on an H100
+  between back-to-back timings of one kernel) hit every implementation alike."""
+  for fn, args in calls.values():
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+  times = {name: [] for name in calls}
+  for _ in range(reps):
+    for name, (fn, args) in calls.items():
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      times[name].append((time.perf_counter() - t0) / iters)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def visible_pairs(t: int, kind: str, window: int = 1024, doc: int = 1024) -> int:
   q = np.arange(t, dtype=np.int64)
   if kind == "full":
@@ -131,7 +149,11 @@ SWEEP = list(itertools.product([64, 128], [64, 128], [4, 8], [2, 3]))
 
 
 def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
-  """Dense and causal, forward and forward+backward; block configs swept at the longest T."""
+  """Dense and causal, forward and forward+backward: cuDNN, JAX's Pallas ``mha`` and our Triton
+  kernel at their best swept block configurations (swept at the longest T), and ``"auto"`` at
+  default tiles (on Hopper: the Mosaic GPU forward with the Triton backward)."""
+  from pallas_ring import kernels
+  auto = kernels.native_backend()
   rows, best = [], {}
   for t, causal in itertools.product(lengths, (False, True)):
     case = f"T={t} {'causal' if causal else 'dense'}"
@@ -139,7 +161,8 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
     q, k, v, do = _inputs(b, t, n, h)
     mask = masks.Causal() if causal else None
     ours_make = lambda bq, bk, w, s, mask=mask: (lambda q_, k_, v_: flash_attention(
-        q_, k_, v_, mask=mask, block_sizes=BlockSizes(bq, bk, None, None, w, s)))
+        q_, k_, v_, mask=mask, block_sizes=BlockSizes(bq, bk, None, None, w, s),
+        backend="pallas_triton"))
     if causal not in best:
       log(f"[{case}] sweeping mha and ours (fwd)")
       best[causal] = (_sweep(lambda *c: _mha(None, causal, *c), (q, k, v), SWEEP, log)[1],
@@ -147,17 +170,15 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
     mha_cfg, ours_cfg = best[causal]
     cudnn = lambda q_, k_, v_, c=causal: jax.nn.dot_product_attention(
         q_, k_, v_, is_causal=c, implementation="cudnn")
+    ours_name = f"ours {auto} (default tiles)"
     impls = {"cudnn": cudnn, f"mha{mha_cfg}": _mha(None, causal, *mha_cfg),
-             f"ours{ours_cfg}": ours_make(*ours_cfg),
-             "ours (default tiles)": lambda q_, k_, v_, m=mask: flash_attention(q_, k_, v_, mask=m)}
-    log(f"  ours (default tiles): {tile_note(t, h, mask, n=n)}")
+             f"ours triton{ours_cfg}": ours_make(*ours_cfg),
+             ours_name: lambda q_, k_, v_, m=mask: flash_attention(q_, k_, v_, mask=m)}
+    log(f"  {ours_name}: {tile_note(t, h, mask, n=n, backend=auto)}")
     for pass_ in ("fwd", "fwd+bwd"):
-      res = {}
-      for name, f in impls.items():
-        fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
-        args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-        res[name] = timeit(fn, *args)
-      ours_name = f"ours{ours_cfg}"
+      args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f), args)
+                                for name, f in impls.items()})
       for name, secs in res.items():
         ratio = "" if name.startswith("ours") else f"ours {secs / res[ours_name]:.2f}x faster"
         rows.append(Row(case, name, pass_, secs * 1e3, _tflops(pairs, b, n, h, secs, pass_), ratio))
@@ -167,6 +188,9 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
 
 
 def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
+  """Causal sliding window 1024 and 16 causal documents of 1024: "auto", our Triton kernel and
+  the baselines."""
+  from pallas_ring import kernels
   rows = []
   q, k, v, do = _inputs(b, t, n, h, seed=1)
   seg = jnp.repeat(jnp.arange(16, dtype=jnp.int32), t // 16)[None].repeat(b, 0)
@@ -178,6 +202,9 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
               q_, k_, v_, is_causal=True, local_window_size=(1024, 0), implementation="cudnn"),
           "ours": lambda q_, k_, v_: flash_attention(
               q_, k_, v_, mask=masks.Causal() & masks.SlidingWindow(1024)),
+          "ours triton": lambda q_, k_, v_: flash_attention(
+              q_, k_, v_, mask=masks.Causal() & masks.SlidingWindow(1024),
+              backend="pallas_triton"),
       }),
       "16 documents of 1024": ("documents", {
           "cudnn dense mask": lambda q_, k_, v_: jax.nn.dot_product_attention(
@@ -185,27 +212,68 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
           "mha segment_ids (64,64,4,3)": _mha(seg, True, 64, 64, 4, 3),
           "ours": lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=masks.Causal(),
                                                      segment_ids=seg),
+          "ours triton": lambda q_, k_, v_: flash_attention(
+              q_, k_, v_, mask=masks.Causal(), segment_ids=seg, backend="pallas_triton"),
       }),
   }
   for case, (kind, impls) in cases.items():
     pairs = visible_pairs(t, kind)
     log(f"  [{case}] ours: " + tile_note(t, h, masks.Causal() & masks.SlidingWindow(1024)
                                          if kind == "window" else masks.Causal(),
-                                         segments=kind == "documents", n=n))
+                                         segments=kind == "documents", n=n,
+                                         backend=kernels.native_backend()))
     for pass_ in ("fwd", "fwd+bwd"):
-      res = {}
+      args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      calls = {}
       for name, f in impls.items():
         fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
-        try:
-          res[name] = timeit(fn, *((q, k, v) if pass_ == "fwd" else (q, k, v, do)))
+        try:  # compile (and drop) what cannot run, e.g. a dense mask cuDNN refuses
+          jax.block_until_ready(fn(*args))
+          calls[name] = (fn, args)
         except Exception as e:
           log(f"  {case} {pass_} {name}: failed {type(e).__name__}: {str(e)[:200]}")
+      res = timeit_interleaved(calls)
       for name, secs in res.items():
         ratio = "" if name == "ours" or "ours" not in res else \
             f"ours {secs / res['ours']:.2f}x faster"
         rows.append(Row(f"T={t} {case}", name, pass_, secs * 1e3,
                         _tflops(pairs, b, n, h, secs, pass_), ratio))
         log(f"  {case:22s} {pass_:8s} {name:30s} {secs * 1e3:8.3f} ms "
+            f"{rows[-1].tflops:7.1f} TFLOP/s {ratio}")
+  return rows
+
+
+MODEL_SHAPES = {  # name: (B, T, N, K, H), causal
+    "Llama GQA 32/8 T=8k": (1, 8192, 32, 8, 128),
+    "H=256 T=8k": (1, 8192, 16, 16, 256),
+    "H=64 B=8 T=2k": (8, 2048, 16, 16, 64),
+}
+
+
+def model_shapes(log=print):
+  """Causal model shapes (GQA, H=256, H=64): cuDNN, ``"auto"`` and our Triton kernel."""
+  from pallas_ring import kernels
+  rows = []
+  for case, (b, t, n, kh, h) in MODEL_SHAPES.items():
+    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh, seed=5)
+    impls = {
+        "cudnn": lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, is_causal=True,
+                                                                 implementation="cudnn"),
+        f"ours {kernels.native_backend()}": lambda q_, k_, v_: flash_attention(
+            q_, k_, v_, mask=masks.Causal()),
+        "ours triton": lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=masks.Causal(),
+                                                          backend="pallas_triton"),
+    }
+    pairs = visible_pairs(t, "causal")
+    for pass_ in ("fwd", "fwd+bwd"):
+      args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f), args)
+                                for name, f in impls.items()})
+      for name, secs in res.items():
+        ratio = "" if name == "cudnn" else f"{res['cudnn'] / secs:.3f}x cuDNN's speed"
+        rows.append(Row(case, name, pass_, secs * 1e3, _tflops(pairs, b, n, h, secs, pass_),
+                        ratio))
+        log(f"  {case:20s} {pass_:8s} {name:24s} {secs * 1e3:8.3f} ms "
             f"{rows[-1].tflops:7.1f} TFLOP/s {ratio}")
   return rows
 
@@ -327,6 +395,8 @@ def main(args) -> None:
     rows, name = ring(log=log), "ring"
   elif args.extras:
     rows, name = extras_cost(log=log), "extras"
+  elif args.models:
+    rows, name = model_shapes(log=log), "models"
   else:
     rows, name = single_device(log=log), "single"
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

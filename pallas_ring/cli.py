@@ -158,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--ring", action="store_true", help="ring benchmark over all local GPUs")
   p.add_argument("--extras", action="store_true",
                  help="cost of attention dropout and ALiBi (causal fwd+bwd, T=16k)")
+  p.add_argument("--models", action="store_true",
+                 help="causal model shapes: Llama GQA 32/8, H=256, H=64 (vs cuDNN)")
   p.add_argument("--long-context", type=int, default=0, metavar="TOKENS",
                  help="causal zigzag ring fwd+bwd over TOKENS total tokens (e.g. 1048576)")
   p.add_argument("--out", default="bench_out", help="folder for JSON and the PNG plot")

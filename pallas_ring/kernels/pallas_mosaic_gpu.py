@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Optional
 
@@ -102,6 +103,15 @@ def _sel(size: int, idx):
 _ROWS, _COLS = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
 
+# JAX 0.11 deprecated load's separate index argument that 0.10 requires.
+_LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load(ref, layout):
+  """The whole of a shared-memory ref as an array in ``layout``."""
+  return plgpu.load(ref, (), layout=layout) if _LOAD_NEEDS_INDEX else plgpu.load(ref, layout=layout)
+
+
 def _row_vector(x, rows: int):
   """``[rows]`` float32 vector in the layout of a wgmma accumulator's rows."""
   return plgpu.layout_cast(jnp.full((rows,), x, jnp.float32), _ROWS)
@@ -168,12 +178,12 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     plgpu.copy_gmem_to_smem(qinfo_ref.at[info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
     # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
-    q_info = [lax.broadcast_in_dim(plgpu.load(qinfo_smem.at[f], (), layout=_ROWS), (bq, bk), [0])
+    q_info = [lax.broadcast_in_dim(_load(qinfo_smem.at[f], _ROWS), (bq, bk), [0])
               for f in range(g.info_rows)]
 
     def visible(j, slot):
       k0 = idx_row[j] * bk
-      k_info = [lax.broadcast_in_dim(plgpu.load(kinfo_smem.at[slot, f], (), layout=_COLS),
+      k_info = [lax.broadcast_in_dim(_load(kinfo_smem.at[slot, f], _COLS),
                                      (bq, bk), [1]) for f in range(g.info_rows)]
       k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
@@ -183,7 +193,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       slot = lax.rem(j, g.slots)
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
         schedule()
         return acc_ref[...]
 
