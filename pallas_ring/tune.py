@@ -78,6 +78,10 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
     bwd = [dict(block_q_bwd=q, block_kv_bwd=k)
            for q, k in itertools.product(bwd_tiles, repeat=2)]
     return {"fwd": fwd, "bwd": bwd}
+  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward is Triton's
+    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
+           for k, s in itertools.product((64, 128) if interpret else (64, 128, 256), (2, 3))]
+    return {"fwd": fwd, "bwd": candidates("pallas_triton", head_dim, interpret)["bwd"]}
   if backend == "pallas_tpu":
     sizes = [128, 256] if interpret else [256, 512, 1024]
     return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
@@ -176,7 +180,9 @@ def winners(problem: Problem, results: dict[str, list]) -> dict[str, dict]:
   out = {}
   for pass_, rows in results.items():
     if rows and rows[0].seconds is not None:
-      out[tile_cache.key(kind, problem.backend, pass_=pass_, **shape)] = dict(rows[0].tiles)
+      key = tile_cache.key(kind, tuning.table_backend(problem.backend, pass_), pass_=pass_,
+                           **shape)
+      out[key] = dict(rows[0].tiles)
   return out
 
 

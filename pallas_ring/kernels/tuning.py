@@ -120,6 +120,12 @@ def device_kind(backend: str) -> str:
   return dev.device_kind if native else f"{dev.device_kind}:interpret"
 
 
+def table_backend(backend: str, pass_: str) -> str:
+  """The backend whose cache / table entries a pass's tiles are keyed by: the Mosaic GPU
+  backend's backward is Triton's, so it shares Triton's tuned backward tiles."""
+  return "pallas_triton" if backend == "pallas_mosaic_gpu" and pass_ == "bwd" else backend
+
+
 def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes, str, str]:
   """Fills the unset fields of ``bs`` from the cache / shipped table, per pass."""
   sources = []
@@ -130,7 +136,7 @@ def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes,
     if not kind:
       sources.append("heuristic")
       continue
-    k = tile_cache.key(kind, backend, pass_=pass_, **shape)
+    k = tile_cache.key(kind, table_backend(backend, pass_), pass_=pass_, **shape)
     entry, source = tile_cache.lookup(k)
     if entry is not None:
       try:
