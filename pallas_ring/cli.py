@@ -28,12 +28,13 @@ def demo(args) -> int:
   r = jax.device_count()
   t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, 64, 16
   print(f"devices: {r} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"jax {jax.__version__}; T={t}, N={n}, K={kh}, H={h}, tile {blk}")
+        f"jax {jax.__version__}; T={t}, N={n}, K={kh}, H={h}, {args.dtype}, tile {blk}")
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  dtype = jnp.dtype(args.dtype)
+  # Inputs in the run's dtype; the reference computes in float32 on the same (rounded) values.
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype).astype(
+      jnp.float32) for shape in ((b, t, n, h), (b, t, kh, h), (b, t, kh, h)))
   docs = jnp.asarray(np.sort(rng.integers(0, 6, (b, t)), axis=1), jnp.int32)
   cases = {"causal": (masks.Causal(), None), "window 32": (masks.SlidingWindow(32), None),
            "documents": (masks.Causal(), docs), "full": (masks.Full(), None)}
@@ -71,8 +72,8 @@ def demo(args) -> int:
         per_device[d, s] = float(block_sparse.live_fraction(plan).mean())
     cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend=args.backend)
     ours = lambda q_, k_, v_: layouts.unpermute(sharded_attention(
-        perm(q_), perm(k_), perm(v_), mesh=mesh, config=cfg, mask=mask, segment_ids=seg_l),
-        layout, r)
+        *(perm(x).astype(dtype) for x in (q_, k_, v_)), mesh=mesh, config=cfg, mask=mask,
+        segment_ids=seg_l), layout, r).astype(jnp.float32)
     ref = lambda q_, k_, v_: reference.attention(q_, k_, v_, mask=mask, segment_ids=seg)[0]
     err = float(jnp.max(jnp.abs(jax.jit(ours)(q, k, v) - ref(q, k, v))))
     # Gradients: largest relative error ||got - ref|| / ||ref|| over dQ, dK, dV.
@@ -86,7 +87,10 @@ def demo(args) -> int:
     if args.verbose:
       print("  live fraction [device x step]:\n" + "\n".join(
           "   " + " ".join(f"{x:4.2f}" for x in row) for row in per_device))
-  tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2  # GPU float32 dots run as TF32
+  if dtype != jnp.float32:  # 16-bit inputs and outputs
+    tol = 5e-2
+  else:
+    tol = 1e-4 if jax.default_backend() == "cpu" else 1e-2  # GPU float32 dots run as TF32
   ok = worst < tol and worst_grad < tol
   print(f"\nagainst the dense reference: max |err| {worst:.2e}, gradients' relative error "
         f"{worst_grad:.2e} (tolerance {tol:g}) -> {'OK' if ok else 'FAILED'}")
@@ -153,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=256, help="total tokens")
   p.add_argument("--backend", default="auto", help="kernel backend")
   p.add_argument("--verbose", action="store_true", help="print the device x step live matrix")
+  p.add_argument("--dtype", default="float32",
+                 help="float32, bfloat16 or float16 (on Hopper GPUs, 16-bit inputs run the "
+                      "Mosaic GPU forward)")
   p = sub.add_parser("bench", formatter_class=fmt,
                      help="GPU benchmarks against cuDNN and Pallas mha")
   p.add_argument("--ring", action="store_true", help="ring benchmark over all local GPUs")

@@ -42,6 +42,8 @@ CASES = [  # name, T, S, N, K, H, mask, segments, softcap, dtype
     ("chunked", 1024, 1024, 4, 4, 128, masks.ChunkedCausal(256), False, None, jnp.bfloat16),
     ("prefix", 1024, 1024, 4, 4, 128, masks.PrefixLM(200), False, None, jnp.bfloat16),
     ("docs", 2048, 2048, 4, 4, 128, masks.Causal(), True, None, jnp.bfloat16),
+    # many consecutive PARTIAL tiles: a slot's key info must be read before the slot is reused
+    ("docs-long", 8192, 8192, 4, 2, 64, masks.Full(), True, None, jnp.bfloat16),
     ("softcap", 1024, 1024, 4, 4, 128, masks.Causal(), False, 20.0, jnp.bfloat16),
     ("h64", 1024, 1024, 4, 4, 64, masks.Causal(), False, None, jnp.bfloat16),
     ("h256", 1024, 1024, 4, 4, 256, masks.Causal(), False, None, jnp.bfloat16),

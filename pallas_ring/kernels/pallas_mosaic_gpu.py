@@ -161,7 +161,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   bq, bk, h = g.bq, g.bk, g.head_dim
   lists = lambda ref: ref.at[_sel(ref.shape[0], batch), _sel(ref.shape[1], head)]
   idx_row = lists(idx_ref).at[qi]
-  info_b = _sel(qinfo_ref.shape[0], batch)
+  q_info_b, k_info_b = _sel(qinfo_ref.shape[0], batch), _sel(kinfo_ref.shape[0], batch)
   count = lists(cnt_ref)[qi]
   n_full = lists(full_ref)[qi]
 
@@ -175,7 +175,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
     q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
-    plgpu.copy_gmem_to_smem(qinfo_ref.at[info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
     # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
     q_info = [lax.broadcast_in_dim(_load(qinfo_smem.at[f], _ROWS), (bq, bk), [0])
@@ -198,9 +198,11 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         return acc_ref[...]
 
       s, c = _logits(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
+      # The slot's key info is read before the slot is released to the producer (which then
+      # overwrites it with a later tile's).
+      vis = visible(j, slot) if masked else None
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        vis = visible(j, slot)
         s = jnp.where(vis, s, common.NEG_INF)
       m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
       alpha = jnp.exp2(m - m_new)
@@ -265,7 +267,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
       @pl.when(j >= n_full)  # only masked tiles read the keys' token info
       def _():
-        plgpu.copy_gmem_to_smem(kinfo_ref.at[info_b, :, pl.ds(idx_row[j] * bk, bk)],
+        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(idx_row[j] * bk, bk)],
                                 kinfo_smem.at[slot], k_bar.at[slot])
 
       @pl.when(j < n_full)
