@@ -67,6 +67,24 @@ def test_mosaic_compiles_for_tpu(topology, case):
     assert mem.argument_size_in_bytes > 0
 
 
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("topology, head_dim", [("v5p:2x2x1", 64), ("v5p:2x2x1", 256),
+                                                ("v6e:2x2", 256)])
+def test_mosaic_compiles_every_head_dim(topology, head_dim):
+  """Head dims 64 and 256 (one head is a lane block of [B, T, N * H]) on v5p and v6e."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  args = (sd((1, 1000, 4, head_dim)), sd((1, 1000, 2, head_dim)), sd((1, 1000, 2, head_dim)))
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_tpu",
+                                      interpret=False)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+  assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_lowers_for_cuda(case):
   args = _structs(300)
