@@ -11,8 +11,9 @@ index is the head reads one head's lanes. The head dim is therefore padded to a 
 lanes (a no-op for H = 128, 256). That reshape is not free on TPU: XLA tiles ``[B, L, heads, H]``
 by ``(heads, H)`` and ``[B, L, heads * H]`` by ``(L, heads * H)``, so it relayouts each operand
 once (measured in BENCHMARKS.md; a Mosaic block cannot select one head inside a ``(8, 128)``
-tile, so reading the caller's layout in place needs blocks of 8 heads). dK/dV accumulate over the query heads of a GQA group inside one program per kv head
-(the group is part of the reduction axis), so no per-query-head float32 temporary exists.
+tile, so reading the caller's layout in place needs blocks of 8 heads). dK/dV accumulate over the
+query heads of a GQA group inside one program per kv head (the group is part of the reduction
+axis), so no per-query-head float32 temporary exists.
 
 Mosaic tiling: blocks are ``(bq, H)`` / ``(bk, H)``; row statistics live in ``(bq, 128)``
 lane-broadcast scratch; query-side vectors are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks
@@ -116,7 +117,8 @@ def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name):
 
 
 def _lanes(x):
-  """``[B, L, heads, H]`` -> ``[B, L, heads * H]``: a free reshape, no copy."""
+  """``[B, L, heads, H]`` -> ``[B, L, heads * H]`` (free on GPU; on TPU XLA relayouts it, see the
+  module docstring)."""
   return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
 
 
