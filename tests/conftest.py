@@ -33,7 +33,7 @@ def rng():
   return np.random.default_rng(0)
 
 
-# A GPU run (PALLAS_RING_TEST_GPU=1) adds the Mosaic GPU backend to the suites that list backends.
+# A GPU run (PALLAS_RING_TEST_GPU=1) adds the Mosaic GPU backend to test_pitfalls's backends.
 ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
 
 
