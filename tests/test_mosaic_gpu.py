@@ -61,6 +61,15 @@ def test_every_configuration_lowers_for_cuda(name):
   assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
 
 
+def test_lowers_under_x64():
+  """x64 mode (64-bit Python ints) changes no integer dtype inside the kernel."""
+  args, (qs, _), kw = _structs("documents")
+  f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
+                                         interpret=False, **kw)
+  with jax.enable_x64(True):
+    assert _lower(f, *args, qs).count(MOSAIC) == 1
+
+
 def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   monkeypatch.setattr(kernels, "hopper", lambda: True)
   pick = lambda dt, accepts=lambda b: True: kernels.variants("auto", None, dt, accepts)["cuda"][0]

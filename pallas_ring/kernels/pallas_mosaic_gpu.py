@@ -112,6 +112,11 @@ def _load(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
+def _slot(step, slots: int):
+  """The ring slot of a kv step (in the step's own integer dtype, also under x64)."""
+  return lax.rem(step, jnp.asarray(slots, step.dtype))
+
+
 def _row_vector(x, rows: int):
   """``[rows]`` float32 vector in the layout of a wgmma accumulator's rows."""
   return plgpu.layout_cast(jnp.full((rows,), x, jnp.float32), _ROWS)
@@ -190,7 +195,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
     def step(j, carry, masked):
       acc, m, l = carry
-      slot = lax.rem(j, g.slots)
+      slot = _slot(j, g.slots)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -223,7 +228,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
         @pl.when(nxt < count)
         def _():
-          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, g.slots)])
+          plgpu.barrier_wait(k_bar.at[_slot(nxt, g.slots)])
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -253,11 +258,11 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = lax.div(head, jnp.int32(g.group))
+    kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
     @pl.loop(0, count)
     def _(j):
-      slot = lax.rem(j, g.slots)
+      slot = _slot(j, g.slots)
       keys = pl.ds(idx_row[j] * bk, bk)
       src = (batch, keys, kv_head)
 
