@@ -42,10 +42,11 @@ def timeit(fn, *args, iters=10, reps=5) -> float:
   return statistics.median(times)
 
 
-def timeit_interleaved(calls, iters=10, reps=5) -> dict:
-  """Median seconds per call of each ``name: (jitted fn, args)``, the repetitions interleaved
-  across the calls, so that clock and thermal drift during a run (measured at 5-15% on an H100
-  between back-to-back timings of one kernel) hit every implementation alike."""
+def interleaved_samples(calls, iters=10, reps=5) -> dict:
+  """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
+  repetitions interleaved across the calls, so that clock and thermal drift during a run
+  (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
+  implementation alike."""
   for fn, args in calls.values():
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -57,7 +58,13 @@ def timeit_interleaved(calls, iters=10, reps=5) -> dict:
         out = fn(*args)
       jax.block_until_ready(out)
       times[name].append((time.perf_counter() - t0) / iters)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times
+
+
+def timeit_interleaved(calls, iters=10, reps=5) -> dict:
+  """Median seconds per call of each ``name: (jitted fn, args)`` (``interleaved_samples``)."""
+  return {name: statistics.median(ts)
+          for name, ts in interleaved_samples(calls, iters, reps).items()}
 
 
 def visible_pairs(t: int, kind: str, window: int = 1024, doc: int = 1024) -> int:

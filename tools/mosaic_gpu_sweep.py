@@ -1,17 +1,20 @@
 """Checks and times the Mosaic GPU forward on a Hopper GPU (one call of the device tool).
 
     python tools/mosaic_gpu_sweep.py correct   # every kernel configuration vs the xla backend
-    python tools/mosaic_gpu_sweep.py bench     # forward TFLOP/s: mosaic vs triton vs cuDNN
+    python tools/mosaic_gpu_sweep.py variants  # forward: ours (Mosaic GPU, Triton) vs cuDNN and
+                                               # upstream attention_mgpu, timed interleaved
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
 ``bench`` (jit, warm-up, ``block_until_ready`` around 10 calls, median of 5), same run for every
-implementation, bf16, random inputs.
+implementation, bf16, random inputs; ``variants`` interleaves the implementations' repetitions
+(``bench.interleaved_samples``).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import traceback
 
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import masks
+from pallas_ring import bench, masks
 from pallas_ring.attention import flash_attention
 from pallas_ring.bench import _inputs, timeit, visible_pairs
 from pallas_ring.config import BlockSizes
@@ -99,52 +102,6 @@ def correct():
   print("FAILURES", fails)
 
 
-def bench():
-  b, n, h = 1, 16, 128
-  rows = []
-  shapes = [  # name, T, N, K, H, mask, segments, pairs kind
-      ("dense T=16k", 16384, 16, 16, 128, None, False, "full"),
-      ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), False, "causal"),
-      ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), True, "documents"),
-      ("window 1024", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(1024), False,
-       "window"),
-      ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), False, "causal"),
-      ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), False, "causal"),
-      ("h64 B=8 T=2k", 2048, 16, 16, 64, masks.Causal(), False, "causal"),
-  ]
-  for name, t, n, kh, h, mask, segs, kind in shapes:
-    bb = 8 if "B=8" in name else b
-    q, k, v, _ = _inputs(bb, t, n, h, kv_heads=kh)
-    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None].repeat(bb, 0) if segs else None
-    pairs = visible_pairs(t, kind)
-    impls = {}
-    for backend in ("pallas_mosaic_gpu", "pallas_triton"):
-      impls[backend] = jax.jit(lambda q, k, v, be=backend: flash_attention(
-          q, k, v, mask=mask, segment_ids=seg, backend=be))
-    causal = isinstance(mask, masks.Causal)
-    if kind in ("full", "causal"):
-      impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=causal, implementation="cudnn"))
-    elif kind == "window":
-      impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, local_window_size=(1024, 0), implementation="cudnn"))
-    res = {}
-    for impl, f in impls.items():
-      try:
-        secs = timeit(f, q, k, v)
-        res[impl] = secs
-        tf = 4 * bb * n * pairs * h / secs / 1e12
-        print(f"{name:16s} {impl:18s} {secs * 1e3:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)
-      except Exception as e:
-        print(f"{name:16s} {impl:18s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if "pallas_mosaic_gpu" in res:
-      for other in ("cudnn", "pallas_triton"):
-        if other in res:
-          print(f"{name:16s} mosaic vs {other}: {res[other] / res['pallas_mosaic_gpu']:.3f}x",
-                flush=True)
-  return rows
-
-
 def tiles():
   for h in (128, 256, 64):
     t = 16384 if h != 256 else 8192
@@ -164,24 +121,6 @@ def tiles():
           except Exception as e:
             print(f"H={h} bk={bk} stages={stages}: failed {type(e).__name__} {str(e)[:120]}",
                   flush=True)
-
-
-def interleaved(fns, args, reps=7, iters=10):
-  """Median seconds per call of each compiled fn, the repetitions interleaved across fns (so
-  clock and thermal drift hit every implementation alike)."""
-  import statistics
-  import time
-  for f in fns.values():
-    jax.block_until_ready(f(*args))
-  times = {impl: [] for impl in fns}
-  for _ in range(reps):
-    for impl, f in fns.items():
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        out = f(*args)
-      jax.block_until_ready(out)
-      times[impl].append((time.perf_counter() - t0) / iters)
-  return {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in times.items()}
 
 
 def variants():
@@ -215,7 +154,9 @@ def variants():
         fns["upstream attention_mgpu"] = comp(lambda q, k, v: up.attention(q, k, v, cfg))
       except Exception as e:
         print(f"{name}: upstream failed {type(e).__name__}: {str(e)[:200]}")
-    res = interleaved(fns, (q, k, v))
+    samples = bench.interleaved_samples({impl: (f, (q, k, v)) for impl, f in fns.items()},
+                                        reps=7)
+    res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
     for impl, (med, lo, hi) in res.items():
       vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
       print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
@@ -224,4 +165,4 @@ def variants():
 
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  {"correct": correct, "bench": bench, "tiles": tiles, "variants": variants}[sys.argv[1]]()
+  {"correct": correct, "tiles": tiles, "variants": variants}[sys.argv[1]]()

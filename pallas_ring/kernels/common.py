@@ -49,6 +49,12 @@ Array = Any
 NEG_INF = -1e30
 
 
+def sel(size: int, idx):
+  """Index ``idx`` into an axis that is either full-size or broadcast (size 1: index 0), as the
+  leading ``[Bp, Np]`` axes of plans and token info are."""
+  return idx if size > 1 else 0
+
+
 def acc_dtype(dtype):
   """Softmax / accumulation dtype for inputs of ``dtype``: float32, or float64 for float64."""
   return jnp.promote_types(dtype, jnp.float32)

@@ -92,10 +92,6 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> None:
         f"{SMEM_BYTES // 1024} KiB available): use a smaller block_kv or num_stages.")
 
 
-def _sel(size: int, idx):
-  return idx if size > 1 else 0
-
-
 # Layouts of a wgmma accumulator's row and column vectors.
 _ROWS, _COLS = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -164,9 +160,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   qi = g.q_blocks - 1 - lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
-  lists = lambda ref: ref.at[_sel(ref.shape[0], batch), _sel(ref.shape[1], head)]
+  lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
   idx_row = lists(idx_ref).at[qi]
-  q_info_b, k_info_b = _sel(qinfo_ref.shape[0], batch), _sel(kinfo_ref.shape[0], batch)
+  q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
   count = lists(cnt_ref)[qi]
   n_full = lists(full_ref)[qi]
 

@@ -40,10 +40,6 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def _sel(size, idx):
-  return idx if size > 1 else 0
-
-
 # Scalar memory for one kernel call's plan lists. SMEM is 1 MiB on v5e and the lists grow as
 # rows * slots (quadratically in the length): a pass whose lists exceed this budget runs as
 # several calls over consecutive row ranges, writing one set of outputs in place (aliased).
@@ -73,7 +69,7 @@ class _Lists:
     return ref[slot].astype(jnp.int32)
 
   def row(self, b, n, i):
-    return (_sel(self.bp, b) * self.np + _sel(self.np, n)) * self.rows + i
+    return (common.sel(self.bp, b) * self.np + common.sel(self.np, n)) * self.rows + i
 
   def slot(self, b, n, i, j):
     return self.row(b, n, i) * self.slots + j
@@ -163,21 +159,21 @@ def _info_specs(arrays: _Info, bq, bk, q_block, k_block, head=lambda b, n, i, j,
   def qspec(x):
     if x is None:
       return None
-    return pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *r: (_sel(x.shape[0], b),
-                                                              q_block(b, n, i, j, *r), 0))
+    return pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *r: (
+        common.sel(x.shape[0], b), q_block(b, n, i, j, *r), 0))
 
   def kspec(x):
     if x is None:
       return None
-    return pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *r: (_sel(x.shape[0], b), 0,
-                                                              k_block(b, n, i, j, *r)))
+    return pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *r: (
+        common.sel(x.shape[0], b), 0, k_block(b, n, i, j, *r)))
 
   def head_spec(x, rows, cols, row_block, col_block):
     if x is None:
       return None
     bm, nm = x.shape[:2]
     return pl.BlockSpec((None, None, rows, cols), lambda b, n, i, j, *r: (
-        _sel(bm, b), _sel(nm, head(b, n, i, j, *r)), row_block(b, n, i, j, *r),
+        common.sel(bm, b), common.sel(nm, head(b, n, i, j, *r)), row_block(b, n, i, j, *r),
         col_block(b, n, i, j, *r)))
 
   zero = lambda *_: 0

@@ -43,11 +43,6 @@ def _pad_last(x, n):
                                             mode="edge")
 
 
-def _sel(size: int, idx):
-  """Index into a plan / info axis that is either full-size or broadcast (size 1)."""
-  return idx if size > 1 else 0
-
-
 def _dot_nt(a, b):
   """``a @ b.T`` in float32."""
   return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
@@ -219,16 +214,16 @@ def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
     if arr is None:
       return None
     bsz = arr.shape[0]
-    return pl.BlockSpec((None, block), lambda i, b, n: (_sel(bsz, b), i if blocked else 0))
+    return pl.BlockSpec((None, block), lambda i, b, n: (common.sel(bsz, b), i if blocked else 0))
 
   def tile_spec(arr):  # [Bm, Nm, Tp, Sp] dense mask / bias
     if arr is None:
       return None
     bm, nm = arr.shape[:2]
     if q_grid_axis:
-      idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), i, 0)
+      idx = lambda i, b, n: (common.sel(bm, b), common.sel(nm, n), i, 0)
     else:
-      idx = lambda i, b, n: (_sel(bm, b), _sel(nm, n), 0, i)
+      idx = lambda i, b, n: (common.sel(bm, b), common.sel(nm, n), 0, i)
     return pl.BlockSpec((None, heads(nm), tp_block, sp_block), idx)
 
   def head_spec(arr, block, blocked):  # [Bx, Nx, L] per-(batch, head) vectors
@@ -236,7 +231,7 @@ def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
       return None
     bx, nx = arr.shape[:2]
     return pl.BlockSpec((None, heads(nx), block), lambda i, b, n: (
-        _sel(bx, b), _sel(nx, n), i if blocked else 0))
+        common.sel(bx, b), common.sel(nx, n), i if blocked else 0))
 
   drop = ops.dropout
   dense = None if ops.dense is None else ops.dense.astype(jnp.int8)
@@ -264,8 +259,8 @@ def _list_specs(index, count, nfull, group=None):
   length = _pow2(index.shape[-1])
   index = _pad_last(index, length)
   heads = group if group is not None and np_ > 1 else None
-  row = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i, 0)
-  one = lambda i, b, n: (_sel(bp, b), _sel(np_, n), i)
+  row = lambda i, b, n: (common.sel(bp, b), common.sel(np_, n), i, 0)
+  one = lambda i, b, n: (common.sel(bp, b), common.sel(np_, n), i)
   specs = [pl.BlockSpec((None, heads, None, length), row),
            pl.BlockSpec((None, heads, 1), one), pl.BlockSpec((None, heads, 1), one)]
   return specs, [index, count, nfull], heads is not None
