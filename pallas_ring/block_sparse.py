@@ -180,7 +180,30 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
     d_any, d_all = _dense_block_bounds(dense_mask, block_q, block_kv,
                                        q_info.positions.shape[-1], kv_info.positions.shape[-1])
     any_, all_ = any_ & d_any, all_ & d_all
-  cls = jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+  return _plan_of_classes(jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY))
+
+
+def merge_heads(plan: BlockPlan, heads_per_block: int) -> BlockPlan:
+  """The plan of blocks of ``heads_per_block`` consecutive heads (a kernel whose program serves
+  several heads at once shares one schedule between them).
+
+  A tile of a head block is EMPTY when it is empty for every head of the block, FULL when it is
+  full for every one, PARTIAL otherwise (the kernel then applies each head's elementwise mask).
+  Plans without a head axis (``Np == 1``) are returned unchanged; otherwise ``Np`` becomes
+  ``Np // heads_per_block``.
+  """
+  bp, np_, nq, nk = plan.block_class.shape
+  if np_ == 1 or heads_per_block == 1:
+    return plan
+  assert np_ % heads_per_block == 0, (np_, heads_per_block)
+  cls = plan.block_class.reshape(bp, np_ // heads_per_block, heads_per_block, nq, nk)
+  lo, hi = jnp.min(cls, axis=2), jnp.max(cls, axis=2)
+  return _plan_of_classes(jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL)))
+
+
+def _plan_of_classes(cls: Array) -> BlockPlan:
+  """The plan (compact lists both ways, step flags) of a class array ``[Bp, Np, nq, nk]``."""
+  cls = cls.astype(jnp.int32)
   kv_index, kv_class, kv_count, kv_full = _compact(cls)
   q_index, q_class, q_count, q_full = _compact(jnp.swapaxes(cls, -1, -2))
   return BlockPlan(cls, kv_index, kv_class, kv_count, kv_full, q_index, q_class, q_count, q_full,
@@ -198,5 +221,5 @@ def plan_index(plan_array: Array, b, n):
   return plan_array[b if bp > 1 else 0, n if np_ > 1 else 0]
 
 
-__all__ = ["TokenInfo", "BlockPlan", "make_plan", "make_token_info", "pad_token_info",
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "merge_heads", "make_token_info", "pad_token_info",
            "summarize", "live_fraction", "EMPTY", "PARTIAL", "FULL"]

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 import pallas_ring
 from pallas_ring import (SequenceParallelConfig, dropout_keep_mask, flash_attention, layouts,
                          masks, reference, segment_ids_from_cu_seqlens, sharded_attention)
-from conftest import rel_err
+from conftest import rel_err, small_blocks
 
 # On a GPU (PALLAS_RING_TEST_GPU=1) run e.g. PALLAS_RING_BACKENDS=xla,pallas_triton natively.
 BACKENDS = os.environ.get("PALLAS_RING_BACKENDS", "xla,pallas_triton,pallas_tpu").split(",")
@@ -73,6 +73,31 @@ def test_bias_alibi_dropout_softcap_gqa_match_reference(backend):
       dropout_rate=RATE, dropout_rng=rng, backend=backend)
   _check(f, (q, k, v, bias), do, dict(mask=masks.Causal(), softcap=10.0, alibi_slopes=slopes,
                                       dropout_rate=RATE, dropout_mask=keep))
+
+
+@pytest.mark.parametrize("n,kh", [(16, 2), (32, 8), (12, 4), (16, 16)],
+                         ids=["hb8-hk2", "hb8-hk8-group4", "hb12", "mha16"])
+def test_tpu_head_blocks_match_reference(n, kh):
+  """The TPU kernels serve 8 heads per program (all N when N % 8) and share one schedule per
+  head block: per-head dense masks that differ inside a block (merged plan classes), per-head
+  bias, ALiBi and dropout, GQA groups whose kv head depends on the block's rank (16 kv-head
+  rows picked by a switch), and a head count that is not a multiple of 8."""
+  q, k, v, do = _qkv(5, b=1, t=136, n=n, kh=kh, h=32)
+  b, t = q.shape[:2]
+  r = np.random.default_rng(6)
+  bias = jnp.asarray(r.standard_normal((1, n, t, t)), jnp.float32)
+  # Head-dependent windows: some heads see a tile fully, others partly or not at all.
+  qi, ki = np.arange(t)[:, None], np.arange(t)[None]
+  dense = jnp.asarray(np.stack([ki >= qi - 16 * (hd % 5) for hd in range(n)])[None])
+  seg = jnp.asarray((np.arange(t) >= 100).astype(np.int32)[None])
+  slopes = jnp.asarray(np.geomspace(0.3, 0.01, n), jnp.float32)
+  rng = jax.random.key(7)
+  keep = dropout_keep_mask(rng, RATE, b, n, jnp.arange(t), jnp.arange(t))
+  common = dict(mask=masks.Causal(), segment_ids=seg, dense_mask=dense, alibi_slopes=slopes)
+  f = lambda q, k, v, bias: flash_attention(
+      q, k, v, bias=bias, dropout_rate=RATE, dropout_rng=rng, backend="pallas_tpu",
+      block_sizes=small_blocks("pallas_tpu"), **common)
+  _check(f, (q, k, v, bias), do, dict(dropout_rate=RATE, dropout_mask=keep, **common))
 
 
 def test_kept_fraction_is_one_minus_rate_within_three_standard_errors():

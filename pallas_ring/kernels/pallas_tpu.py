@@ -1,24 +1,25 @@
 """Pallas kernels lowered through Mosaic (TPU), implementing ``kernels.common``'s contract.
 
 The plan's lists arrive through scalar prefetch (SMEM, flattened to 1-D). Grids are
-``(B, N, rows, slots)`` with the reduction (slot) axis last and "arbitrary". Slot ``j`` of row ``i``
-visits the ``j``-th live block of that row; slots past the row's count have class EMPTY and their
-index maps repeat the last live block, so the pipeline issues no copy and the body does nothing.
-FULL tiles run with no mask arithmetic; PARTIAL tiles apply the elementwise mask.
+``(B, head blocks, rows, slots)`` with the reduction (slot) axis last and "arbitrary". Slot ``j``
+of row ``i`` visits the ``j``-th live block of that row; slots past the row's count have class
+EMPTY and their index maps repeat the last live block, so the pipeline issues no copy and the body
+does nothing. FULL tiles run with no mask arithmetic; PARTIAL tiles apply the elementwise mask.
 
-q, k, v, o and the gradients are seen as ``[B, L, heads * H]``; a ``(bq, H)`` block whose last-axis
-index is the head reads one head's lanes. The head dim is therefore padded to a multiple of 128
-lanes (a no-op for H = 128, 256). That reshape is not free on TPU: XLA tiles ``[B, L, heads, H]``
-by ``(heads, H)`` and ``[B, L, heads * H]`` by ``(L, heads * H)``, so it relayouts each operand
-once (measured in BENCHMARKS.md; a Mosaic block cannot select one head inside a ``(8, 128)``
-tile, so reading the caller's layout in place needs blocks of 8 heads). dK/dV accumulate over the
-query heads of a GQA group inside one program per kv head (the group is part of the reduction
-axis), so no per-query-head float32 temporary exists.
+Layout: q, k, v, o and the gradients arrive as the caller's ``[B, L, heads, H]``. XLA tiles that
+array by ``(heads, H)`` and a Mosaic block cannot select one head inside an ``(8, 128)`` tile, so
+a program serves a *block of heads*: ``hb`` query heads (8, or all N when ``N % 8``) against the
+``hk`` kv heads they use (8, or all K). Operands whose head count is a multiple of 8 are read and
+written in place in ``(rows, 8, H)`` blocks; others as ``[B, L, heads * H]`` lane blocks, which
+costs one relayout copy each (``_View``). The body loops over the block's heads with per-head
+row statistics, and the heads of a block share one schedule (``block_sparse.merge_heads``).
+dK/dV accumulate over the query heads of their group inside one program per kv block, so no
+per-query-head float32 temporary exists.
 
-Mosaic tiling: blocks are ``(bq, H)`` / ``(bk, H)``; row statistics live in ``(bq, 128)``
-lane-broadcast scratch; query-side vectors are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks
-of ``[., T, 1]`` / ``[., 1, S]`` arrays (their unit axis equals the array's, which Mosaic allows).
-Block sizes must be multiples of 8 (queries) and 128 (keys).
+Mosaic tiling: row statistics live in ``(hb, bq, 128)`` lane-broadcast scratch; query-side vectors
+are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks of ``[., T, 1]`` / ``[., 1, S]`` arrays
+(their unit axis equals the array's, which Mosaic allows). Block sizes must be multiples of 8
+(queries) and 128 (keys).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_ring import block_sparse
 from pallas_ring.kernels import common
 
 FULL, PARTIAL = 2, 1
 LANES = 128
+HEAD_BLOCK = 8  # heads per program: one (8, 128) tile's rows of [B, L, heads, H]
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
@@ -87,11 +90,11 @@ def _row_ranges(index, budget=None):
   return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
-def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name):
+def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_bytes):
   """Runs ``kernel`` once per row range, each call writing its rows of the same outputs.
 
   ``make_grid_spec(r0, r1) -> (grid_spec, lists)`` builds one call's grid; ``out_shape`` is a
-  list. The outputs of one call are aliased into the next (as unread ``ANY`` inputs), so they are
+  list; ``vmem_bytes`` the program's estimated VMEM (``_vmem_bytes``). The outputs of one call are aliased into the next (as unread ``ANY`` inputs), so they are
   written in place; each call writes only the blocks of its rows.
   """
   outs = None
@@ -106,28 +109,122 @@ def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name):
     first_alias = len(lists.arrays) + len(jax.tree.leaves(args))  # (None args are no inputs)
     outs = pl.pallas_call(
         functools.partial(kernel, lists=lists, n_aliased=len(extra)), grid_spec=grid_spec,
-        out_shape=out_shape, compiler_params=_params(), interpret=kernel.keywords["cfg"].interpret,
+        out_shape=out_shape, compiler_params=_params(vmem_bytes),
+        interpret=kernel.keywords["cfg"].interpret,
         input_output_aliases={first_alias + a: a for a in range(len(extra))}, name=name,
     )(*lists.arrays, *args, *extra)
   return outs
 
 
-def _lanes(x):
-  """``[B, L, heads, H]`` -> ``[B, L, heads * H]`` (free on GPU; on TPU XLA relayouts it, see the
-  module docstring)."""
-  return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
+class _View(NamedTuple):
+  """How a kernel sees one ``[B, L, heads, H]`` operand: blocks of ``block_heads`` heads.
+
+  In place (``heads % 8 == 0``): ``(rows, 8, H)`` blocks of the array as it is, head ``c`` read as
+  ``ref[:, c, :]`` (a sublane-strided load). Otherwise as ``[B, L, heads * H]`` with
+  ``(rows, block_heads * H)`` lane blocks: XLA relayouts the array once (its TPU tiling is
+  ``(heads, H)``), but Mosaic compiles the strided loads of 1-7-row head tiles into enormous code
+  (minutes per kernel, measured), so only 8-head tiles are read in place.
+  """
+
+  in_place: bool
+  block_heads: int
+  head_dim: int
+
+  @staticmethod
+  def of(heads: int, head_dim: int) -> "_View":
+    in_place = heads % HEAD_BLOCK == 0
+    return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim)
+
+  def array(self, x):
+    """The operand as the kernels take it."""
+    return x if self.in_place else x.reshape(*x.shape[:2], x.shape[2] * x.shape[3])
+
+  def unview(self, x):
+    """Inverse of ``array`` for an output."""
+    return x if self.in_place else x.reshape(*x.shape[:2], -1, self.head_dim)
+
+  def shape(self, b, length, heads):
+    return (b, length, heads, self.head_dim) if self.in_place else (b, length, heads * self.head_dim)
+
+  def spec(self, rows, where):
+    """BlockSpec of the ``(rows, block_heads)`` block ``where(*grid ids) = (b, row, head block)``."""
+    if self.in_place:
+      return pl.BlockSpec((None, rows, self.block_heads, self.head_dim),
+                          lambda *a: (*where(*a), 0))
+    return pl.BlockSpec((None, rows, self.block_heads * self.head_dim), where)
+
+  def get(self, ref, c: int):
+    """Head ``c`` of a block: ``(rows, H)``."""
+    return ref[:, c, :] if self.in_place else ref[:, c * self.head_dim:(c + 1) * self.head_dim]
+
+  def put(self, ref, c: int, x):
+    if self.in_place:
+      ref[:, c, :] = x
+    else:
+      ref[:, c * self.head_dim:(c + 1) * self.head_dim] = x
 
 
-def _heads(x, heads):
-  """Inverse of ``_lanes``."""
-  return x.reshape(x.shape[0], x.shape[1], heads, x.shape[2] // heads)
+class _Heads(NamedTuple):
+  """How programs tile the head axes (static).
+
+  Query head block ``j`` holds heads ``[j * hb, (j + 1) * hb)``; their kv heads lie in kv block
+  ``j // per_kv`` (of ``hk`` heads), whose ``per_kv = group * hk / hb`` query head blocks are
+  told apart by their rank ``j % per_kv``.
+  """
+
+  q: _View  # query-side operands (q, o, do, dq)
+  kv: _View  # kv-side operands (k, v, dk, dv)
+  group: int  # query heads per kv head (N // K)
+
+  @staticmethod
+  def of(n: int, kv_heads: int, head_dim: int) -> "_Heads":
+    return _Heads(_View.of(n, head_dim), _View.of(kv_heads, head_dim), n // kv_heads)
+
+  @property
+  def hb(self) -> int:  # query heads per program: 8, or N when N % 8
+    return self.q.block_heads
+
+  @property
+  def hk(self) -> int:  # kv heads per kv block: 8, or K when K % 8
+    return self.kv.block_heads
+
+  @property
+  def per_kv(self) -> int:
+    return self.group * self.hk // self.hb
+
+  def kv_block(self, j):
+    return lax.div(j, jnp.asarray(self.per_kv, j.dtype))
+
+  def rank(self, j):
+    return lax.rem(j, jnp.asarray(self.per_kv, j.dtype))
+
+  def kv_head(self, rank, h: int):
+    """Index inside its kv block of the kv head of query head ``h`` of a block of this rank:
+    a Python int when every rank agrees, else a traced scalar."""
+    cands = {(r * self.hb + h) // self.group for r in range(self.per_kv)}
+    if len(cands) == 1:
+      return cands.pop()
+    return lax.div(rank * self.hb + h, jnp.asarray(self.group, rank.dtype))
+
+  def kv_tile(self, ref, rank, h: int):
+    """The ``(bk, H)`` tile of query head ``h``'s kv head from a kv block.
+
+    Mosaic cannot index packed (16-bit) rows dynamically, so a rank-dependent head is picked by
+    a switch over the ranks' static indices.
+    """
+    c = self.kv_head(rank, h)
+    if isinstance(c, int):
+      return self.kv.get(ref, c)
+    return lax.switch(rank, [functools.partial(self.kv.get, ref, (r * self.hb + h) // self.group)
+                             for r in range(self.per_kv)])
 
 
 class _Info(NamedTuple):
   """Token info, dense mask, bias, ALiBi and dropout keys: arrays, BlockSpecs or kernel refs.
 
   Query-side vectors are ``[., Tp, 1]`` (blocks ``(bq, 1)``), key-side ones ``[., 1, Sp]``
-  (blocks ``(1, bk)``); None where absent.
+  (blocks ``(1, bk)``); per-head arrays carry their head axis (1 or N) second, in blocks of the
+  program's ``hb`` heads (``head(ref, h)`` reads head ``h``). None where absent.
   """
 
   qpos: Any
@@ -141,6 +238,11 @@ class _Info(NamedTuple):
   cols: Any  # int32 [Bp, 1, Sp] dropout column keys
 
 
+def _head(ref, h: int):
+  """Head ``h`` of a per-head block (a broadcast head axis has one)."""
+  return None if ref is None else ref[h if ref.shape[0] > 1 else 0]
+
+
 def _info_arrays(ops) -> _Info:
   col = lambda x: None if x is None else x[:, :, None]
   row = lambda x: None if x is None else x[:, None, :]
@@ -152,29 +254,26 @@ def _info_arrays(ops) -> _Info:
                None if drop is None else drop.rows[..., None], None if drop is None else row(drop.cols))
 
 
-def _info_specs(arrays: _Info, bq, bk, q_block, k_block, head=lambda b, n, i, j, *r: n):
-  """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` map grid ids to block indices
-  and ``head`` to the query head (for per-head arrays)."""
+def _info_specs(arrays: _Info, bq, bk, hb, q_block, k_block, head_block):
+  """BlockSpecs for ``_info_arrays``; ``q_block`` / ``k_block`` / ``head_block`` map grid ids
+  (and the prefetched lists) to the q block, kv block and query head block."""
 
   def qspec(x):
     if x is None:
       return None
-    return pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *r: (
-        common.sel(x.shape[0], b), q_block(b, n, i, j, *r), 0))
+    return pl.BlockSpec((None, bq, 1), lambda *a: (common.sel(x.shape[0], a[0]), q_block(*a), 0))
 
   def kspec(x):
     if x is None:
       return None
-    return pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *r: (
-        common.sel(x.shape[0], b), 0, k_block(b, n, i, j, *r)))
+    return pl.BlockSpec((None, 1, bk), lambda *a: (common.sel(x.shape[0], a[0]), 0, k_block(*a)))
 
   def head_spec(x, rows, cols, row_block, col_block):
     if x is None:
       return None
     bm, nm = x.shape[:2]
-    return pl.BlockSpec((None, None, rows, cols), lambda b, n, i, j, *r: (
-        common.sel(bm, b), common.sel(nm, head(b, n, i, j, *r)), row_block(b, n, i, j, *r),
-        col_block(b, n, i, j, *r)))
+    return pl.BlockSpec((None, hb if nm > 1 else 1, rows, cols), lambda *a: (
+        common.sel(bm, a[0]), common.sel(nm, head_block(*a)), row_block(*a), col_block(*a)))
 
   zero = lambda *_: 0
   a = arrays
@@ -185,36 +284,38 @@ def _info_specs(arrays: _Info, bq, bk, q_block, k_block, head=lambda b, n, i, j,
                     head_spec(a.rows, bq, 1, q_block, zero), kspec(a.cols)))
 
 
-def _tile(cfg, info: _Info, s, k_block_index, bk, masked):
-  """Adds bias / ALiBi to logits ``s [bq, bk]``; the tile's mask (masked tiles) and dropout keep.
+def _tile(cfg, info: _Info, h: int, s, k_block_index, bk, masked):
+  """Adds head ``h``'s bias / ALiBi to logits ``s [bq, bk]``; its mask (masked tiles) and
+  dropout keep.
 
   Returns:
     ``(s, vis, keep)``; ``vis`` None on unmasked tiles, ``keep`` None without dropout.
   """
   get = lambda r: None if r is None else r[...]
   q_pos, k_pos = info.qpos[...], info.kpos[...]
-  s = common.score_terms(s, get(info.bias), get(info.alibi), q_pos, k_pos)
+  s = common.score_terms(s, _head(info.bias, h), _head(info.alibi, h), q_pos, k_pos)
   vis = None
   if masked:
     k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
     vis = common.tile_visible(cfg, q_pos, k_pos, k_index, get(info.qseg), get(info.kseg),
-                              get(info.dense))
+                              _head(info.dense, h))
   keep = None
   if cfg.dropout_rate:
-    keep = common.dropout_keep(cfg.dropout_rate, info.rows[...], info.cols[...])
+    keep = common.dropout_keep(cfg.dropout_rate, _head(info.rows, h), info.cols[...])
   return s, vis, keep
 
 
 class _RowStats:
   """How ``[B, N, Tp]`` float32 row statistics (lse, delta) travel through the kernels.
 
-  Lane-dense ``[B, N, 1, Tp]`` with ``(1, bq)`` blocks when the query tile is a multiple of 128
-  (converted to and from the kernels' ``(bq, 1)`` columns by a transpose), else ``[B, N, Tp, 1]``
-  with ``(bq, 1)`` blocks, whose unit minor axis XLA pads to 128 lanes in HBM (128x the bytes).
+  Lane-dense ``[B, N, 1, Tp]`` with ``(hb, 1, bq)`` blocks when the query tile is a multiple of
+  128 (converted to and from the kernels' ``(bq, 1)`` columns by a transpose), else
+  ``[B, N, Tp, 1]`` with ``(hb, bq, 1)`` blocks, whose unit minor axis XLA pads to 128 lanes in
+  HBM (128x the bytes).
   """
 
-  def __init__(self, bq: int):
-    self.bq, self.dense = bq, bq % LANES == 0
+  def __init__(self, bq: int, hb: int):
+    self.bq, self.hb, self.dense = bq, hb, bq % LANES == 0
 
   def to_kernel(self, x):
     return x[:, :, None, :] if self.dense else x[..., None]
@@ -226,79 +327,85 @@ class _RowStats:
     return (b, n, 1, tp) if self.dense else (b, n, tp, 1)
 
   def spec(self, where):
-    """BlockSpec of the rows ``where(*grid ids) = (batch, head, q block)`` selects."""
+    """BlockSpec of the rows ``where(*grid ids) = (batch, head block, q block)`` selects."""
     if self.dense:
-      return pl.BlockSpec((None, None, 1, self.bq), lambda *a: (*where(*a)[:2], 0, where(*a)[2]))
-    return pl.BlockSpec((None, None, self.bq, 1), lambda *a: (*where(*a), 0))
+      return pl.BlockSpec((None, self.hb, 1, self.bq),
+                          lambda *a: (*where(*a)[:2], 0, where(*a)[2]))
+    return pl.BlockSpec((None, self.hb, self.bq, 1), lambda *a: (*where(*a), 0))
 
-  def load(self, ref):
-    """The block as a ``(bq, 1)`` column."""
-    x = ref[...]
+  def load(self, ref, h: int):
+    """Head ``h``'s rows as a ``(bq, 1)`` column."""
+    x = ref[h]
     return jnp.broadcast_to(x, (LANES, self.bq)).T[:, :1] if self.dense else x
 
-  def store(self, ref, column):
-    """Writes a ``(bq, 1)`` column."""
-    ref[...] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
+  def store(self, ref, h: int, column):
+    """Writes head ``h``'s ``(bq, 1)`` column."""
+    ref[h] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
 
 
-def _group(head, group_size: int):
-  """The kv head of query head ``head`` (int32 also under x64: no mixed-dtype division)."""
-  return lax.div(head, jnp.asarray(group_size, head.dtype))
-
-
-def _group_step(kv_head, step, group_size: int, slots: int):
-  """dK/dV reduction step -> (query head, slot): the group's heads one after another."""
-  c = lambda x: jnp.asarray(x, step.dtype)
-  return kv_head * c(group_size) + lax.div(step, c(slots)), lax.rem(step, c(slots))
-
-
-def _params():
+def _params(vmem_bytes: int):
+  """Compiler params; the scoped VMEM limit is raised (up to 64 MiB, every chip since v5's
+  capacity) when the pipelined blocks and scratch of a program need more than the default."""
+  limit = None
+  if vmem_bytes > 12 * 2**20:
+    limit = min(64 * 2**20, int(vmem_bytes * 1.5))
   return pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+      vmem_limit_bytes=limit)
+
+
+def _vmem_bytes(blocks, scratch, bq, bk):
+  """Estimated VMEM of a program: double-buffered ``blocks`` (byte sizes), scratch, and a few
+  ``[bq, bk]`` float32 temporaries of the body."""
+  return 2 * sum(blocks) + scratch + 4 * bq * bk * 4
 
 
 # ----------------------------------------------------------------------------------- forward --
 
-def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased, stats):
+def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref = refs[9:12]
   o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[12 + n_aliased:]  # (aliased outputs: unread)
-  b, n, i, j = (pl.program_id(a) for a in range(4))
+  b, j, i, s_ = (pl.program_id(a) for a in range(4))
+  rank = heads.rank(j)
 
-  @pl.when(j == 0)
+  @pl.when(s_ == 0)
   def _init():
     m_sc[...] = jnp.full(m_sc.shape, common.NEG_INF, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  slot = lists.slot(b, n, i, j)
+  slot = lists.slot(b, j, i, s_)
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    s = _capped_logits(cfg, q_ref[...], k_ref[...])
-    s, vis, keep = _tile(cfg, info, s, _Lists.at(idx_ref, slot), cfg.block_kv, masked)
-    if masked:
-      s = jnp.where(vis, s, common.NEG_INF)
-    m_prev = m_sc[...]  # [bq, 128]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.exp(s - m_new[:, :1])
-    if masked:
-      p = jnp.where(vis, p, 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    pv = p if keep is None else jnp.where(keep, p, 0.0)
-    pv = jnp.dot(pv.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-    acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
-    m_sc[...] = m_new
+    for h in range(heads.hb):
+      s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv_tile(k_ref, rank, h))
+      s, vis, keep = _tile(cfg, info, h, s, _Lists.at(idx_ref, slot), cfg.block_kv, masked)
+      if masked:
+        s = jnp.where(vis, s, common.NEG_INF)
+      m_prev = m_sc[h]  # [bq, 128]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.exp(s - m_new[:, :1])
+      if masked:
+        p = jnp.where(vis, p, 0.0)
+      alpha = jnp.exp(m_prev - m_new)
+      l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
+      pv = p if keep is None else jnp.where(keep, p, 0.0)
+      v = heads.kv_tile(v_ref, rank, h)
+      pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
+      m_sc[h] = m_new
 
   pl.when(klass == FULL)(lambda: compute(False))
   pl.when(klass == PARTIAL)(lambda: compute(True))
 
-  @pl.when(j == lists.slots - 1)
+  @pl.when(s_ == lists.slots - 1)
   def _finish():
-    o, lse = common.finalize(acc_sc[...], m_sc[:, :1], l_sc[:, :1], cfg.keep_scale)
-    o_ref[...] = o.astype(o_ref.dtype)
-    stats.store(lse_ref, lse)
+    for h in range(heads.hb):
+      o, lse = common.finalize(acc_sc[h], m_sc[h][:, :1], l_sc[h][:, :1], cfg.keep_scale)
+      heads.q.put(o_ref, h, o.astype(o_ref.dtype))
+      stats.store(lse_ref, h, lse)
 
 
 def _capped_logits(cfg, q, k):
@@ -309,124 +416,153 @@ def _capped_logits(cfg, q, k):
   return s
 
 
-def _q_row_specs(plan, r0, r1, info, stats, bq, bk, h, group):
+def _q_row_specs(plan, r0, r1, info, stats, heads, bq, bk):
   """Lists and BlockSpecs of a pass over rows ``[r0, r1)`` of q blocks whose slots walk each
-  row's live kv blocks (forward and dQ; grid ``(B, N, rows, slots)``).
+  row's live kv blocks (forward and dQ; grid ``(B, N // hb, rows, slots)``).
 
   Returns:
     ``(lists, info_specs, q_spec, kv_spec, row_spec)``.
   """
   lists = _Lists(plan.kv_index, plan.kv_class, plan.kv_count, r0, r1)
-  q_at = lambda b_, n_, i, j, *r: r0 + i
-  kv_at = lambda b_, n_, i, j, idx, *r: _Lists.at(idx, lists.slot(b_, n_, i, j))
-  q_spec = pl.BlockSpec((None, bq, h), lambda b_, n_, i, j, *r: (b_, r0 + i, n_))
-  kv_spec = pl.BlockSpec((None, bk, h), lambda b_, n_, i, j, idx, *r: (
-      b_, kv_at(b_, n_, i, j, idx), _group(n_, group)))
-  row_spec = stats.spec(lambda b_, n_, i, j, *r: (b_, n_, r0 + i))
-  return lists, _info_specs(info, bq, bk, q_at, kv_at), q_spec, kv_spec, row_spec
+  q_at = lambda b_, j, i, s_, *r: r0 + i
+  kv_at = lambda b_, j, i, s_, idx, *r: _Lists.at(idx, lists.slot(b_, j, i, s_))
+  q_spec = heads.q.spec(bq, lambda b_, j, i, s_, *r: (b_, r0 + i, j))
+  kv_spec = heads.kv.spec(bk, lambda b_, j, i, s_, idx, *r: (
+      b_, kv_at(b_, j, i, s_, idx), heads.kv_block(j)))
+  row_spec = stats.spec(lambda b_, j, i, s_, *r: (b_, j, r0 + i))
+  specs = _info_specs(info, bq, bk, heads.hb, q_at, kv_at, lambda b_, j, *r: j)
+  return lists, specs, q_spec, kv_spec, row_spec
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
   b, tp, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
+  heads = _Heads.of(n, k.shape[2], h)
+  plan = block_sparse.merge_heads(plan, heads.hb)
   bq, bk = cfg.block_q, cfg.block_kv
   info = _info_arrays(ops)
-  stats = _RowStats(bq)
+  stats = _RowStats(bq, heads.hb)
+  item = q.dtype.itemsize
+  vmem = _vmem_bytes([2 * bq * heads.hb * h * item, 2 * bk * heads.hk * h * item],
+                     heads.hb * bq * (2 * LANES + h) * 4, bq, bk)
 
   def grid_spec(r0, r1):
-    lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats, bq,
-                                                                bk, h, g)
+    lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats, heads,
+                                                                bq, bk)
     return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
+        num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
         in_specs=info_specs + [q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
-        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
-                        pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, h), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
+                        pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
+                        pltpu.VMEM((heads.hb, bq, h), jnp.float32)],
     ), lists
 
   o, lse = _chained_call(
-      functools.partial(_fwd_kernel, cfg=cfg, stats=stats), _row_ranges(plan.kv_index),
-      grid_spec, [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype),
-                  jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
-      [*info, _lanes(q), _lanes(k), _lanes(v)], "pallas_ring_fwd")
-  return _heads(o, n), stats.from_kernel(lse)
+      functools.partial(_fwd_kernel, cfg=cfg, heads=heads, stats=stats),
+      _row_ranges(plan.kv_index), grid_spec,
+      [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype),
+       jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
+      [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v)], "pallas_ring_fwd", vmem)
+  return heads.q.unview(o), stats.from_kernel(lse)
 
 
 # ---------------------------------------------------------------------------------- backward --
 
-def _probs(cfg, info, q, k, lse, k_block_index, masked):
-  """Recomputed probabilities ``p [bq, bk]``, capped logits ``s`` and dropout keep of a tile."""
+def _probs(cfg, info, h, q, k, lse, k_block_index, masked):
+  """Recomputed probabilities ``p [bq, bk]``, capped logits ``s`` and dropout keep of head
+  ``h``'s tile."""
   s_cap = _capped_logits(cfg, q, k)
-  s, vis, keep = _tile(cfg, info, s_cap, k_block_index, cfg.block_kv_bwd, masked)
+  s, vis, keep = _tile(cfg, info, h, s_cap, k_block_index, cfg.block_kv_bwd, masked)
   p = jnp.exp(s - common.safe_lse(lse))
   if masked:
     p = jnp.where(vis, p, 0.0)
   return p, s_cap, keep
 
 
-def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, n_aliased, stats):
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   dq_ref, dq_sc = refs[15 + n_aliased:]
-  b, n, i, j = (pl.program_id(a) for a in range(4))
+  b, j, i, s_ = (pl.program_id(a) for a in range(4))
+  rank = heads.rank(j)
 
-  @pl.when(j == 0)
+  @pl.when(s_ == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  slot = lists.slot(b, n, i, j)
+  slot = lists.slot(b, j, i, s_)
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref),
-                        _Lists.at(idx_ref, slot), masked)
-    dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
-    dq_sc[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
+    for h in range(heads.hb):
+      k = heads.kv_tile(k_ref, rank, h)
+      p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
+                          _Lists.at(idx_ref, slot), masked)
+      dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv_tile(v_ref, rank, h), _NT,
+                               preferred_element_type=jnp.float32)
+      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+            * common.softcap_grad(s, cfg))
+      dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   pl.when(klass == FULL)(lambda: compute(False))
   pl.when(klass == PARTIAL)(lambda: compute(True))
 
-  @pl.when(j == lists.slots - 1)
+  @pl.when(s_ == lists.slots - 1)
   def _finish():
-    dq_ref[...] = (dq_sc[...] * cfg.scale).astype(dq_ref.dtype)
+    for h in range(heads.hb):
+      heads.q.put(dq_ref, h, (dq_sc[h] * cfg.scale).astype(dq_ref.dtype))
 
 
-def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, group, n_aliased, stats):
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   dk_ref, dv_ref, dk_sc, dv_sc = refs[15 + n_aliased:]
-  b, kv_head, jk, step = (pl.program_id(a) for a in range(4))
+  b, kvb, jk, step = (pl.program_id(a) for a in range(4))
 
   @pl.when(step == 0)
   def _init():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  n, i = _group_step(kv_head, step, group, lists.slots)
-  slot = lists.slot(b, n, jk, i)
+  rank, i = _dkv_step(step, lists.slots)
+  slot = lists.slot(b, _dkv_head_block(kvb, rank, heads), jk, i)
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
-    p, s, keep = _probs(cfg, info, q_ref[...], k_ref[...], stats.load(lse_ref), lists.r0 + jk,
-                        masked)
-    do = do_ref[...]
-    dv_sc[...] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
+    for h in range(heads.hb):
+      c = heads.kv_head(rank, h)
+      q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)
+      p, s, keep = _probs(cfg, info, h, q, heads.kv_tile(k_ref, rank, h),
+                          stats.load(lse_ref, h), lists.r0 + jk, masked)
+      dv_sc[c] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
                                       preferred_element_type=jnp.float32)
-    dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref)) * common.softcap_grad(s, cfg)
-    dk_sc[...] += jax.lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], _TN,
+      dp = jax.lax.dot_general(do, heads.kv_tile(v_ref, rank, h), _NT,
+                               preferred_element_type=jnp.float32)
+      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+            * common.softcap_grad(s, cfg))
+      dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
                                       preferred_element_type=jnp.float32)
 
   pl.when(klass == FULL)(lambda: compute(False))
   pl.when(klass == PARTIAL)(lambda: compute(True))
 
-  @pl.when(step == group * lists.slots - 1)
+  @pl.when(step == heads.per_kv * lists.slots - 1)
   def _finish():
-    dk_ref[...] = (dk_sc[...] * cfg.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+    for c in range(heads.hk):
+      heads.kv.put(dk_ref, c, (dk_sc[c] * cfg.scale).astype(dk_ref.dtype))
+      heads.kv.put(dv_ref, c, dv_sc[c].astype(dv_ref.dtype))
+
+
+def _dkv_step(step, slots: int):
+  """dK/dV reduction step -> (rank of the query head block in its kv block, slot): the kv
+  block's query head blocks one after another."""
+  c = jnp.asarray(slots, step.dtype)
+  return lax.div(step, c), lax.rem(step, c)
+
+
+def _dkv_head_block(kv_block, rank, heads: _Heads):
+  return kv_block * jnp.asarray(heads.per_kv, kv_block.dtype) + rank
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -434,51 +570,60 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
-  g = n // kh
+  heads = _Heads.of(n, kh, h)
+  plan = block_sparse.merge_heads(plan, heads.hb)
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-  qf, kf, vf, dof = _lanes(q), _lanes(k), _lanes(v), _lanes(do)
-  stats = _RowStats(bq)
+  stats = _RowStats(bq, heads.hb)
   rows = stats.to_kernel(lse), stats.to_kernel(delta)
   info = _info_arrays(ops)
-  scratch = lambda rows_: [pltpu.VMEM((rows_, h), jnp.float32)]
+  item = q.dtype.itemsize
+  q_bytes, kv_bytes = bq * heads.hb * h * item, bk * heads.hk * h * item
 
   # dQ: rows are q blocks, slots walk the live kv blocks.
   def dq_grid(r0, r1):
-    lists, info_specs, q_spec, kv_spec, row_spec = _q_row_specs(plan, r0, r1, info, stats, bq,
-                                                                bk, h, g)
+    lists, info_specs, q_spec, kv_spec, row_spec = _q_row_specs(plan, r0, r1, info, stats, heads,
+                                                                bq, bk)
     return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, n, lists.rows, lists.slots),
+        num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
         in_specs=info_specs + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[q_spec], scratch_shapes=scratch(bq)), lists
+        out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((heads.hb, bq, h), jnp.float32)]), lists
 
-  args = [*info, qf, kf, vf, dof, *rows]
-  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, stats=stats),
+  args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
+          *rows]
+  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, heads=heads, stats=stats),
                       _row_ranges(plan.kv_index), dq_grid,
-                      [jax.ShapeDtypeStruct((b, tp, n * h), cfg.out_dtype)], args, "pallas_ring_dq")
+                      [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
+                      "pallas_ring_dq",
+                      _vmem_bytes([3 * q_bytes, 2 * kv_bytes], heads.hb * bq * h * 4, bq, bk))
 
-  # dK/dV: one program per (kv head, kv block); its reduction axis walks the live q blocks of
-  # each query head of the group in turn, so dK/dV accumulate per kv head in VMEM.
+  # dK/dV: one program per (kv head block, kv block); its reduction axis walks the live q blocks
+  # of each query head block of the group in turn, so dK/dV accumulate per kv head in VMEM.
   def dkv_grid(r0, r1):
     lists = _Lists(plan.q_index, plan.q_class, plan.q_count, r0, r1)
-    head = lambda b_, kvh, jk, st, *r: _group_step(kvh, st, g, lists.slots)[0]
+    head_block = lambda b_, kvb, jk, st, *r: _dkv_head_block(
+        kvb, _dkv_step(st, lists.slots)[0], heads)
 
-    def q_at(b_, kvh, jk, st, idx, *r):
-      n_, i = _group_step(kvh, st, g, lists.slots)
-      return _Lists.at(idx, lists.slot(b_, n_, jk, i))
+    def q_at(b_, kvb, jk, st, idx, *r):
+      rank, i = _dkv_step(st, lists.slots)
+      return _Lists.at(idx, lists.slot(b_, _dkv_head_block(kvb, rank, heads), jk, i))
 
-    q_spec = pl.BlockSpec((None, bq, h), lambda b_, kvh, jk, st, idx, *r: (
-        b_, q_at(b_, kvh, jk, st, idx), head(b_, kvh, jk, st)))
-    row_spec = stats.spec(lambda b_, kvh, jk, st, idx, *r: (
-        b_, head(b_, kvh, jk, st), q_at(b_, kvh, jk, st, idx)))
-    kv_spec = pl.BlockSpec((None, bk, h), lambda b_, kvh, jk, st, *r: (b_, r0 + jk, kvh))
+    q_spec = heads.q.spec(bq, lambda b_, kvb, jk, st, idx, *r: (
+        b_, q_at(b_, kvb, jk, st, idx), head_block(b_, kvb, jk, st)))
+    row_spec = stats.spec(lambda b_, kvb, jk, st, idx, *r: (
+        b_, head_block(b_, kvb, jk, st), q_at(b_, kvb, jk, st, idx)))
+    kv_spec = heads.kv.spec(bk, lambda b_, kvb, jk, st, *r: (b_, r0 + jk, kvb))
+    k_at = lambda b_, kvb, jk, st, *r: r0 + jk
     return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, kh, lists.rows, g * lists.slots),
-        in_specs=_info_specs(info, bq, bk, q_at, lambda b_, kvh, jk, st, *r: r0 + jk, head)
+        num_scalar_prefetch=3, grid=(b, kh // heads.hk, lists.rows, heads.per_kv * lists.slots),
+        in_specs=_info_specs(info, bq, bk, heads.hb, q_at, k_at, head_block)
         + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[kv_spec, kv_spec], scratch_shapes=scratch(bk) * 2), lists
+        out_specs=[kv_spec, kv_spec],
+        scratch_shapes=[pltpu.VMEM((heads.hk, bk, h), jnp.float32)] * 2), lists
 
-  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh * h), cfg.out_dtype)
-  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, group=g, stats=stats),
+  dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), cfg.out_dtype)
+  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, heads=heads, stats=stats),
                          _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
-                         "pallas_ring_dkv")
-  return _heads(dq, n), _heads(dk, kh), _heads(dv, kh)
+                         "pallas_ring_dkv",
+                         _vmem_bytes([2 * q_bytes, 4 * kv_bytes], 2 * heads.hk * bk * h * 4, bq,
+                                     bk))
+  return heads.q.unview(dq), heads.kv.unview(dk), heads.kv.unview(dv)

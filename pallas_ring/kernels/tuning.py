@@ -199,8 +199,8 @@ def padded_len(length: int, *blocks: int) -> int:
 def padded_head_dim(backend: str, head_dim: int) -> int:
   """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16
   (Mosaic GPU, whose backward is Triton's: >= 64);
-  the TPU kernels read one head's lanes of ``[B, L, heads * H]`` in place, so H is a multiple of
-  128 lanes there (no padding for H = 128, 256)."""
+  the TPU kernels slice heads out of lane blocks where heads are not a multiple of 8, so H is a
+  multiple of 128 lanes there (no padding for H = 128, 256)."""
   if backend == "pallas_triton":
     return max(16, _next_pow2(head_dim))
   if backend == "pallas_mosaic_gpu":  # wgmma tiles of 64; the Triton backward wants powers of 2
