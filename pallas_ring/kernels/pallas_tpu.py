@@ -94,8 +94,9 @@ def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_by
   """Runs ``kernel`` once per row range, each call writing its rows of the same outputs.
 
   ``make_grid_spec(r0, r1) -> (grid_spec, lists)`` builds one call's grid; ``out_shape`` is a
-  list; ``vmem_bytes`` the program's estimated VMEM (``_vmem_bytes``). The outputs of one call are aliased into the next (as unread ``ANY`` inputs), so they are
-  written in place; each call writes only the blocks of its rows.
+  list; ``vmem_bytes`` the program's estimated VMEM (``_vmem_bytes``). The outputs of one call are
+  aliased into the next (as unread ``ANY`` inputs), so they are written in place; each call writes
+  only the blocks of its rows.
   """
   outs = None
   for r0, r1 in ranges:
@@ -144,10 +145,12 @@ class _View(NamedTuple):
     return x if self.in_place else x.reshape(*x.shape[:2], -1, self.head_dim)
 
   def shape(self, b, length, heads):
-    return (b, length, heads, self.head_dim) if self.in_place else (b, length, heads * self.head_dim)
+    """The kernel-side shape of a ``[b, length, heads, H]`` output."""
+    h = self.head_dim
+    return (b, length, heads, h) if self.in_place else (b, length, heads * h)
 
   def spec(self, rows, where):
-    """BlockSpec of the ``(rows, block_heads)`` block ``where(*grid ids) = (b, row, head block)``."""
+    """BlockSpec of the block ``where(*grid ids) = (b, row block, head block)``."""
     if self.in_place:
       return pl.BlockSpec((None, rows, self.block_heads, self.head_dim),
                           lambda *a: (*where(*a), 0))
