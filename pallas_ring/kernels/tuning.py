@@ -52,7 +52,10 @@ def _defaults(backend: str, head_dim: int, device_kind: str) -> BlockSizes:
     block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
     return BlockSizes(128, block_kv, bwd.block_q_bwd, bwd.block_kv_bwd, None, None)
   if backend == "pallas_tpu":
-    big = "v6" in device_kind.lower() or "v5p" in device_kind.lower()
+    kind = device_kind.lower()
+    if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
+      return BlockSizes(256, 512, 128, 256, None, None)
+    big = "v6" in kind or "v5p" in kind
     return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
   return BlockSizes(128, 128, 128, 128, None, None)
 
