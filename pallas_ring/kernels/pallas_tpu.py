@@ -201,12 +201,19 @@ class _Heads(NamedTuple):
   def rank(self, j):
     return lax.rem(j, jnp.asarray(self.per_kv, j.dtype))
 
+  def head_block(self, kv_block, rank):
+    """Inverse of ``(kv_block, rank)``: the query head block."""
+    return kv_block * jnp.asarray(self.per_kv, kv_block.dtype) + rank
+
+  def _kv_heads(self, h: int) -> list[int]:
+    """Index inside its kv block of query head ``h``'s kv head, for each rank."""
+    return [(r * self.hb + h) // self.group for r in range(self.per_kv)]
+
   def kv_head(self, rank, h: int):
     """Index inside its kv block of the kv head of query head ``h`` of a block of this rank:
     a Python int when every rank agrees, else a traced scalar."""
-    cands = {(r * self.hb + h) // self.group for r in range(self.per_kv)}
-    if len(cands) == 1:
-      return cands.pop()
+    if len(set(self._kv_heads(h))) == 1:
+      return self._kv_heads(h)[0]
     return lax.div(rank * self.hb + h, jnp.asarray(self.group, rank.dtype))
 
   def kv_tile(self, ref, rank, h: int):
@@ -218,8 +225,7 @@ class _Heads(NamedTuple):
     c = self.kv_head(rank, h)
     if isinstance(c, int):
       return self.kv.get(ref, c)
-    return lax.switch(rank, [functools.partial(self.kv.get, ref, (r * self.hb + h) // self.group)
-                             for r in range(self.per_kv)])
+    return lax.switch(rank, [functools.partial(self.kv.get, ref, c_) for c_ in self._kv_heads(h)])
 
 
 class _Info(NamedTuple):
@@ -529,7 +535,7 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
   rank, i = _dkv_step(step, lists.slots)
-  slot = lists.slot(b, _dkv_head_block(kvb, rank, heads), jk, i)
+  slot = lists.slot(b, heads.head_block(kvb, rank), jk, i)
   klass = _Lists.at(cls_ref, slot)
 
   def compute(masked):
@@ -562,10 +568,6 @@ def _dkv_step(step, slots: int):
   block's query head blocks one after another."""
   c = jnp.asarray(slots, step.dtype)
   return lax.div(step, c), lax.rem(step, c)
-
-
-def _dkv_head_block(kv_block, rank, heads: _Heads):
-  return kv_block * jnp.asarray(heads.per_kv, kv_block.dtype) + rank
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -603,12 +605,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # of each query head block of the group in turn, so dK/dV accumulate per kv head in VMEM.
   def dkv_grid(r0, r1):
     lists = _Lists(plan.q_index, plan.q_class, plan.q_count, r0, r1)
-    head_block = lambda b_, kvb, jk, st, *r: _dkv_head_block(
-        kvb, _dkv_step(st, lists.slots)[0], heads)
+    head_block = lambda b_, kvb, jk, st, *r: heads.head_block(kvb, _dkv_step(st, lists.slots)[0])
 
     def q_at(b_, kvb, jk, st, idx, *r):
-      rank, i = _dkv_step(st, lists.slots)
-      return _Lists.at(idx, lists.slot(b_, _dkv_head_block(kvb, rank, heads), jk, i))
+      i = _dkv_step(st, lists.slots)[1]
+      return _Lists.at(idx, lists.slot(b_, head_block(b_, kvb, jk, st), jk, i))
 
     q_spec = heads.q.spec(bq, lambda b_, kvb, jk, st, idx, *r: (
         b_, q_at(b_, kvb, jk, st, idx), head_block(b_, kvb, jk, st)))
