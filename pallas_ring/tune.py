@@ -78,10 +78,12 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
     bwd = [dict(block_q_bwd=q, block_kv_bwd=k)
            for q, k in itertools.product(bwd_tiles, repeat=2)]
     return {"fwd": fwd, "bwd": bwd}
-  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward is Triton's
-    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
+  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward's tiles are
+    fwd = [dict(block_q=128, block_kv=k, num_stages=s)  # fixed up to H=128, then Triton's
            for k, s in itertools.product((64, 128) if interpret else (64, 128, 256), (2, 3))]
-    return {"fwd": fwd, "bwd": candidates("pallas_triton", head_dim, interpret)["bwd"]}
+    bwd = ([dict(block_q_bwd=128, block_kv_bwd=128)] if tuning.mosaic_gpu_backward(head_dim)
+           else candidates("pallas_triton", head_dim, interpret)["bwd"])
+    return {"fwd": fwd, "bwd": bwd}
   if backend == "pallas_tpu":
     sizes = [128, 256] if interpret else [256, 512, 1024]
     return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
@@ -180,8 +182,8 @@ def winners(problem: Problem, results: dict[str, list]) -> dict[str, dict]:
   out = {}
   for pass_, rows in results.items():
     if rows and rows[0].seconds is not None:
-      key = tile_cache.key(kind, tuning.table_backend(problem.backend, pass_), pass_=pass_,
-                           **shape)
+      key = tile_cache.key(kind, tuning.table_backend(problem.backend, pass_, problem.head_dim),
+                           pass_=pass_, **shape)
       out[key] = dict(rows[0].tiles)
   return out
 

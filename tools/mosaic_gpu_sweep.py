@@ -4,6 +4,10 @@
     python tools/mosaic_gpu_sweep.py variants  # forward: ours (Mosaic GPU, Triton) vs cuDNN and
                                                # upstream attention_mgpu, timed interleaved
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
+    python tools/mosaic_gpu_sweep.py grads     # backward: every configuration's gradients vs
+                                               # the xla backend, run-to-run bitwise equality,
+                                               # float32 outputs (the ring's) on a 1-GPU ring
+    python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -55,6 +59,15 @@ CASES = [  # name, T, S, N, K, H, mask, segments, softcap, dtype
 ]
 
 
+def _segments(key, t, s, segs):
+  """Documents of random lengths (a fully masked query row can start batch 1), or None."""
+  if not segs:
+    return {}
+  seg = jnp.cumsum(jax.random.bernoulli(key, 0.01, (2, t)), 1).astype(jnp.int32)
+  kv = seg if t == s else jnp.cumsum(jax.random.bernoulli(key, 0.01, (2, s)), 1).astype(jnp.int32)
+  return dict(segment_ids=seg, kv_segment_ids=kv)
+
+
 def correct():
   fails = 0
   for name, t, s, n, kh, h, mask, segs, cap, dt in CASES:
@@ -62,13 +75,7 @@ def correct():
     q = jax.random.normal(key[0], (2, t, n, h), dt)
     k = jax.random.normal(key[1], (2, s, kh, h), dt)
     v = jax.random.normal(key[2], (2, s, kh, h), dt)
-    kw = dict(mask=mask, softcap=cap, return_lse=True)
-    if segs:  # documents of random lengths; a fully masked query row at the start of batch 1
-      kw["segment_ids"] = jnp.cumsum(jax.random.bernoulli(key[3], 0.01, (2, t)), 1).astype(
-          jnp.int32)
-      kw["kv_segment_ids"] = (kw["segment_ids"] if t == s else
-                              jnp.cumsum(jax.random.bernoulli(key[3], 0.01, (2, s)), 1).astype(
-                                  jnp.int32))
+    kw = dict(mask=mask, softcap=cap, return_lse=True, **_segments(key[3], t, s, segs))
     try:
       o, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu",
                                                        **kw))(q, k, v)
@@ -86,7 +93,7 @@ def correct():
       fails += 1
       print(f"ERR {name}", flush=True)
       traceback.print_exc()
-  # The mixed path: Mosaic GPU forward, Triton backward, through jax.grad.
+  # Both passes on Mosaic GPU through jax.grad at default tiles.
   q, k, v, do = _inputs(1, 1024, 4, 128)
   for backend in ("pallas_mosaic_gpu", "xla"):
     f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), backend=backend)
@@ -97,7 +104,7 @@ def correct():
     else:
       got = g(q, k, v)
   errs = [rel(a, b) for a, b in zip(got, ref)]
-  print("grad (mosaic fwd + triton bwd) dq dk dv rel err", ["%.2e" % e for e in errs])
+  print("grad (mosaic fwd + bwd) dq dk dv rel err", ["%.2e" % e for e in errs])
   fails += max(errs) > 2e-2
   print("FAILURES", fails)
 
@@ -163,6 +170,87 @@ def variants():
             f"{4 * n * pairs * h / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
+def grads():
+  """Gradients of every CASE through the Mosaic GPU backward against the xla backend."""
+  fails = 0
+  for name, t, s, n, kh, h, mask, segs, cap, dt in CASES:
+    key = jax.random.split(jax.random.key(hash(name) % 2**31), 5)
+    q = jax.random.normal(key[0], (2, t, n, h), dt)
+    k = jax.random.normal(key[1], (2, s, kh, h), dt)
+    v = jax.random.normal(key[2], (2, s, kh, h), dt)
+    do = jax.random.normal(key[4], (2, t, n, h), jnp.float32)
+    kw = dict(mask=mask, softcap=cap, **_segments(key[3], t, s, segs))
+
+    def grad_of(backend, *args):
+      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, backend=backend, **kw).astype(
+          jnp.float32) * do)
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+    try:
+      got = grad_of("pallas_mosaic_gpu", q, k, v)
+      again = grad_of("pallas_mosaic_gpu", q, k, v)
+      ref = grad_of("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+      errs = [rel(a, b) for a, b in zip(got, ref)]
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+      nan = any(bool(jnp.isnan(g.astype(jnp.float32)).any()) for g in got)
+      ok = max(errs) < 2e-2 and same and not nan
+      fails += not ok
+      print(f"{'ok ' if ok else 'BAD'} {name:18s} dq dk dv {' '.join('%.2e' % e for e in errs)} "
+            f"deterministic {same} nan {nan}", flush=True)
+    except Exception:
+      fails += 1
+      print(f"ERR {name}", flush=True)
+      traceback.print_exc()
+  # The ring accumulates float32 dq/dk/dv: the backward's float32 output staging, on a 1-GPU ring.
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pallas_ring import ring_attention
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+  q, k, v, do = _inputs(1, 2048, 4, 128, kv_heads=2)
+  spec = P(None, "sp")
+  for backend in ("pallas_mosaic_gpu", "xla"):
+    f = jax.shard_map(lambda q, k, v, be=backend: ring_attention(
+        q, k, v, axis_name="sp", mask=masks.Causal(), backend=be), mesh=mesh,
+        in_specs=(spec,) * 3, out_specs=spec)
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) *
+                                                   do.astype(jnp.float32)), argnums=(0, 1, 2)))
+    if backend == "xla":
+      ref = g(*(x.astype(jnp.float32) for x in (q, k, v)))
+    else:
+      got = g(q, k, v)
+  errs = [rel(a, b) for a, b in zip(got, ref)]
+  print("1-GPU ring grads dq dk dv rel err", ["%.2e" % e for e in errs], flush=True)
+  fails += max(errs) > 2e-2
+  print("FAILURES", fails)
+
+
+def bwd():
+  """Forward+backward: ours (auto = Mosaic GPU both passes; Triton) against cuDNN, interleaved."""
+  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full"),
+            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
+            ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal"),
+            ("h64 T=16k", 16384, 16, 16, 64, masks.Causal(), "causal"),
+            ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal"),
+            ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
+  for name, t, n, kh, h, mask, kind in shapes:
+    q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
+    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+    pairs = visible_pairs(t, kind)
+    fns = {f"ours {be}": bench._fwd_bwd(lambda q, k, v, be=be: flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be))
+        for be in ("pallas_mosaic_gpu", "pallas_triton")}
+    if kind != "documents":
+      fns["cudnn"] = bench._fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=kind != "full", implementation="cudnn"))
+    samples = bench.interleaved_samples({impl: (f, (q, k, v, do)) for impl, f in fns.items()},
+                                        reps=7)
+    res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
+    for impl, (med, lo, hi) in res.items():
+      vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
+      print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
+            f"{4 * 3.5 * n * pairs * h / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
+
+
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  {"correct": correct, "tiles": tiles, "variants": variants}[sys.argv[1]]()
+  {"correct": correct, "tiles": tiles, "variants": variants, "grads": grads,
+   "bwd": bwd}[sys.argv[1]]()

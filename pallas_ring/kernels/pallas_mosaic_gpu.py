@@ -333,12 +333,365 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   return o.astype(cfg.out_dtype), lse
 
 
+# ---------------------------------------------------------------------------------- backward --
+#
+# Two kernels, each warp-specialized like the forward (a producer warpgroup streams tiles by TMA
+# into `slots` shared-memory slots, two consumer warpgroups own 64 rows each), and neither
+# accumulates across CTAs, so results are bitwise reproducible:
+#   dK/dV: a CTA owns 128 keys of one kv head and walks, for each query head of the group, the
+#     transposed plan row of its kv block (q_index): q, dO, lse and delta in 64-row tiles.
+#     dK and dV accumulate per kv head in registers (GQA needs no per-query-head temporary).
+#   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in 64-row
+#     tiles.
+
+BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup, and of every walked tile
+BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
+BWD_MAX_HEAD_DIM = 128
+
+
+def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
+  """Why the Mosaic GPU backward cannot serve a call its forward serves (None when it can);
+  ``backward`` then runs ``pallas_triton``'s over the same plan."""
+  if head_dim > BWD_MAX_HEAD_DIM:
+    return (f"head dim {head_dim} (a warpgroup's float32 dK and dV of {BWD_ROWS} keys need "
+            f"{2 * head_dim} registers per thread at head dim {head_dim}; the limit is 255)")
+  if (cfg.block_q_bwd, cfg.block_kv_bwd) != (BWD_BLOCK, BWD_BLOCK):
+    return (f"backward tiles ({cfg.block_q_bwd}, {cfg.block_kv_bwd}) (it takes "
+            f"({BWD_BLOCK}, {BWD_BLOCK}): two warpgroups of {BWD_ROWS} rows)")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdGeometry:
+  """Static sizes of one backward kernel call."""
+
+  slots: int  # walked-tile shared-memory slots
+  group: int  # query heads per kv head
+  head_dim: int
+  dtype: object  # the inputs' 16-bit dtype
+  info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
+  blocks: int  # CTAs along the owned sequence
+  walked_heads: int  # query heads walked per CTA: `group` for dK/dV, 1 for dQ
+
+  rows = BWD_ROWS
+  nsub = BWD_BLOCK // BWD_ROWS  # walked tiles per plan block
+
+
+def _bwd_slots(head_dim: int, itemsize: int, out_itemsize: int, info_rows: int) -> int:
+  """Slots of two walked 64-row tiles that fit beside the owned tiles and the output staging."""
+  row = head_dim * itemsize
+  owned = _COMPUTE_WGS * BWD_ROWS * (2 * row + head_dim * out_itemsize + 4 * (2 + info_rows))
+  per_slot = BWD_ROWS * (2 * row + 4 * (2 + info_rows))
+  return min(4, (SMEM_BYTES - owned) // per_slot)
+
+
+def _walk(g: _BwdGeometry, plan_row, body, carry):
+  """Calls ``carry = body(head, start, masked, carry)`` for every 64-row tile the CTA walks.
+
+  Args:
+    plan_row: ``head -> (index_row_ref, count, n_full)`` for query head ``head`` (a rank in
+      ``[0, g.walked_heads)``); the entries ``[0, n_full)`` are walked mask-free, the rest masked.
+    body: one walked tile at row ``start``; producer and consumers walk identically, so a carried
+      tile counter gives both the same ring slot.
+  """
+
+  def head(h, carry):
+    idx_row, count, n_full = plan_row(h)
+
+    def tile(t, carry, masked):
+      t = jnp.asarray(t, jnp.int32)
+      start = idx_row[lax.div(t, g.nsub)] * BWD_BLOCK + lax.rem(t, g.nsub) * g.rows
+      return body(h, start, masked, carry)
+
+    carry = lax.fori_loop(0, n_full * g.nsub, functools.partial(tile, masked=False), carry)
+    return lax.fori_loop(n_full * g.nsub, count * g.nsub, functools.partial(tile, masked=True),
+                         carry)
+
+  if g.walked_heads == 1:
+    return head(0, carry)
+  return lax.fori_loop(0, g.walked_heads, head, carry)
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _probs_and_ds(s_raw, dp, lse2, delta, vis, cfg, row_axis: int):
+  """``(p, ds)`` of a tile from raw ``q.k`` products and ``dO.v``: ``lse2`` (base 2) and
+  ``delta`` are vectors along axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]``
+  tiles, 1 for dK/dV's transposed ``[k, q]`` ones); ``ds`` is the raw-logit gradient / scale."""
+  s, c = _logits(s_raw, cfg)
+  bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [row_axis])
+  p = jnp.exp2(s * c - bcast(lse2))
+  if vis is not None:
+    p = jnp.where(vis, p, 0.0)
+  ds = p * (dp - bcast(delta))
+  if cfg.softcap is not None:
+    ds = ds * common.softcap_grad(s * LN2, cfg)
+  return p, ds
+
+
+def _store(smem, value, dst):
+  """Writes a ``[rows, H]`` float32 tile to ``dst`` (global) through the staging tile ``smem``."""
+  smem[...] = value.astype(smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _info_rows(ref, layout, shape, dim, info_rows):
+  """Token-info rows (positions, then segment ids) of a tile, broadcast to ``shape``."""
+  return [lax.broadcast_in_dim(_load(ref.at[f], layout), shape, [dim]) for f in range(info_rows)]
+
+
+def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
+                lse_ref, delta_ref, dk_ref, dv_ref, scoped, *, cfg, g: _BwdGeometry):
+  (k_own2, v_own2, out2, kinfo_own2, q_smem, do_smem, lse_smem, delta_smem, qinfo_smem), bars = scoped
+  own_bar, q_bar, do_bar, free = bars
+  batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  kj = lax.axis_index("kv_seq")  # causal-type masks give the first kv blocks the longest lists
+  rows = g.rows
+  q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
+  q_head = lambda h: kv_head * g.group + h
+
+  def plan_row(h):
+    at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], q_head(h))]
+    return at(idx_ref).at[kj], at(cnt_ref)[kj], at(full_ref)[kj]
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(240, action="increase")
+    k_own, v_own, out, kinfo_own = k_own2.at[wg], v_own2.at[wg], out2.at[wg], kinfo_own2.at[wg]
+    k0 = kj * BWD_BLOCK + wg * rows
+    own = (batch, pl.ds(k0, rows), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[own], k_own, own_bar.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[own], v_own, own_bar.at[wg])
+    plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own, own_bar.at[wg])
+    plgpu.barrier_wait(own_bar.at[wg])
+    tile = (rows, rows)  # [keys, queries]
+    k_info = _info_rows(kinfo_own, _ROWS, tile, 0, g.info_rows)
+    k_index = k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+
+    def body(h, start, masked, carry):
+      n, dk, dv = carry
+      slot = _slot(n, g.slots)
+      q, do = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_bar.at[slot])
+      plgpu.barrier_wait(do_bar.at[slot])
+
+      def products(refs):  # s^T = K q^T and dp^T = V dO^T, one wait for both
+        plgpu.wgmma(refs[0], k_own, q.transpose((1, 0)))
+        plgpu.wgmma(refs[1], v_own, do.transpose((1, 0)))
+
+      s, dp = pl.run_state(products)((plgpu.ACC.init(_zeros(tile)),
+                                      plgpu.ACC.init(_zeros(tile))))
+      vis = None
+      if masked:
+        q_info = _info_rows(qinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
+        vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+      p, ds = _probs_and_ds(s, dp, _load(lse_smem.at[slot], _COLS),
+                            _load(delta_smem.at[slot], _COLS), vis, cfg, row_axis=1)
+
+      def grads(refs):  # dV += p^T dO, dK += ds^T q
+        plgpu.wgmma(refs[0], p.astype(g.dtype), do)
+        plgpu.wgmma(refs[1], ds.astype(g.dtype), q)
+
+      dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      plgpu.barrier_arrive(free.at[slot])
+      return n + 1, dk, dv
+
+    acc = _zeros((rows, g.head_dim))
+    _, dk, dv = _walk(g, plan_row, body, (jnp.int32(0), acc, acc))
+    _store(out, dk * cfg.scale, dk_ref.at[own])
+    _store(out, dv, dv_ref.at[own])
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def body(h, start, masked, n):
+      slot = _slot(n, g.slots)
+      qh, seq = q_head(h), pl.ds(start, rows)
+
+      @pl.when(n >= g.slots)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, seq, qh], q_smem.at[slot], q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, qh, seq], lse_smem.at[slot], q_bar.at[slot])
+      if masked:
+        plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, seq], qinfo_smem.at[slot],
+                                q_bar.at[slot])
+      else:
+        plgpu.barrier_arrive(q_bar.at[slot])  # the phase's third arrival, without data
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, seq, qh], do_smem.at[slot], do_bar.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[batch, qh, seq], delta_smem.at[slot], do_bar.at[slot])
+      return n + 1
+
+    _walk(g, plan_row, body, jnp.int32(0))
+
+
+def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
+               lse_ref, delta_ref, dq_ref, scoped, *, cfg, g: _BwdGeometry):
+  (q_own2, do_own2, out2, lse_own2, delta_own2, qinfo_own2, k_smem, v_smem, kinfo_smem), bars = scoped
+  own_bar, k_bar, v_bar, free = bars
+  batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
+  rows = g.rows
+  q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
+  kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
+
+  def plan_row(h):
+    del h
+    at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
+    return at(idx_ref).at[qi], at(cnt_ref)[qi], at(full_ref)[qi]
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(240, action="increase")
+    q_own, do_own, out = q_own2.at[wg], do_own2.at[wg], out2.at[wg]
+    q0 = qi * BWD_BLOCK + wg * rows
+    own, seq = (batch, pl.ds(q0, rows), head), pl.ds(q0, rows)
+    for src, dst in ((q_ref.at[own], q_own), (do_ref.at[own], do_own),
+                     (lse_ref.at[batch, head, seq], lse_own2.at[wg]),
+                     (delta_ref.at[batch, head, seq], delta_own2.at[wg]),
+                     (qinfo_ref.at[q_info_b, :, seq], qinfo_own2.at[wg])):
+      plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg])
+    plgpu.barrier_wait(own_bar.at[wg])
+    tile = (rows, rows)  # [queries, keys]
+    q_info = _info_rows(qinfo_own2.at[wg], _ROWS, tile, 0, g.info_rows)
+    lse2, delta = _load(lse_own2.at[wg], _ROWS), _load(delta_own2.at[wg], _ROWS)
+
+    def body(h, start, masked, carry):
+      n, dq = carry
+      slot = _slot(n, g.slots)
+      k, v = k_smem.at[slot], v_smem.at[slot]
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      def products(refs):  # s = q K^T and dp = dO V^T, one wait for both
+        plgpu.wgmma(refs[0], q_own, k.transpose((1, 0)))
+        plgpu.wgmma(refs[1], do_own, v.transpose((1, 0)))
+
+      s, dp = pl.run_state(products)((plgpu.ACC.init(_zeros(tile)),
+                                      plgpu.ACC.init(_zeros(tile))))
+      vis = None
+      if masked:
+        k_info = _info_rows(kinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
+        k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
+        vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+      _, ds = _probs_and_ds(s, dp, lse2, delta, vis, cfg, row_axis=0)
+
+      def grad(acc_ref):  # dq += ds K
+        plgpu.wgmma(acc_ref, ds.astype(g.dtype), k)
+
+      dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(free.at[slot])
+      return n + 1, dq
+
+    _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
+    _store(out, dq * cfg.scale, dq_ref.at[own])
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def body(h, start, masked, n):
+      slot = _slot(n, g.slots)
+      src = (batch, pl.ds(start, rows), kv_head)
+
+      @pl.when(n >= g.slots)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+      if masked:
+        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(start, rows)],
+                                kinfo_smem.at[slot], k_bar.at[slot])
+      else:
+        plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+      return n + 1
+
+    _walk(g, plan_row, body, jnp.int32(0))
+
+
+def _smem(dtype, *shape):
+  """A shared-memory tile of 16-bit or 32-bit elements in wgmma's swizzled layout."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+
+
+def _bwd_call(kernel, scratch, barriers, out_shapes, grid, grid_names, args, *, cfg, g):
+  def entry(*refs):
+    n = len(scratch)
+    pl.run_scoped(lambda *sc: kernel(*refs, (sc[:n], sc[n:]), cfg=cfg, g=g),
+                  *scratch, *barriers, collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=out_shapes, grid=grid, grid_names=grid_names,
+      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: the ``pallas_triton`` backward on this call's plan (the Mosaic GPU
-  backward is not written yet); ``cfg.num_stages`` means K/V slots here, so Triton gets its own
-  default."""
-  return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
-                                dataclasses.replace(cfg, num_stages=None))
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``.
+
+  Calls that ``backward_unsupported`` names (head dims above 128, backward tiles other than
+  128 x 128) and interpret mode run the ``pallas_triton`` backward on the same plan instead
+  (``cfg.num_stages`` means K/V slots here, so Triton gets its own default).
+  """
+  b, tp, n, hp = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  if cfg.interpret or backward_unsupported(cfg, hp) is not None:
+    return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
+                                  dataclasses.replace(cfg, num_stages=None))
+  why = unsupported(q.dtype, hp, dense=ops.dense is not None, bias=ops.bias is not None,
+                    alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+  if why is not None:
+    raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
+  info_rows = 1 if ops.q_info.segment_ids is None else 2
+  out_dt = jnp.dtype(cfg.out_dtype)
+  slots_ = _bwd_slots(hp, q.dtype.itemsize, out_dt.itemsize, info_rows)
+  if cfg.num_stages:
+    slots_ = min(slots_, cfg.num_stages)
+  geometry = lambda blocks, heads: _BwdGeometry(
+      slots=slots_, group=n // kh, head_dim=hp, dtype=q.dtype, info_rows=info_rows,
+      blocks=blocks, walked_heads=heads)
+  lse2 = common.safe_lse(lse) * LOG2E  # base 2; empty rows: +inf, so p = 0
+  delta = delta.astype(jnp.float32)
+  infos = (token_info(ops.q_info), token_info(ops.kv_info))
+  rows, wgs, f32, i32 = BWD_ROWS, _COMPUTE_WGS, jnp.float32, jnp.int32
+  arrivals = lambda count, n_=slots_: plgpu.Barrier(num_arrivals=count, num_barriers=n_)
+
+  # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
+  g = geometry(sp // BWD_BLOCK, n // kh)
+  dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
+  dk, dv = _bwd_call(
+      _dkv_kernel,
+      (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
+       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, slots_, rows, hp),
+       _smem(q.dtype, slots_, rows, hp), plgpu.SMEM((slots_, rows), f32),
+       plgpu.SMEM((slots_, rows), f32), plgpu.SMEM((slots_, info_rows, rows), i32)),
+      (arrivals(3, wgs), arrivals(3), arrivals(2), arrivals(wgs)),
+      (dkv_shape, dkv_shape), (kh, g.blocks, b), ("heads", "kv_seq", "batch"),
+      (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
+
+  # dQ: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V.
+  g = geometry(tp // BWD_BLOCK, 1)
+  dq = _bwd_call(
+      _dq_kernel,
+      (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
+       plgpu.SMEM((wgs, rows), f32), plgpu.SMEM((wgs, rows), f32),
+       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, slots_, rows, hp),
+       _smem(q.dtype, slots_, rows, hp), plgpu.SMEM((slots_, info_rows, rows), i32)),
+      (arrivals(5, wgs), arrivals(2), arrivals(1), arrivals(wgs)),
+      jax.ShapeDtypeStruct(q.shape, out_dt), (n, g.blocks, b), ("heads", "q_seq", "batch"),
+      (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2, delta),
+      cfg=cfg, g=g)
+  return dq, dk, dv
 
 
-__all__ = ["forward", "backward", "unsupported", "check_tiles", "slots"]
+__all__ = ["forward", "backward", "unsupported", "backward_unsupported", "check_tiles", "slots"]

@@ -47,8 +47,9 @@ def _defaults(backend: str, head_dim: int, device_kind: str) -> BlockSizes:
     if head_dim <= 128:
       return BlockSizes(128, 64, 64, 64, 4, 3)
     return BlockSizes(64, 32, 32, 32, 4, 2)
-  if backend == "pallas_mosaic_gpu":  # forward: 2 x 64 rows per CTA; backward: Triton's
-    bwd = _defaults("pallas_triton", head_dim, device_kind)
+  if backend == "pallas_mosaic_gpu":  # 2 x 64 rows per CTA; the backward above H=128: Triton's
+    bwd = (BlockSizes(block_q_bwd=128, block_kv_bwd=128) if mosaic_gpu_backward(head_dim) else
+           _defaults("pallas_triton", head_dim, device_kind))
     block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
     return BlockSizes(128, block_kv, bwd.block_q_bwd, bwd.block_kv_bwd, None, None)
   if backend == "pallas_tpu":
@@ -73,8 +74,9 @@ def check_block_sizes(backend: str, bs: BlockSizes) -> None:
       raise ValueError(
           f"block_sizes.{f}={val} cannot be used by backend 'pallas_mosaic_gpu': its tiles are "
           f"powers of two, block_q >= 128 (two warpgroups of >= 64 rows), block_kv >= 64, and "
-          f"the backward's (Triton) >= 16. Use {max(_MOSAIC_MIN[f], _next_pow2(val))}, or None "
-          "for the tuned default.")
+          f"the backward's >= 16 (its own kernels take 128 x 128 backward tiles at head dims "
+          f"<= 128; other tiles run the Triton backward). Use "
+          f"{max(_MOSAIC_MIN[f], _next_pow2(val))}, or None for the tuned default.")
     if backend == "pallas_triton" and (val < 16 or val & (val - 1)):
       raise ValueError(
           f"block_sizes.{f}={val} cannot be used by backend 'pallas_triton': Triton tiles must be "
@@ -123,10 +125,18 @@ def device_kind(backend: str) -> str:
   return dev.device_kind if native else f"{dev.device_kind}:interpret"
 
 
-def table_backend(backend: str, pass_: str) -> str:
-  """The backend whose cache / table entries a pass's tiles are keyed by: the Mosaic GPU
-  backend's backward is Triton's, so it shares Triton's tuned backward tiles."""
-  return "pallas_triton" if backend == "pallas_mosaic_gpu" and pass_ == "bwd" else backend
+def mosaic_gpu_backward(head_dim: int) -> bool:
+  """Whether the Mosaic GPU backend's backward runs its own kernels at a (padded) head dim; above
+  128 it is ``pallas_triton``'s (see ``pallas_mosaic_gpu.backward_unsupported``)."""
+  return head_dim <= 128
+
+
+def table_backend(backend: str, pass_: str, head_dim: int) -> str:
+  """The backend whose cache / table entries a pass's tiles are keyed by: where the Mosaic GPU
+  backend's backward is Triton's, it shares Triton's tuned backward tiles."""
+  if backend == "pallas_mosaic_gpu" and pass_ == "bwd" and not mosaic_gpu_backward(head_dim):
+    return "pallas_triton"
+  return backend
 
 
 def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes, str, str]:
@@ -139,7 +149,8 @@ def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes,
     if not kind:
       sources.append("heuristic")
       continue
-    k = tile_cache.key(kind, table_backend(backend, pass_), pass_=pass_, **shape)
+    k = tile_cache.key(kind, table_backend(backend, pass_, shape["head_dim"]), pass_=pass_,
+                        **shape)
     entry, source = tile_cache.lookup(k)
     if entry is not None:
       try:
