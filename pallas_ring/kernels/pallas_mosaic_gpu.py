@@ -344,8 +344,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 #   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in 64-row
 #     tiles.
 
-BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup, and of every walked tile
+BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
+# Rows of a walked tile: dK/dV walks 64-row q tiles (its float32 dK, dV, s^T and dp^T fill the
+# registers); dQ walks K/V tiles of DQ_WALK_ROWS.
+DKV_WALK_ROWS = 64
+DQ_WALK_ROWS = 128
 BWD_MAX_HEAD_DIM = 128
 
 
@@ -372,21 +376,27 @@ class _BwdGeometry:
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   blocks: int  # CTAs along the owned sequence
   walked_heads: int  # query heads walked per CTA: `group` for dK/dV, 1 for dQ
+  walk: int  # rows of a walked tile
 
-  rows = BWD_ROWS
-  nsub = BWD_BLOCK // BWD_ROWS  # walked tiles per plan block
+  rows = BWD_ROWS  # owned rows per warpgroup
+
+  @property
+  def nsub(self) -> int:
+    """Walked tiles per plan block."""
+    return BWD_BLOCK // self.walk
 
 
-def _bwd_slots(head_dim: int, itemsize: int, out_itemsize: int, info_rows: int) -> int:
-  """Slots of two walked 64-row tiles that fit beside the owned tiles and the output staging."""
+def _bwd_slots(walk: int, head_dim: int, itemsize: int, out_itemsize: int, info_rows: int
+               ) -> int:
+  """Slots of two walked tiles that fit beside the owned tiles and the output staging."""
   row = head_dim * itemsize
   owned = _COMPUTE_WGS * BWD_ROWS * (2 * row + head_dim * out_itemsize + 4 * (2 + info_rows))
-  per_slot = BWD_ROWS * (2 * row + 4 * (2 + info_rows))
+  per_slot = walk * (2 * row + 4 * (2 + info_rows))
   return min(4, (SMEM_BYTES - owned) // per_slot)
 
 
 def _walk(g: _BwdGeometry, plan_row, body, carry):
-  """Calls ``carry = body(head, start, masked, carry)`` for every 64-row tile the CTA walks.
+  """Calls ``carry = body(head, start, masked, carry)`` for every tile the CTA walks.
 
   Args:
     plan_row: ``head -> (index_row_ref, count, n_full)`` for query head ``head`` (a rank in
@@ -400,7 +410,7 @@ def _walk(g: _BwdGeometry, plan_row, body, carry):
 
     def tile(t, carry, masked):
       t = jnp.asarray(t, jnp.int32)
-      start = idx_row[lax.div(t, g.nsub)] * BWD_BLOCK + lax.rem(t, g.nsub) * g.rows
+      start = idx_row[lax.div(t, g.nsub)] * BWD_BLOCK + lax.rem(t, g.nsub) * g.walk
       return body(h, start, masked, carry)
 
     carry = lax.fori_loop(0, n_full * g.nsub, functools.partial(tile, masked=False), carry)
@@ -460,7 +470,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(240, action="increase")
+    plgpu.set_max_registers(232, action="increase")
     k_own, v_own, out, kinfo_own = k_own2.at[wg], v_own2.at[wg], out2.at[wg], kinfo_own2.at[wg]
     k0 = kj * BWD_BLOCK + wg * rows
     own = (batch, pl.ds(k0, rows), kv_head)
@@ -468,7 +478,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     plgpu.copy_gmem_to_smem(v_ref.at[own], v_own, own_bar.at[wg])
     plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own, own_bar.at[wg])
     plgpu.barrier_wait(own_bar.at[wg])
-    tile = (rows, rows)  # [keys, queries]
+    tile = (rows, g.walk)  # [keys, queries]
     k_info = _info_rows(kinfo_own, _ROWS, tile, 0, g.info_rows)
     k_index = k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
 
@@ -511,7 +521,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
     def body(h, start, masked, n):
       slot = _slot(n, g.slots)
-      qh, seq = q_head(h), pl.ds(start, rows)
+      qh, seq = q_head(h), pl.ds(start, g.walk)
 
       @pl.when(n >= g.slots)
       def _():
@@ -548,7 +558,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(240, action="increase")
+    plgpu.set_max_registers(232, action="increase")
     q_own, do_own, out = q_own2.at[wg], do_own2.at[wg], out2.at[wg]
     q0 = qi * BWD_BLOCK + wg * rows
     own, seq = (batch, pl.ds(q0, rows), head), pl.ds(q0, rows)
@@ -558,7 +568,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
                      (qinfo_ref.at[q_info_b, :, seq], qinfo_own2.at[wg])):
       plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg])
     plgpu.barrier_wait(own_bar.at[wg])
-    tile = (rows, rows)  # [queries, keys]
+    tile = (rows, g.walk)  # [queries, keys]
     q_info = _info_rows(qinfo_own2.at[wg], _ROWS, tile, 0, g.info_rows)
     lse2, delta = _load(lse_own2.at[wg], _ROWS), _load(delta_own2.at[wg], _ROWS)
 
@@ -598,7 +608,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
     def body(h, start, masked, n):
       slot = _slot(n, g.slots)
-      src = (batch, pl.ds(start, rows), kv_head)
+      keys = pl.ds(start, g.walk)
+      src = (batch, keys, kv_head)
 
       @pl.when(n >= g.slots)
       def _():
@@ -606,8 +617,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
       if masked:
-        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(start, rows)],
-                                kinfo_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
+                                k_bar.at[slot])
       else:
         plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
@@ -641,7 +652,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   Calls that ``backward_unsupported`` names (head dims above 128, backward tiles other than
   128 x 128) and interpret mode run the ``pallas_triton`` backward on the same plan instead
-  (``cfg.num_stages`` means K/V slots here, so Triton gets its own default).
+  (``cfg.num_stages`` means the forward's K/V slots here, so Triton gets its own default).
   """
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
@@ -654,39 +665,45 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
   out_dt = jnp.dtype(cfg.out_dtype)
-  slots_ = _bwd_slots(hp, q.dtype.itemsize, out_dt.itemsize, info_rows)
-  if cfg.num_stages:
-    slots_ = min(slots_, cfg.num_stages)
-  geometry = lambda blocks, heads: _BwdGeometry(
-      slots=slots_, group=n // kh, head_dim=hp, dtype=q.dtype, info_rows=info_rows,
-      blocks=blocks, walked_heads=heads)
+
+  def geometry(blocks, heads, walk):
+    slots_ = _bwd_slots(walk, hp, q.dtype.itemsize, out_dt.itemsize, info_rows)
+    if slots_ < 2 and walk > BWD_ROWS:  # e.g. float32 outputs: shorter walked tiles
+      return geometry(blocks, heads, BWD_ROWS)
+    return _BwdGeometry(slots=slots_, group=n // kh, head_dim=hp, dtype=q.dtype,
+                        info_rows=info_rows, blocks=blocks, walked_heads=heads, walk=walk)
+
   lse2 = common.safe_lse(lse) * LOG2E  # base 2; empty rows: +inf, so p = 0
   delta = delta.astype(jnp.float32)
   infos = (token_info(ops.q_info), token_info(ops.kv_info))
   rows, wgs, f32, i32 = BWD_ROWS, _COMPUTE_WGS, jnp.float32, jnp.int32
-  arrivals = lambda count, n_=slots_: plgpu.Barrier(num_arrivals=count, num_barriers=n_)
+  # Barriers of `count` arrivals: one per owned tile (`wgs`) or per slot of the current `g`.
+  arrivals = lambda count, per=None: plgpu.Barrier(num_arrivals=count,
+                                                   num_barriers=per or g.slots)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
-  g = geometry(sp // BWD_BLOCK, n // kh)
+  g = geometry(sp // BWD_BLOCK, n // kh, DKV_WALK_ROWS)
+  sl, w = g.slots, g.walk
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
   dk, dv = _bwd_call(
       _dkv_kernel,
       (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
-       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, slots_, rows, hp),
-       _smem(q.dtype, slots_, rows, hp), plgpu.SMEM((slots_, rows), f32),
-       plgpu.SMEM((slots_, rows), f32), plgpu.SMEM((slots_, info_rows, rows), i32)),
+       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
+       _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
+       plgpu.SMEM((sl, info_rows, w), i32)),
       (arrivals(3, wgs), arrivals(3), arrivals(2), arrivals(wgs)),
       (dkv_shape, dkv_shape), (kh, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
 
   # dQ: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V.
-  g = geometry(tp // BWD_BLOCK, 1)
+  g = geometry(tp // BWD_BLOCK, 1, DQ_WALK_ROWS)
+  sl, w = g.slots, g.walk
   dq = _bwd_call(
       _dq_kernel,
       (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
        plgpu.SMEM((wgs, rows), f32), plgpu.SMEM((wgs, rows), f32),
-       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, slots_, rows, hp),
-       _smem(q.dtype, slots_, rows, hp), plgpu.SMEM((slots_, info_rows, rows), i32)),
+       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
+       _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
       (arrivals(5, wgs), arrivals(2), arrivals(1), arrivals(wgs)),
       jax.ShapeDtypeStruct(q.shape, out_dt), (n, g.blocks, b), ("heads", "q_seq", "batch"),
       (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2, delta),
