@@ -44,9 +44,16 @@ def _lower(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _kernels_of_gradients(text, head_dim):
+  """The forward plus the dK/dV and dQ kernels: Mosaic GPU up to head dim 128, then Triton's."""
+  if head_dim <= 128:
+    return text.count(MOSAIC) == 3 and TRITON not in text
+  return text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_configuration_lowers_for_cuda(name):
-  """Forward: one Mosaic GPU kernel; gradients: it plus the two Triton backward kernels."""
+  """Forward: one Mosaic GPU kernel; gradients: it plus the two backward kernels."""
   args, (qs, ks), kw = _structs(name)
 
   def f(q, k, v, *seg):
@@ -58,16 +65,33 @@ def test_every_configuration_lowers_for_cuda(name):
   assert text.count(MOSAIC) == 1 and TRITON not in text
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args, *seg_args)
-  assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+  assert _kernels_of_gradients(text, CASES[name][5])
 
 
 def test_lowers_under_x64():
-  """x64 mode (64-bit Python ints) changes no integer dtype inside the kernel."""
+  """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels."""
   args, (qs, _), kw = _structs("documents")
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
+    assert _kernels_of_gradients(_lower(grad, *args, qs), 128)
+
+
+def test_backward_tiles_other_than_128_run_the_triton_backward():
+  """The Mosaic GPU backward owns 128 rows per CTA on both sides; other user-given backward
+  tiles are served by the Triton backward on the same plan (and say so in the tile rule)."""
+  args, _, kw = _structs("causal_gqa")
+  f = lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False,
+                                      block_sizes=BlockSizes(block_q_bwd=64), **kw)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = _lower(grad, *args)
+  assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+  from pallas_ring.kernels import tuning
+  tiles = tuning.resolve("pallas_mosaic_gpu", None, 1, 1, 128)  # one token: padded to 128 keys
+  assert (tiles.block_q_bwd, tiles.block_kv_bwd) == (128, 128)
+  assert tuning.resolve("pallas_mosaic_gpu", None, 1, 1, 256).block_kv_bwd < 128  # Triton's
 
 
 def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
@@ -81,13 +105,13 @@ def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   assert pick(jnp.bfloat16) == "pallas_triton"
 
 
-def test_auto_lowers_mosaic_forward_and_triton_backward_on_hopper(monkeypatch):
+def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
   monkeypatch.setattr(kernels, "hopper", lambda: True)
   args, _, _ = _structs("causal_gqa")
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args)
-  assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+  assert _kernels_of_gradients(text, 128)
   # A dense mask is not served by the Mosaic GPU kernel: auto takes Triton for both passes.
   dense = jax.ShapeDtypeStruct((1, 1, 512, 512), jnp.bool_)
   g = lambda q, k, v, d: flash_attention(q, k, v, dense_mask=d)

@@ -409,8 +409,8 @@ def _walk(g: _BwdGeometry, plan_row, body, carry):
     idx_row, count, n_full = plan_row(h)
 
     def tile(t, carry, masked):
-      t = jnp.asarray(t, jnp.int32)
-      start = idx_row[lax.div(t, g.nsub)] * BWD_BLOCK + lax.rem(t, g.nsub) * g.walk
+      t, nsub = jnp.asarray(t, jnp.int32), jnp.int32(g.nsub)
+      start = idx_row[lax.div(t, nsub)] * BWD_BLOCK + lax.rem(t, nsub) * g.walk
       return body(h, start, masked, carry)
 
     carry = lax.fori_loop(0, n_full * g.nsub, functools.partial(tile, masked=False), carry)
@@ -419,7 +419,8 @@ def _walk(g: _BwdGeometry, plan_row, body, carry):
 
   if g.walked_heads == 1:
     return head(0, carry)
-  return lax.fori_loop(0, g.walked_heads, head, carry)
+  # (int32 bounds: the head index stays int32 under x64)
+  return lax.fori_loop(jnp.int32(0), jnp.int32(g.walked_heads), head, carry)
 
 
 def _zeros(shape):

@@ -195,8 +195,11 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
     cap_q, cap_k = _round_up(q_len, 8), _round_up(kv_len, 128)
   else:
     cap_q, cap_k = q_len, kv_len
+  cap_kb = cap_k
+  if backend == "pallas_mosaic_gpu" and mosaic_gpu_backward(head_dim):
+    cap_kb = max(128, cap_k)  # its backward kernels own 128 keys per CTA
   bq, bqb = min(bq, cap_q), min(bqb, cap_q)
-  bk, bkb = min(bk, cap_k), min(bkb, cap_k)
+  bk, bkb = min(bk, cap_k), min(bkb, cap_kb)
   if backend == "pallas_tpu":  # the query tile must also tile by 8 after clamping
     bq, bqb = _round_up(bq, 8), _round_up(bqb, 8)
   return Tiles(bq, bk, bqb, bkb, pick("num_warps"), pick("num_stages"), src_fwd, src_bwd)
