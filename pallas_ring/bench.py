@@ -158,7 +158,7 @@ SWEEP = list(itertools.product([64, 128], [64, 128], [4, 8], [2, 3]))
 def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
   """Dense and causal, forward and forward+backward: cuDNN, JAX's Pallas ``mha`` and our Triton
   kernel at their best swept block configurations (swept at the longest T), and ``"auto"`` at
-  default tiles (on Hopper: the Mosaic GPU forward with the Triton backward)."""
+  default tiles (on Hopper: the Mosaic GPU kernels for both passes)."""
   from pallas_ring import kernels
   auto = kernels.native_backend()
   rows, best = [], {}

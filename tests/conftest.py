@@ -37,13 +37,14 @@ def rng():
 ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
 
 
-def small_blocks(backend):
+def small_blocks(backend, head_dim=128):
   """Small tiles that still obey each backend's rules (many blocks at test sizes)."""
   from pallas_ring import BlockSizes
   if backend == "pallas_tpu":
     return BlockSizes(block_q=32, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
-  if backend == "pallas_mosaic_gpu":  # two warpgroups of 64 query rows; Triton backward tiles
-    return BlockSizes(block_q=128, block_kv=64, block_q_bwd=16, block_kv_bwd=32)
+  if backend == "pallas_mosaic_gpu":  # two warpgroups of 64 rows (the backward's on both sides
+    bwd = 128 if head_dim <= 128 else 32  # up to H=128; above, the backward is Triton's)
+    return BlockSizes(block_q=128, block_kv=64, block_q_bwd=bwd, block_kv_bwd=bwd)
   return BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=32)
 
 

@@ -69,7 +69,7 @@ def _inputs(name, seed=0, backend=None):
 @pytest.mark.parametrize("name", list(CASES))
 def test_conformance(backend, name):
   q, k, v, kw, dtype = _inputs(name, backend=backend)
-  bs = small_blocks(backend)
+  bs = small_blocks(backend, q.shape[-1])
   tol = TOL[dtype]
   if backend == "pallas_mosaic_gpu" and "dense_mask" in kw:
     with pytest.raises(ValueError, match="cannot serve this call: a dense mask"):

@@ -12,10 +12,13 @@ loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_f
 through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
 K/V are read per kv head (GQA is never repeated).
 
+The backward is two kernels of the same shape (see the backward section below): dK/dV over the
+plan's transposed lists and dQ over its rows, deterministic (no cross-CTA accumulation). At head
+dims above 128, and for backward tiles other than 128 x 128, it is ``pallas_triton``'s on the
+same plan (``backward_unsupported`` says why; the contract allows different lowerings per pass).
+
 Not served here (``unsupported`` says why; ``backend="auto"`` then uses ``pallas_triton``): dense
-masks, bias, ALiBi, dropout, float32 inputs, GPUs before sm_90. The backward is
-``pallas_triton``'s on the same plan until the Mosaic GPU backward lands (the contract allows
-different lowerings per pass).
+masks, bias, ALiBi, dropout, float32 inputs, GPUs before sm_90.
 """
 
 from __future__ import annotations

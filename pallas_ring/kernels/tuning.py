@@ -215,12 +215,12 @@ def padded_len(length: int, *blocks: int) -> int:
 
 def padded_head_dim(backend: str, head_dim: int) -> int:
   """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16
-  (Mosaic GPU, whose backward is Triton's: >= 64);
+  (Mosaic GPU: wgmma tiles of 64, and powers of two for its Triton backward above H=128);
   the TPU kernels slice heads out of lane blocks where heads are not a multiple of 8, so H is a
   multiple of 128 lanes there (no padding for H = 128, 256)."""
   if backend == "pallas_triton":
     return max(16, _next_pow2(head_dim))
-  if backend == "pallas_mosaic_gpu":  # wgmma tiles of 64; the Triton backward wants powers of 2
+  if backend == "pallas_mosaic_gpu":
     return max(64, _next_pow2(head_dim))
   if backend == "pallas_tpu":
     return _round_up(head_dim, 128)
