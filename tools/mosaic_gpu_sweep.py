@@ -237,12 +237,18 @@ def _float32_outputs():
   return max(errs) > 1e-2 or dtypes != {"float32"}
 
 
-def bwd(dq_walk=None):
-  """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved
-  (``dq_walk``: rows of the dQ kernel's walked K/V tiles, an experiment)."""
-  if dq_walk:
-    from pallas_ring.kernels import pallas_mosaic_gpu
-    pallas_mosaic_gpu.DQ_WALK_ROWS = int(dq_walk)
+def bwd(*opts):
+  """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved.
+
+  Options ``dq=ROWS`` / ``dkv=ROWS`` set the rows of the backward kernels' walked tiles (an
+  experiment); other words select shapes by their first word (e.g. ``dense h64``).
+  """
+  from pallas_ring.kernels import pallas_mosaic_gpu
+  words = dict(o.split("=") for o in opts if "=" in o)
+  pallas_mosaic_gpu.DQ_WALK_ROWS = int(words.get("dq", pallas_mosaic_gpu.DQ_WALK_ROWS))
+  if "dkv" in words:
+    pallas_mosaic_gpu.DKV_WALK_ROWS = {h: int(words["dkv"]) for h in (64, 128, 256)}
+  only = [o for o in opts if "=" not in o]
   shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full"),
             ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
             ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal"),
@@ -250,6 +256,8 @@ def bwd(dq_walk=None):
             ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal"),
             ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
   for name, t, n, kh, h, mask, kind in shapes:
+    if only and name.split()[0] not in only:
+      continue
     q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     pairs = visible_pairs(t, kind)
