@@ -324,13 +324,16 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
     sh = NamedSharding(mesh, P(None, "sp"))
     q, k, v, do = (jax.device_put(x, sh) for x in _inputs(b, t, n, h, seed=2))
     # One GPU doing the same per-device work: T/R queries against T keys (non-causal).
-    q1 = jax.device_put(q[:, :tl], jax.devices()[0])
-    k1, v1 = (jax.device_put(x, jax.devices()[0]) for x in (k, v))
-    single = jax.jit(lambda q_, k_, v_: flash_attention(q_, k_, v_))
-    single_s = timeit(single, q1, k1, v1, iters=3, reps=3)
-    single_tf = _tflops(tl * t, b, n, h, single_s, "fwd")
-    log(f"[{tl} tokens/GPU x {r}] one GPU, same work (fwd, non-causal): {single_s * 1e3:.2f} ms "
-        f"{single_tf:.1f} TFLOP/s")
+    dev0 = jax.devices()[0]
+    q1, k1, v1, do1 = (jax.device_put(x, dev0) for x in (q[:, :tl], k, v, do[:, :tl]))
+    single = lambda q_, k_, v_: flash_attention(q_, k_, v_)
+    single_tf = {}
+    for pass_, fn, args in (("fwd", jax.jit(single), (q1, k1, v1)),
+                            ("fwd+bwd", _fwd_bwd(single), (q1, k1, v1, do1))):
+      secs = timeit(fn, *args, iters=3, reps=3)
+      single_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
+      log(f"[{tl} tokens/GPU x {r}] one GPU, same work ({pass_}, non-causal): "
+          f"{secs * 1e3:.2f} ms {single_tf[pass_]:.1f} TFLOP/s")
 
     def gather_cudnn(q_, k_, v_):
       def per(qs, ks, vs):
@@ -340,10 +343,15 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
       return jax.shard_map(per, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                            out_specs=P(None, "sp"), check_vma=False)(q_, k_, v_)
 
-    ag = timeit(jax.jit(gather_cudnn), q, k, v, iters=3, reps=3)
-    rows.append(Row(f"{tl}/GPU x{r} dense", "all_gather+cudnn", "fwd", ag * 1e3,
-                    _tflops(tl * t, b, n, h, ag, "fwd")))
-    log(f"  all_gather+cudnn fwd dense {ag * 1e3:.2f} ms {rows[-1].tflops:.1f} TFLOP/s/GPU")
+    gather_tf = {}
+    for pass_, fn, args in (("fwd", jax.jit(gather_cudnn), (q, k, v)),
+                            ("fwd+bwd", _fwd_bwd(gather_cudnn), (q, k, v, do))):
+      secs = timeit(fn, *args, iters=3, reps=3)
+      gather_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
+      rows.append(Row(f"{tl}/GPU x{r} dense", "all_gather+cudnn", pass_, secs * 1e3,
+                      gather_tf[pass_]))
+      log(f"  all_gather+cudnn {pass_} dense {secs * 1e3:.2f} ms {gather_tf[pass_]:.1f} "
+          "TFLOP/s/GPU")
     for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True)):
       cfg = SequenceParallelConfig(axis_name="sp", layout=layout)
       mask = masks.Causal() if causal else None
@@ -359,7 +367,9 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
           log(f"  ring {layout} causal={causal} {pass_}: failed {type(e).__name__}: {str(e)[:300]}")
           continue
         tf = _tflops(pairs, b, n, h, secs, pass_)
-        rel = f"{tf / single_tf:.2f}x one-GPU kernel" if pass_ == "fwd" else ""
+        rel = f"{tf / single_tf[pass_]:.2f}x one-GPU kernel"
+        if not causal:
+          rel += f", {tf / gather_tf[pass_]:.2f}x all_gather+cudnn"
         rows.append(Row(f"{tl}/GPU x{r} {'causal' if causal else 'dense'}", f"ring {layout}",
                         pass_, secs * 1e3, tf, rel))
         log(f"  ring {layout:10s} {'causal' if causal else 'dense ':6s} {pass_:8s} "
