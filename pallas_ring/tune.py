@@ -79,7 +79,8 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
            for q, k in itertools.product(bwd_tiles, repeat=2)]
     return {"fwd": fwd, "bwd": bwd}
   if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward's tiles are
-    fwd = [dict(block_q=128, block_kv=k, num_stages=s)  # fixed up to H=128, then Triton's
+    # fixed (128 x 128) up to head dim 128, above they are its Triton backward's
+    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
            for k, s in itertools.product((64, 128) if interpret else (64, 128, 256), (2, 3))]
     bwd = ([dict(block_q_bwd=128, block_kv_bwd=128)] if tuning.mosaic_gpu_backward(head_dim)
            else candidates("pallas_triton", head_dim, interpret)["bwd"])

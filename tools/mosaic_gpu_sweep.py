@@ -1,12 +1,12 @@
 """Checks and times the Mosaic GPU forward on a Hopper GPU (one call of the device tool).
 
-    python tools/mosaic_gpu_sweep.py correct   # every kernel configuration vs the xla backend
+    python tools/mosaic_gpu_sweep.py correct   # forward: every configuration vs the xla backend
     python tools/mosaic_gpu_sweep.py variants  # forward: ours (Mosaic GPU, Triton) vs cuDNN and
                                                # upstream attention_mgpu, timed interleaved
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
     python tools/mosaic_gpu_sweep.py grads     # backward: every configuration's gradients vs
                                                # the xla backend, run-to-run bitwise equality,
-                                               # float32 outputs (the ring's) on a 1-GPU ring
+                                               # the float32 outputs the ring accumulates
     python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
@@ -68,45 +68,45 @@ def _segments(key, t, s, segs):
   return dict(segment_ids=seg, kv_segment_ids=kv)
 
 
-def correct():
+def _each_case(check, names=()) -> int:
+  """Runs ``check(q, k, v, kw, key) -> (ok, message)`` on fresh random inputs of every CASE (or
+  those named) and prints one line each; returns the number of failures."""
   fails = 0
   for name, t, s, n, kh, h, mask, segs, cap, dt in CASES:
-    key = jax.random.split(jax.random.key(hash(name) % 2**31), 4)
+    if names and name not in names:
+      continue
+    key = jax.random.split(jax.random.key(hash(name) % 2**31), 5)
     q = jax.random.normal(key[0], (2, t, n, h), dt)
     k = jax.random.normal(key[1], (2, s, kh, h), dt)
     v = jax.random.normal(key[2], (2, s, kh, h), dt)
-    kw = dict(mask=mask, softcap=cap, return_lse=True, **_segments(key[3], t, s, segs))
+    kw = dict(mask=mask, softcap=cap, **_segments(key[3], t, s, segs))
     try:
-      o, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu",
-                                                       **kw))(q, k, v)
-      f32 = lambda x: x.astype(jnp.float32)
-      ro, rlse = flash_attention(f32(q), f32(k), f32(v), backend="xla", **kw)
-      fin = np.isfinite(np.asarray(rlse))
-      eo, el = rel(o, ro), rel(np.where(fin, lse, 0), np.where(fin, rlse, 0))
-      same_inf = bool(np.all(np.isfinite(np.asarray(lse)) == fin))
-      nan = bool(np.isnan(np.asarray(o, np.float32)).any())
-      ok = eo < 2e-2 and el < 1e-3 and same_inf and not nan
-      fails += not ok
-      print(f"{'ok ' if ok else 'BAD'} {name:18s} out {eo:.2e} lse {el:.2e} inf-rows-match "
-            f"{same_inf} nan {nan}", flush=True)
+      ok, msg = check(q, k, v, kw, key[4])
     except Exception:
-      fails += 1
-      print(f"ERR {name}", flush=True)
+      ok, msg = False, "raised"
       traceback.print_exc()
-  # Both passes on Mosaic GPU through jax.grad at default tiles.
-  q, k, v, do = _inputs(1, 1024, 4, 128)
-  for backend in ("pallas_mosaic_gpu", "xla"):
-    f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), backend=backend)
-    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) *
-                                                   do.astype(jnp.float32)), argnums=(0, 1, 2)))
-    if backend == "xla":
-      ref = g(*(x.astype(jnp.float32) for x in (q, k, v)))
-    else:
-      got = g(q, k, v)
-  errs = [rel(a, b) for a, b in zip(got, ref)]
-  print("grad (mosaic fwd + bwd) dq dk dv rel err", ["%.2e" % e for e in errs])
-  fails += max(errs) > 2e-2
-  print("FAILURES", fails)
+    fails += not ok
+    print(f"{'ok ' if ok else 'BAD'} {name:18s} {msg}", flush=True)
+  return fails
+
+
+def _forward_ok(q, k, v, kw, key):
+  del key
+  kw = dict(kw, return_lse=True)
+  o, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu",
+                                                   **kw))(q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  ro, rlse = flash_attention(f32(q), f32(k), f32(v), backend="xla", **kw)
+  fin = np.isfinite(np.asarray(rlse))
+  eo, el = rel(o, ro), rel(np.where(fin, lse, 0), np.where(fin, rlse, 0))
+  same_inf = bool(np.all(np.isfinite(np.asarray(lse)) == fin))
+  nan = bool(np.isnan(np.asarray(o, np.float32)).any())
+  return (eo < 2e-2 and el < 1e-3 and same_inf and not nan,
+          f"out {eo:.2e} lse {el:.2e} inf-rows-match {same_inf} nan {nan}")
+
+
+def correct(*names):
+  print("FAILURES", _each_case(_forward_ok, names))
 
 
 def tiles():
@@ -128,6 +128,17 @@ def tiles():
           except Exception as e:
             print(f"H={h} bk={bk} stages={stages}: failed {type(e).__name__} {str(e)[:120]}",
                   flush=True)
+
+
+def _time_against_cudnn(name, fns, args, flops):
+  """Times ``fns`` (name -> compiled function of ``args``) interleaved, 7 x 10 calls each, and
+  prints each one's median (min-max), TFLOP/s and ratio to cuDNN's time where it ran."""
+  samples = bench.interleaved_samples({impl: (f, args) for impl, f in fns.items()}, reps=7)
+  res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
+  for impl, (med, lo, hi) in res.items():
+    vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
+    print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
+          f"{flops / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
 def variants():
@@ -161,52 +172,35 @@ def variants():
         fns["upstream attention_mgpu"] = comp(lambda q, k, v: up.attention(q, k, v, cfg))
       except Exception as e:
         print(f"{name}: upstream failed {type(e).__name__}: {str(e)[:200]}")
-    samples = bench.interleaved_samples({impl: (f, (q, k, v)) for impl, f in fns.items()},
-                                        reps=7)
-    res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
-    for impl, (med, lo, hi) in res.items():
-      vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
-      print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
-            f"{4 * n * pairs * h / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
+    _time_against_cudnn(name, fns, (q, k, v), 4 * n * pairs * h)
+
+
+def _gradients_ok(q, k, v, kw, key):
+  do = jax.random.normal(key, q.shape, jnp.float32)
+
+  def grad_of(backend, *args):
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, backend=backend, **kw).astype(
+        jnp.float32) * do)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+  got = grad_of("pallas_mosaic_gpu", q, k, v)
+  again = grad_of("pallas_mosaic_gpu", q, k, v)
+  ref = grad_of("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+  # ||got - ref|| / max(||ref||, 1): with one key the softmax has no logit gradient, so
+  # dq = dk = 0 and their error is absolute.
+  norm = lambda x: float(np.linalg.norm(np.asarray(x, np.float64)))
+  errs = [norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)) / max(norm(b), 1.0)
+          for a, b in zip(got, ref)]
+  same = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+  nan = any(bool(jnp.isnan(g.astype(jnp.float32)).any()) for g in got)
+  return (max(errs) < 2e-2 and same and not nan,
+          f"dq dk dv {' '.join('%.2e' % e for e in errs)} deterministic {same} nan {nan}")
 
 
 def grads(*names):
-  """Gradients of every CASE (or those named) through the Mosaic GPU backward against the xla
-  backend."""
-  fails = 0
-  for name, t, s, n, kh, h, mask, segs, cap, dt in CASES:
-    if names and name not in names:
-      continue
-    key = jax.random.split(jax.random.key(hash(name) % 2**31), 5)
-    q = jax.random.normal(key[0], (2, t, n, h), dt)
-    k = jax.random.normal(key[1], (2, s, kh, h), dt)
-    v = jax.random.normal(key[2], (2, s, kh, h), dt)
-    do = jax.random.normal(key[4], (2, t, n, h), jnp.float32)
-    kw = dict(mask=mask, softcap=cap, **_segments(key[3], t, s, segs))
-
-    def grad_of(backend, *args):
-      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, backend=backend, **kw).astype(
-          jnp.float32) * do)
-      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
-
-    try:
-      got = grad_of("pallas_mosaic_gpu", q, k, v)
-      again = grad_of("pallas_mosaic_gpu", q, k, v)
-      ref = grad_of("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-      # ||got - ref|| / max(||ref||, 1): with one key the softmax has no logit gradient, so
-      # dq = dk = 0 and their error is absolute.
-      errs = [rel(a, b) * max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30) /
-              max(np.linalg.norm(np.asarray(b, np.float64)), 1.0) for a, b in zip(got, ref)]
-      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
-      nan = any(bool(jnp.isnan(g.astype(jnp.float32)).any()) for g in got)
-      ok = max(errs) < 2e-2 and same and not nan
-      fails += not ok
-      print(f"{'ok ' if ok else 'BAD'} {name:18s} dq dk dv {' '.join('%.2e' % e for e in errs)} "
-            f"deterministic {same} nan {nan}", flush=True)
-    except Exception:
-      fails += 1
-      print(f"ERR {name}", flush=True)
-      traceback.print_exc()
+  """Gradients of every CASE (or those named; "f32": the float32 outputs) through the Mosaic GPU
+  backward against the xla backend, and their run-to-run bitwise equality."""
+  fails = _each_case(_gradients_ok, names)
   if not names or "f32" in names:
     fails += _float32_outputs()
   print("FAILURES", fails)
@@ -267,13 +261,7 @@ def bwd(*opts):
     if kind != "documents":
       fns["cudnn"] = bench._fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
-    samples = bench.interleaved_samples({impl: (f, (q, k, v, do)) for impl, f in fns.items()},
-                                        reps=7)
-    res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
-    for impl, (med, lo, hi) in res.items():
-      vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
-      print(f"{name:18s} {impl:24s} {med * 1e3:.3f} ms ({lo * 1e3:.3f}-{hi * 1e3:.3f}) "
-            f"{4 * 3.5 * n * pairs * h / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
+    _time_against_cudnn(name, fns, (q, k, v, do), 4 * 3.5 * n * pairs * h)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,18 @@ def _row_vector(x, rows: int):
   return plgpu.layout_cast(jnp.full((rows,), x, jnp.float32), _ROWS)
 
 
+def _smem(dtype, *shape):
+  """A shared-memory tile of 16-bit or 32-bit elements in wgmma's swizzled layout."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+
+
+def _info_rows(ref, layout, shape, dim, info_rows):
+  """Token-info rows (positions, then segment ids) of a tile, broadcast to ``shape``."""
+  return [lax.broadcast_in_dim(_load(ref.at[f], layout), shape, [dim]) for f in range(info_rows)]
+
+
 def token_info(info) -> jax.Array:
   """int32 ``[Bi, F, L]``: positions, then segment ids when present (one TMA copy per tile)."""
   if info.segment_ids is None:
@@ -182,13 +194,11 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
     # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
-    q_info = [lax.broadcast_in_dim(_load(qinfo_smem.at[f], _ROWS), (bq, bk), [0])
-              for f in range(g.info_rows)]
+    q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
 
     def visible(j, slot):
       k0 = idx_row[j] * bk
-      k_info = [lax.broadcast_in_dim(_load(kinfo_smem.at[slot, f], _COLS),
-                                     (bq, bk), [1]) for f in range(g.info_rows)]
+      k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
       k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
 
@@ -307,8 +317,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                 q_blocks=tp // cfg.block_q)
-  smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=(
-      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+  smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((_COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
@@ -342,10 +351,10 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 # into `slots` shared-memory slots, two consumer warpgroups own 64 rows each), and neither
 # accumulates across CTAs, so results are bitwise reproducible:
 #   dK/dV: a CTA owns 128 keys of one kv head and walks, for each query head of the group, the
-#     transposed plan row of its kv block (q_index): q, dO, lse and delta in 64-row tiles.
+#     transposed plan row of its kv block (q_index): q, dO, lse and delta in DKV_WALK_ROWS tiles.
 #     dK and dV accumulate per kv head in registers (GQA needs no per-query-head temporary).
-#   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in 64-row
-#     tiles.
+#   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in
+#     DQ_WALK_ROWS tiles.
 
 BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
@@ -432,6 +441,16 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
+def _products(tile, a, b, c, d):
+  """``(a b^T, c d^T)``, float32 ``tile``-shaped, from shared-memory operands (one wgmma wait)."""
+
+  def run(refs):
+    plgpu.wgmma(refs[0], a, b.transpose((1, 0)))
+    plgpu.wgmma(refs[1], c, d.transpose((1, 0)))
+
+  return pl.run_state(run)((plgpu.ACC.init(_zeros(tile)), plgpu.ACC.init(_zeros(tile))))
+
+
 def _probs_and_ds(s_raw, dp, lse2, delta, vis, cfg, row_axis: int):
   """``(p, ds)`` of a tile from raw ``q.k`` products and ``dO.v``: ``lse2`` (base 2) and
   ``delta`` are vectors along axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]``
@@ -455,14 +474,11 @@ def _store(smem, value, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _info_rows(ref, layout, shape, dim, info_rows):
-  """Token-info rows (positions, then segment ids) of a tile, broadcast to ``shape``."""
-  return [lax.broadcast_in_dim(_load(ref.at[f], layout), shape, [dim]) for f in range(info_rows)]
-
-
 def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
                 lse_ref, delta_ref, dk_ref, dv_ref, scoped, *, cfg, g: _BwdGeometry):
-  (k_own2, v_own2, out2, kinfo_own2, q_smem, do_smem, lse_smem, delta_smem, qinfo_smem), bars = scoped
+  owned, walked, bars = scoped[0][:4], scoped[0][4:], scoped[1]
+  k_own2, v_own2, out2, kinfo_own2 = owned
+  q_smem, do_smem, lse_smem, delta_smem, qinfo_smem = walked
   own_bar, q_bar, do_bar, free = bars
   batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   kj = lax.axis_index("kv_seq")  # causal-type masks give the first kv blocks the longest lists
@@ -495,12 +511,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       plgpu.barrier_wait(q_bar.at[slot])
       plgpu.barrier_wait(do_bar.at[slot])
 
-      def products(refs):  # s^T = K q^T and dp^T = V dO^T, one wait for both
-        plgpu.wgmma(refs[0], k_own, q.transpose((1, 0)))
-        plgpu.wgmma(refs[1], v_own, do.transpose((1, 0)))
-
-      s, dp = pl.run_state(products)((plgpu.ACC.init(_zeros(tile)),
-                                      plgpu.ACC.init(_zeros(tile))))
+      s, dp = _products(tile, k_own, q, v_own, do)  # s^T = K q^T, dp^T = V dO^T
       vis = None
       if masked:
         q_info = _info_rows(qinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
@@ -549,7 +560,9 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
 def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, dq_ref, scoped, *, cfg, g: _BwdGeometry):
-  (q_own2, do_own2, out2, lse_own2, delta_own2, qinfo_own2, k_smem, v_smem, kinfo_smem), bars = scoped
+  owned, walked, bars = scoped[0][:6], scoped[0][6:], scoped[1]
+  q_own2, do_own2, out2, lse_own2, delta_own2, qinfo_own2 = owned
+  k_smem, v_smem, kinfo_smem = walked
   own_bar, k_bar, v_bar, free = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
@@ -585,12 +598,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
 
-      def products(refs):  # s = q K^T and dp = dO V^T, one wait for both
-        plgpu.wgmma(refs[0], q_own, k.transpose((1, 0)))
-        plgpu.wgmma(refs[1], do_own, v.transpose((1, 0)))
-
-      s, dp = pl.run_state(products)((plgpu.ACC.init(_zeros(tile)),
-                                      plgpu.ACC.init(_zeros(tile))))
+      s, dp = _products(tile, q_own, k, do_own, v)  # s = q K^T, dp = dO V^T
       vis = None
       if masked:
         k_info = _info_rows(kinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
@@ -633,14 +641,10 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
     _walk(g, plan_row, body, jnp.int32(0))
 
 
-def _smem(dtype, *shape):
-  """A shared-memory tile of 16-bit or 32-bit elements in wgmma's swizzled layout."""
-  itemsize = jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
-
-
 def _bwd_call(kernel, scratch, barriers, out_shapes, grid, grid_names, args, *, cfg, g):
+  """Runs a backward kernel: 2 consumer warpgroups and the producer over ``grid``, with its
+  shared memory and barriers passed as ``(scratch, barriers)``."""
+
   def entry(*refs):
     n = len(scratch)
     pl.run_scoped(lambda *sc: kernel(*refs, (sc[:n], sc[n:]), cfg=cfg, g=g),
