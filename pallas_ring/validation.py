@@ -3,6 +3,7 @@ the fix."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -59,6 +60,26 @@ def check_qkv(q, k, v) -> None:
   if h == 0 or np.shape(q)[1] == 0 or s == 0:
     raise ValueError(f"empty attention: q {_shape(q)}, k {_shape(k)}; sequences and head_dim "
                      "must be >= 1.")
+  varying = sorted(set().union(*(_varying_axes(x) for x in (q, k, v))))
+  if varying:
+    raise ValueError(
+        f"pallas_ring attention was called inside `jax.shard_map` with check_vma=True (q, k, v "
+        f"vary along mesh axes {varying}). Its kernels' outputs and loop carries do not carry "
+        "shard_map's varying-axes types yet, so JAX would reject them: pass check_vma=False to "
+        "that `jax.shard_map`, or call pallas_ring.sharded_attention on global arrays (it runs "
+        "the ring in its own shard_map).")
+
+
+def _varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` varies along under ``shard_map(check_vma=True)``; empty elsewhere."""
+  try:
+    aval = jax.typeof(x)
+  except TypeError:  # not an array type (e.g. a nested list; converted later)
+    return frozenset()
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()))
 
 
 def check_positive(name: str, value, default):

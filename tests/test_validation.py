@@ -122,6 +122,19 @@ def test_ring_attention_unknown_strategy_and_layout():
       f(q)
 
 
+def test_ring_and_flash_attention_in_a_checked_shard_map_name_the_fix():
+  """Under shard_map's default check_vma=True the kernels' outputs and loop carries would be
+  rejected by JAX with an internal message; the entry points say what to do instead."""
+  q = jnp.zeros((1, 16, 2, 16))
+  spec = jax.sharding.PartitionSpec(None, "sp")
+  for fn in (lambda x: ring_attention(x, x, x, axis_name="sp"),
+             lambda x: flash_attention(x, x, x)):
+    f = jax.shard_map(fn, mesh=_mesh(), in_specs=spec, out_specs=spec)
+    with pytest.raises(ValueError, match=r"check_vma=True .*\['sp'\].*check_vma=False.*"
+                                         r"sharded_attention"):
+      f(q)
+
+
 def test_sharded_attention_without_mesh():
   q = jnp.zeros((1, 16, 2, 16))
   with pytest.raises(ValueError, match=r"no mesh is active.*jax.set_mesh"):
