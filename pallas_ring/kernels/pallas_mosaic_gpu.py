@@ -37,6 +37,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
 from pallas_ring.kernels import pallas_triton
+from pallas_ring.kernels import tuning
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -46,6 +47,9 @@ WG_ROWS = 64
 SMEM_BYTES = 227 * 1024 - 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
 _COMPUTE_WGS = 2
+# Registers per thread after setmaxnreg: 2 consumer warpgroups and the producer must fit the
+# 64K-register file ((2 x 232 + 40) x 128 threads); asking for more never returns (240 hung).
+_CONSUMER_REGS, _PRODUCER_REGS = 232, 40
 
 
 def unsupported(dtype, head_dim: int, *, dense=False, bias=False, alibi=False, dropout=False
@@ -187,7 +191,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
     q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
@@ -266,7 +270,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
     kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
     @pl.loop(0, count)
@@ -364,13 +368,12 @@ BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = 
 # room for fewer than two slots).
 DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64
 DQ_WALK_ROWS = 128
-BWD_MAX_HEAD_DIM = 128
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
   """Why the Mosaic GPU backward cannot serve a call its forward serves (None when it can);
   ``backward`` then runs ``pallas_triton``'s over the same plan."""
-  if head_dim > BWD_MAX_HEAD_DIM:
+  if not tuning.mosaic_gpu_backward(head_dim):
     return (f"head dim {head_dim} (a warpgroup's float32 dK and dV of {BWD_ROWS} keys need "
             f"{2 * head_dim} registers per thread at head dim {head_dim}; the limit is 255)")
   if (cfg.block_q_bwd, cfg.block_kv_bwd) != (BWD_BLOCK, BWD_BLOCK):
@@ -492,7 +495,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     k_own, v_own, out, kinfo_own = k_own2.at[wg], v_own2.at[wg], out2.at[wg], kinfo_own2.at[wg]
     k0 = kj * BWD_BLOCK + wg * rows
     own = (batch, pl.ds(k0, rows), kv_head)
@@ -534,7 +537,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
 
     def body(h, start, masked, n):
       slot = _slot(n, g.slots)
@@ -577,7 +580,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     q_own, do_own, out = q_own2.at[wg], do_own2.at[wg], out2.at[wg]
     q0 = qi * BWD_BLOCK + wg * rows
     own, seq = (batch, pl.ds(q0, rows), head), pl.ds(q0, rows)
@@ -618,7 +621,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
 
     def body(h, start, masked, n):
       slot = _slot(n, g.slots)
@@ -687,9 +690,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   delta = delta.astype(jnp.float32)
   infos = (token_info(ops.q_info), token_info(ops.kv_info))
   rows, wgs, f32, i32 = BWD_ROWS, _COMPUTE_WGS, jnp.float32, jnp.int32
-  # Barriers of `count` arrivals: one per owned tile (`wgs`) or per slot of the current `g`.
-  arrivals = lambda count, per=None: plgpu.Barrier(num_arrivals=count,
-                                                   num_barriers=per or g.slots)
+  # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
+  barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
   g = geometry(sp // BWD_BLOCK, n // kh, DKV_WALK_ROWS.get(hp, BWD_ROWS))
@@ -701,7 +703,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
        plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
        _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
        plgpu.SMEM((sl, info_rows, w), i32)),
-      (arrivals(3, wgs), arrivals(3), arrivals(2), arrivals(wgs)),
+      (barriers(3, wgs), barriers(3, sl), barriers(2, sl), barriers(wgs, sl)),
       (dkv_shape, dkv_shape), (kh, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
 
@@ -714,7 +716,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
        plgpu.SMEM((wgs, rows), f32), plgpu.SMEM((wgs, rows), f32),
        plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
        _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
-      (arrivals(5, wgs), arrivals(2), arrivals(1), arrivals(wgs)),
+      (barriers(5, wgs), barriers(2, sl), barriers(1, sl), barriers(wgs, sl)),
       jax.ShapeDtypeStruct(q.shape, out_dt), (n, g.blocks, b), ("heads", "q_seq", "batch"),
       (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2, delta),
       cfg=cfg, g=g)

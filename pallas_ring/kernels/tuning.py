@@ -127,7 +127,7 @@ def device_kind(backend: str) -> str:
 
 def mosaic_gpu_backward(head_dim: int) -> bool:
   """Whether the Mosaic GPU backend's backward runs its own kernels at a (padded) head dim; above
-  128 it is ``pallas_triton``'s (see ``pallas_mosaic_gpu.backward_unsupported``)."""
+  128 it is ``pallas_triton``'s (``pallas_mosaic_gpu.backward_unsupported`` says why)."""
   return head_dim <= 128
 
 
