@@ -8,6 +8,7 @@
                                                # the xla backend, run-to-run bitwise equality,
                                                # the float32 outputs the ring accumulates
     python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
+    python tools/mosaic_gpu_sweep.py parts DIR # forward+backward: device time per kernel (trace)
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -264,7 +265,48 @@ def bwd(*opts):
     _time_against_cudnn(name, fns, (q, k, v, do), 4 * 3.5 * n * pairs * h)
 
 
+def parts(out_dir="/tmp/trace", *only):
+  """Device time per kernel of one forward+backward (Mosaic GPU), from a profiler trace: our
+  kernels and the XLA ops around them (plan, delta, casts), summed over 10 calls."""
+  import collections
+  import glob
+  import gzip
+  import json
+  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full"),
+            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
+            ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
+  for name, t, n, kh, h, mask, kind in shapes:
+    if only and name.split()[0] not in only:
+      continue
+    q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
+    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+    f = bench._fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                                       backend="pallas_mosaic_gpu"))
+    jax.block_until_ready(f(q, k, v, do))
+    d = f"{out_dir}/{name.split()[0]}"
+    with jax.profiler.trace(d):
+      for _ in range(10):
+        r = f(q, k, v, do)
+      jax.block_until_ready(r)
+    path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
+    trace = json.load(gzip.open(path))
+    gpu_pids = {p["pid"] for p in trace["traceEvents"] if p.get("ph") == "M" and
+                p.get("name") == "process_name" and "GPU" in str(p.get("args", {}).get("name"))}
+    per, kernels = collections.Counter(), []
+    for e in sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
+                     e.get("pid") in gpu_pids), key=lambda e: e["ts"]):
+      per[e["name"][:70]] += e.get("dur", 0) / 10
+      if "mosaic" in e["name"]:
+        kernels.append(e.get("dur", 0))
+    total = sum(per.values())
+    print(f"{name}: {total / 1e3:.3f} ms of GPU time per call; the last call's Mosaic GPU "
+          f"kernels (forward, dK/dV, dQ): {' '.join('%.1f us' % d for d in kernels[-3:])}",
+          flush=True)
+    for kname, us in per.most_common(14):
+      print(f"  {us:9.1f} us  {kname}", flush=True)
+
+
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
   {"correct": correct, "tiles": tiles, "variants": variants, "grads": grads,
-   "bwd": bwd}[sys.argv[1]](*sys.argv[2:])
+   "bwd": bwd, "parts": parts}[sys.argv[1]](*sys.argv[2:])
