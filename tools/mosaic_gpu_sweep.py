@@ -266,8 +266,11 @@ def bwd(*opts):
 
 
 def parts(out_dir="/tmp/trace", *only):
-  """Device time per kernel of one forward+backward (Mosaic GPU), from a profiler trace: our
-  kernels and the XLA ops around them (plan, delta, casts), summed over 10 calls."""
+  """Device time per kernel of one forward+backward (Mosaic GPU; with the word ``fwd``: forward
+  only), from a profiler trace: our kernels and the XLA ops around them (plan, delta, casts),
+  over 10 calls, and the span from the first op's start to the last one's end per call."""
+  fwd_only = "fwd" in only
+  only = [o for o in only if o != "fwd"]
   import collections
   import glob
   import gzip
@@ -280,27 +283,31 @@ def parts(out_dir="/tmp/trace", *only):
       continue
     q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
-    f = bench._fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                                       backend="pallas_mosaic_gpu"))
-    jax.block_until_ready(f(q, k, v, do))
+    attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                           backend="pallas_mosaic_gpu")
+    f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench._fwd_bwd(attn), (q, k, v, do))
+    jax.block_until_ready(f(*args))
     d = f"{out_dir}/{name.split()[0]}"
     with jax.profiler.trace(d):
       for _ in range(10):
-        r = f(q, k, v, do)
+        r = f(*args)
       jax.block_until_ready(r)
     path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
     trace = json.load(gzip.open(path))
     gpu_pids = {p["pid"] for p in trace["traceEvents"] if p.get("ph") == "M" and
                 p.get("name") == "process_name" and "GPU" in str(p.get("args", {}).get("name"))}
     per, kernels = collections.Counter(), []
-    for e in sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
-                     e.get("pid") in gpu_pids), key=lambda e: e["ts"]):
+    events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
+                     e.get("pid") in gpu_pids), key=lambda e: e["ts"])
+    for e in events:
       per[e["name"][:70]] += e.get("dur", 0) / 10
       if "mosaic" in e["name"]:
         kernels.append(e.get("dur", 0))
     total = sum(per.values())
-    print(f"{name}: {total / 1e3:.3f} ms of GPU time per call; the last call's Mosaic GPU "
-          f"kernels (forward, dK/dV, dQ): {' '.join('%.1f us' % d for d in kernels[-3:])}",
+    span = (max(e["ts"] + e.get("dur", 0) for e in events) - events[0]["ts"]) / 10
+    nk = 1 if fwd_only else 3
+    print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; the "
+          f"last call's Mosaic GPU kernels: {' '.join('%.1f us' % d for d in kernels[-nk:])}",
           flush=True)
     for kname, us in per.most_common(14):
       print(f"  {us:9.1f} us  {kname}", flush=True)
