@@ -232,6 +232,24 @@ def _float32_outputs():
   return max(errs) > 1e-2 or dtypes != {"float32"}
 
 
+_BWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs)
+    ("dense T=16k", 16384, 16, 16, 128, None, "full"),
+    ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
+    ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal"),
+    ("h64 T=16k", 16384, 16, 16, 64, masks.Causal(), "causal"),
+    ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal"),
+    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
+
+
+def _bwd_cases(only):
+  """``(name, (T, N, H, mask, kind), (q, k, v, do), segment_ids)`` of the timed shapes whose
+  name's first word is in ``only`` (all when empty); B=1, bf16, random inputs."""
+  for name, t, n, kh, h, mask, kind in _BWD_SHAPES:
+    if not only or name.split()[0] in only:
+      seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+      yield name, (t, n, h, mask, kind), _inputs(1, t, n, h, kv_heads=kh), seg
+
+
 def bwd(*opts):
   """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved.
 
@@ -244,17 +262,7 @@ def bwd(*opts):
   if "dkv" in words:
     pallas_mosaic_gpu.DKV_WALK_ROWS = {h: int(words["dkv"]) for h in (64, 128, 256)}
   only = [o for o in opts if "=" not in o]
-  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full"),
-            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
-            ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal"),
-            ("h64 T=16k", 16384, 16, 16, 64, masks.Causal(), "causal"),
-            ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal"),
-            ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
-  for name, t, n, kh, h, mask, kind in shapes:
-    if only and name.split()[0] not in only:
-      continue
-    q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
-    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+  for name, (t, n, h, mask, kind), (q, k, v, do), seg in _bwd_cases(only):
     pairs = visible_pairs(t, kind)
     fns = {f"ours {be}": bench._fwd_bwd(lambda q, k, v, be=be: flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend=be))
@@ -275,14 +283,8 @@ def parts(out_dir="/tmp/trace", *only):
   import glob
   import gzip
   import json
-  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full"),
-            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal"),
-            ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
-  for name, t, n, kh, h, mask, kind in shapes:
-    if only and name.split()[0] not in only:
-      continue
-    q, k, v, do = _inputs(1, t, n, h, kv_heads=kh)
-    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+  for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense", "causal",
+                                                                          "docs")):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                            backend="pallas_mosaic_gpu")
     f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench._fwd_bwd(attn), (q, k, v, do))
