@@ -8,7 +8,8 @@
                                                # the xla backend, run-to-run bitwise equality,
                                                # the float32 outputs the ring accumulates
     python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
-    python tools/mosaic_gpu_sweep.py parts DIR # forward+backward: device time per kernel (trace)
+    python tools/mosaic_gpu_sweep.py parts DIR # forward+backward ("fwd": forward): device time
+                                               # per kernel and span per call (profiler trace)
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -19,6 +20,10 @@ implementation, bf16, random inputs; ``variants`` interleaves the implementation
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
 import statistics
 import sys
 import traceback
@@ -279,10 +284,6 @@ def parts(out_dir="/tmp/trace", *only):
   over 10 calls, and the span from the first op's start to the last one's end per call."""
   fwd_only = "fwd" in only
   only = [o for o in only if o != "fwd"]
-  import collections
-  import glob
-  import gzip
-  import json
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense", "causal",
                                                                           "docs")):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,

@@ -373,7 +373,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 #     transposed plan row of its kv block (q_index): q, dO, lse and delta in DKV_WALK_ROWS tiles.
 #     dK and dV accumulate per kv head in registers (GQA needs no per-query-head temporary). The
 #     consumers alternate their matmuls like the forward's (H100, T=16k: dK/dV 5% faster dense,
-#     8% causal; the same schedule made the dQ kernel 20% slower, so it has none).
+#     8% causal; the same schedule made the dQ kernel slower, 4.4 -> 5.4 ms dense, so it has
+#     none).
 #   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in
 #     DQ_WALK_ROWS tiles.
 
