@@ -302,6 +302,9 @@ def parts(out_dir="/tmp/trace", *only):
     per, kernels = collections.Counter(), []
     events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
                      e.get("pid") in gpu_pids), key=lambda e: e["ts"])
+    if not events:
+      print(f"{name}: the trace holds no GPU events", flush=True)
+      continue
     for e in events:
       per[e["name"][:70]] += e.get("dur", 0) / 10
       if "mosaic" in e["name"]:
