@@ -312,6 +312,11 @@ def extras_cost(t=16384, b=1, n=16, h=128, log=print):
   return rows
 
 
+def _passes(f, args, do):
+  """``(pass, jitted function, its arguments)`` of ``f``'s forward and forward+backward."""
+  return (("fwd", jax.jit(f), args), ("fwd+bwd", _fwd_bwd(f), (*args, do)))
+
+
 def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
   """Per-GPU throughput of the ring on all local GPUs."""
   from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
@@ -328,8 +333,7 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
     q1, k1, v1, do1 = (jax.device_put(x, dev0) for x in (q[:, :tl], k, v, do[:, :tl]))
     single = lambda q_, k_, v_: flash_attention(q_, k_, v_)
     single_tf = {}
-    for pass_, fn, args in (("fwd", jax.jit(single), (q1, k1, v1)),
-                            ("fwd+bwd", _fwd_bwd(single), (q1, k1, v1, do1))):
+    for pass_, fn, args in _passes(single, (q1, k1, v1), do1):
       secs = timeit(fn, *args, iters=3, reps=3)
       single_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
       log(f"[{tl} tokens/GPU x {r}] one GPU, same work ({pass_}, non-causal): "
@@ -344,8 +348,7 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
                            out_specs=P(None, "sp"), check_vma=False)(q_, k_, v_)
 
     gather_tf = {}
-    for pass_, fn, args in (("fwd", jax.jit(gather_cudnn), (q, k, v)),
-                            ("fwd+bwd", _fwd_bwd(gather_cudnn), (q, k, v, do))):
+    for pass_, fn, args in _passes(gather_cudnn, (q, k, v), do):
       secs = timeit(fn, *args, iters=3, reps=3)
       gather_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
       rows.append(Row(f"{tl}/GPU x{r} dense", "all_gather+cudnn", pass_, secs * 1e3,
@@ -358,9 +361,7 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
       f = lambda q_, k_, v_, cfg=cfg, mask=mask: sharded_attention(q_, k_, v_, mesh=mesh,
                                                                    config=cfg, mask=mask)
       pairs = visible_pairs(t, "causal" if causal else "full") / r
-      for pass_ in ("fwd", "fwd+bwd"):
-        fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
-        args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      for pass_, fn, args in _passes(f, (q, k, v), do):
         try:
           secs = timeit(fn, *args, iters=3, reps=3)
         except Exception as e:
