@@ -5,8 +5,10 @@ Pallas Triton ``mha`` at its best swept block configuration; plus the sparse cas
 window 1024; 16 causal documents of 1024). Ring (``--ring``): per-GPU throughput of the ring vs
 all-gather K/V + cuDNN vs our kernel on one GPU doing the same per-device work.
 
-Timing: jit, warm up, then ``block_until_ready`` around ``iters`` calls, median of ``reps`` such
-runs, on random inputs. TFLOP/s count visible (query, key) pairs only: ``4 * B * N * pairs * H``
+Timing: jit, warm up, then ``block_until_ready`` around a batch of calls, median of ``reps`` such
+batches, on random inputs. A batch is ``iters`` calls, or more for short calls: enough to last
+``MIN_BATCH_S``, so that the fixed cost of starting and synchronizing a batch (tens of
+microseconds) is not counted as kernel time. TFLOP/s count visible (query, key) pairs only: ``4 * B * N * pairs * H``
 forward, 3.5x that forward+backward.
 """
 
@@ -28,36 +30,49 @@ from pallas_ring.attention import flash_attention
 from pallas_ring.config import BlockSizes, SequenceParallelConfig
 
 
+MIN_BATCH_S = 0.05  # the shortest timed batch of calls, in seconds
+_MAX_BATCH = 2000  # the most calls in one batch
+
+
+def _batch(fn, args, iters: int) -> int:
+  """Calls per timed batch of a warmed-up ``fn``: ``iters``, raised so that a batch lasts about
+  ``MIN_BATCH_S``."""
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  secs = time.perf_counter() - t0
+  return int(min(_MAX_BATCH, max(iters, iters * MIN_BATCH_S / max(secs, 1e-9))))
+
+
+def _batch_seconds(fn, args, calls: int) -> float:
+  """Seconds per call over one batch of ``calls`` calls."""
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / calls
+
+
 def timeit(fn, *args, iters=10, reps=5) -> float:
   """Median seconds per call of a jitted ``fn`` (compiled and warmed up first)."""
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
+  return statistics.median(interleaved_samples({"fn": (fn, args)}, iters, reps)["fn"])
 
 
 def interleaved_samples(calls, iters=10, reps=5) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
   repetitions interleaved across the calls, so that clock and thermal drift during a run
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
-  implementation alike."""
-  for fn, args in calls.values():
+  implementation alike. Each sample is a batch of at least ``iters`` calls (``_batch``)."""
+  batch = {}
+  for name, (fn, args) in calls.items():
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
+    batch[name] = _batch(fn, args, iters)
   times = {name: [] for name in calls}
   for _ in range(reps):
     for name, (fn, args) in calls.items():
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - t0) / iters)
+      times[name].append(_batch_seconds(fn, args, batch[name]))
   return times
 
 

@@ -1,11 +1,14 @@
 """The benchmark's timing helpers (the GPU benchmarks themselves run on GPUs only)."""
 
+import time
+
 import jax.numpy as jnp
 
 from pallas_ring import bench
 
 
-def test_interleaved_timing_calls_every_implementation_alike():
+def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
+  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)  # batches of exactly `iters` calls
   calls = []
 
   def make(name):
@@ -17,9 +20,25 @@ def test_interleaved_timing_calls_every_implementation_alike():
   res = bench.timeit_interleaved({"a": (make("a"), (jnp.ones(3),)),
                                   "b": (make("b"), (jnp.ones(3),))}, iters=3, reps=4)
   assert set(res) == {"a", "b"} and all(t > 0 for t in res.values())
-  # Two warm-up calls each, then the repetitions alternate: a a a b b b a a a b b b ...
-  assert calls[:4] == ["a", "a", "b", "b"]
-  assert calls[4:] == (["a"] * 3 + ["b"] * 3) * 4
+  # Two warm-up calls and one sizing batch each, then the repetitions alternate:
+  # a a a b b b a a a b b b ...
+  assert calls[:10] == ["a"] * 5 + ["b"] * 5
+  assert calls[10:] == (["a"] * 3 + ["b"] * 3) * 4
+
+
+def test_short_calls_are_timed_in_longer_batches(monkeypatch):
+  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.02)
+  calls = []
+
+  def f(x):  # about 1 ms a call: a 20 ms batch is about 20 calls
+    calls.append(1)
+    time.sleep(1e-3)
+    return x
+
+  secs = bench.timeit(f, jnp.ones(3), iters=2, reps=1)
+  batch = len(calls) - 2 - 2  # minus the warm-up calls and the sizing batch
+  assert 5 <= batch <= 20, batch
+  assert 1e-3 <= secs < 5e-3
 
 
 def test_visible_pairs_of_each_mask_kind():
