@@ -78,13 +78,10 @@ def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[d
     bwd = [dict(block_q_bwd=q, block_kv_bwd=k)
            for q, k in itertools.product(bwd_tiles, repeat=2)]
     return {"fwd": fwd, "bwd": bwd}
-  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward's tiles are
-    # fixed (128 x 128) up to head dim 128, above they are its Triton backward's
+  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward's are fixed
     fwd = [dict(block_q=128, block_kv=k, num_stages=s)
            for k, s in itertools.product((64, 128) if interpret else (64, 128, 256), (2, 3))]
-    bwd = ([dict(block_q_bwd=128, block_kv_bwd=128)] if tuning.mosaic_gpu_backward(head_dim)
-           else candidates("pallas_triton", head_dim, interpret)["bwd"])
-    return {"fwd": fwd, "bwd": bwd}
+    return {"fwd": fwd, "bwd": [dict(block_q_bwd=128, block_kv_bwd=128)]}
   if backend == "pallas_tpu":
     sizes = [128, 256] if interpret else [256, 512, 1024]
     return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
@@ -183,8 +180,7 @@ def winners(problem: Problem, results: dict[str, list]) -> dict[str, dict]:
   out = {}
   for pass_, rows in results.items():
     if rows and rows[0].seconds is not None:
-      key = tile_cache.key(kind, tuning.table_backend(problem.backend, pass_, problem.head_dim),
-                           pass_=pass_, **shape)
+      key = tile_cache.key(kind, problem.backend, pass_=pass_, **shape)
       out[key] = dict(rows[0].tiles)
   return out
 

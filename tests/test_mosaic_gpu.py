@@ -27,6 +27,9 @@ CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap)
     "documents": (masks.Causal(), 256, 256, 2, 2, 128, jnp.bfloat16, True, None),
     "softcap_h64": (masks.Causal(), 256, 256, 2, 2, 64, jnp.bfloat16, False, 30.0),
     "h256": (masks.Causal(), 256, 256, 2, 1, 256, jnp.bfloat16, False, None),
+    # the wide backward kernels (head dims above 128): masked tiles, GQA, soft-cap, padding
+    "h256_documents_gqa_softcap": (masks.Causal(), 384, 384, 4, 2, 256, jnp.bfloat16, True, 30.0),
+    "h192_padded_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
     "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
     "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
 }
@@ -44,11 +47,9 @@ def _lower(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _kernels_of_gradients(text, head_dim):
-  """The forward plus the dK/dV and dQ kernels: Mosaic GPU up to head dim 128, then Triton's."""
-  if head_dim <= 128:
-    return text.count(MOSAIC) == 3 and TRITON not in text
-  return text.count(MOSAIC) == 1 and text.count(TRITON) == 2
+def _kernels_of_gradients(text):
+  """The forward plus the dK/dV and dQ kernels, all Mosaic GPU."""
+  return text.count(MOSAIC) == 3 and TRITON not in text
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -65,7 +66,7 @@ def test_every_configuration_lowers_for_cuda(name):
   assert text.count(MOSAIC) == 1 and TRITON not in text
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args, *seg_args)
-  assert _kernels_of_gradients(text, CASES[name][5])
+  assert _kernels_of_gradients(text)
 
 
 def test_lowers_under_x64():
@@ -76,7 +77,7 @@ def test_lowers_under_x64():
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
-    assert _kernels_of_gradients(_lower(grad, *args, qs), 128)
+    assert _kernels_of_gradients(_lower(grad, *args, qs))
 
 
 def test_backward_tiles_other_than_128_run_the_triton_backward():
@@ -91,7 +92,28 @@ def test_backward_tiles_other_than_128_run_the_triton_backward():
   from pallas_ring.kernels import tuning
   tiles = tuning.resolve("pallas_mosaic_gpu", None, 1, 1, 128)  # one token: padded to 128 keys
   assert (tiles.block_q_bwd, tiles.block_kv_bwd) == (128, 128)
-  assert tuning.resolve("pallas_mosaic_gpu", None, 1, 1, 256).block_kv_bwd < 128  # Triton's
+  assert tuning.resolve("pallas_mosaic_gpu", None, 1, 1, 256).block_kv_bwd == 128
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_ring_gradients_lower_to_mosaic_kernels_with_float32_outputs(head_dim):
+  """The ring's backward scan writes float32 dq/dk/dv: both backward kernels lower for CUDA with
+  float32 output staging (at H=256 aliasing the walked slots)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pallas_ring import ring_attention
+  mesh = Mesh(jax.devices()[:2], ("sp",))
+
+  def loss(q, k, v):
+    ring = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", mask=masks.Causal(),
+                                          layout="zigzag", backend="pallas_mosaic_gpu",
+                                          interpret=False)
+    o = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
+                      check_vma=False)(q, k, v)
+    return jnp.sum(o.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+  text = _lower(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+  assert _kernels_of_gradients(text)
 
 
 def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
@@ -111,7 +133,7 @@ def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args)
-  assert _kernels_of_gradients(text, 128)
+  assert _kernels_of_gradients(text)
   # A dense mask is not served by the Mosaic GPU kernel: auto takes Triton for both passes.
   dense = jax.ShapeDtypeStruct((1, 1, 512, 512), jnp.bool_)
   g = lambda q, k, v, d: flash_attention(q, k, v, dense_mask=d)
@@ -169,7 +191,8 @@ def test_interpret_on_cpu_emulates_the_plan_walk():
 
 @pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths"])
+@pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
+                                  "h256_documents_gqa_softcap", "h192_padded_fp16"])
 def test_native_gradients_match_and_are_bitwise_reproducible(name):
   """Both Mosaic GPU passes at default tiles: gradients against the float32 xla backend, and the
   same bits on a second run (no cross-CTA accumulation)."""

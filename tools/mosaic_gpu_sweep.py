@@ -13,8 +13,8 @@
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
-``bench`` (jit, warm-up, ``block_until_ready`` around 10 calls, median of 5), same run for every
-implementation, bf16, random inputs; ``variants`` interleaves the implementations' repetitions
+``bench`` (jit, warm-up, ``block_until_ready`` around batches of calls, median), same run for
+every implementation, bf16, random inputs; ``variants`` interleaves the implementations' repetitions
 (``bench.interleaved_samples``).
 """
 
@@ -61,6 +61,9 @@ CASES = [  # name, T, S, N, K, H, mask, segments, softcap, dtype
     ("h64", 1024, 1024, 4, 4, 64, masks.Causal(), False, None, jnp.bfloat16),
     ("h256", 1024, 1024, 4, 4, 256, masks.Causal(), False, None, jnp.bfloat16),
     ("h96-odd", 700, 700, 4, 2, 96, masks.Full(), True, None, jnp.float16),
+    # wide backward kernels (H=256): masked tiles, GQA, soft-cap; padding 192 -> 256
+    ("h256-docs-gqa", 2048, 2048, 4, 2, 256, masks.Causal(), True, 20.0, jnp.bfloat16),
+    ("h192-odd-fp16", 700, 700, 4, 4, 192, masks.Full(), False, None, jnp.float16),
     ("one-token", 1, 1, 2, 2, 128, masks.Causal(), False, None, jnp.bfloat16),
 ]
 
@@ -214,27 +217,31 @@ def grads(*names):
 
 def _float32_outputs():
   """The ring's backward passes write float32 dq/dk/dv (``out_dtype``): the kernels' float32
-  output staging against the xla lowering on the same lse and delta."""
+  output staging against the xla lowering on the same lse and delta (H=128; H=256: the wide
+  kernels, whose staging aliases the walked slots)."""
   from pallas_ring import attention, block_sparse
   from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning, xla
-  b, t, n, kh, h = 2, 1024, 4, 2, 128
-  q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
-  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
-  cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
-                                q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
-  info = block_sparse.make_token_info(t, b)
-  ops = common.Operands(info, info)
-  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-  delta = attention.row_delta(o, do)
-  plan = attention.make_plan(ops, cfg, backward=True)
-  got = pallas_mosaic_gpu.backward(q, k, v, do, lse, delta, ops, plan, cfg)
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = xla.backward(f32(q), f32(k), f32(v), f32(do), lse, delta, ops, plan, cfg)
-  errs = [rel(a, r) for a, r in zip(got, ref)]
-  dtypes = {str(a.dtype) for a in got}
-  print(f"float32 outputs {dtypes} dq dk dv rel err {' '.join('%.2e' % e for e in errs)}",
-        flush=True)
-  return max(errs) > 1e-2 or dtypes != {"float32"}
+  fails = 0
+  for h in (128, 256):
+    b, t, n, kh = 2, 1024, 4, 2
+    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
+    tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
+    cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
+                                  q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
+    info = block_sparse.make_token_info(t, b)
+    ops = common.Operands(info, info)
+    o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    delta = attention.row_delta(o, do)
+    plan = attention.make_plan(ops, cfg, backward=True)
+    got = pallas_mosaic_gpu.backward(q, k, v, do, lse, delta, ops, plan, cfg)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = xla.backward(f32(q), f32(k), f32(v), f32(do), lse, delta, ops, plan, cfg)
+    errs = [rel(a, r) for a, r in zip(got, ref)]
+    dtypes = {str(a.dtype) for a in got}
+    print(f"float32 outputs H={h} {dtypes} dq dk dv rel err "
+          f"{' '.join('%.2e' % e for e in errs)}", flush=True)
+    fails += max(errs) > 1e-2 or dtypes != {"float32"}
+  return fails
 
 
 _BWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs)

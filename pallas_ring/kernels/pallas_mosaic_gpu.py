@@ -13,9 +13,9 @@ through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are 
 K/V are read per kv head (GQA is never repeated).
 
 The backward is two kernels of the same shape (see the backward section below): dK/dV over the
-plan's transposed lists and dQ over its rows, deterministic (no cross-CTA accumulation). At head
-dims above 128, and for backward tiles other than 128 x 128, it is ``pallas_triton``'s on the
-same plan (``backward_unsupported`` says why; the contract allows different lowerings per pass).
+plan's transposed lists and dQ over its rows, deterministic (no cross-CTA accumulation). For
+backward tiles other than 128 x 128 it is ``pallas_triton``'s on the same plan
+(``backward_unsupported`` says why; the contract allows different lowerings per pass).
 
 Not served here (``unsupported`` says why; ``backend="auto"`` then uses ``pallas_triton``): dense
 masks, bias, ALiBi, dropout, float32 inputs, GPUs before sm_90.
@@ -37,7 +37,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
 from pallas_ring.kernels import pallas_triton
-from pallas_ring.kernels import tuning
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -367,33 +366,42 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 # ---------------------------------------------------------------------------------- backward --
 #
 # Two kernels, each warp-specialized like the forward (a producer warpgroup streams tiles by TMA
-# into `slots` shared-memory slots, two consumer warpgroups own 64 rows each), and neither
+# into `slots` shared-memory slots, consumer warpgroups own 64 rows each), and neither
 # accumulates across CTAs, so results are bitwise reproducible:
-#   dK/dV: a CTA owns 128 keys of one kv head and walks, for each query head of the group, the
-#     transposed plan row of its kv block (q_index): q, dO, lse and delta in DKV_WALK_ROWS tiles.
-#     dK and dV accumulate per kv head in registers (GQA needs no per-query-head temporary). The
-#     consumers alternate their matmuls like the forward's (H100, T=16k: dK/dV 5% faster dense,
-#     8% causal; the same schedule made the dQ kernel slower, 4.4 -> 5.4 ms dense, so it has
-#     none).
-#   dQ: a CTA owns 128 query rows of one head and walks its plan row (kv_index): K and V in
-#     DQ_WALK_ROWS tiles.
+#   dK/dV: a CTA owns 128 keys of one kv head (two consumers of 64) and walks, for each query head
+#     of the group, the transposed plan row of its kv block (q_index): q, dO, lse and delta in
+#     DKV_WALK_ROWS tiles. dK and dV accumulate per kv head in registers (GQA needs no
+#     per-query-head temporary). The consumers alternate their matmuls like the forward's (H100,
+#     T=16k: dK/dV 5% faster dense, 8% causal; the same schedule made the dQ kernel slower,
+#     4.4 -> 5.4 ms dense, so it has none).
+#   dQ: a CTA owns 128 query rows of one head (two consumers of 64) and walks its plan row
+#     (kv_index): K and V in DQ_WALK_ROWS tiles.
+# Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
+# registers (2 x 128 per thread at H=256), so both kernels own 64 rows per CTA:
+#   dK/dV: the two consumers share the CTA's 64 keys and split the work: warpgroup 0 computes
+#     p^T = exp(K q^T - lse) and dV += p^T dO, warpgroup 1 dp^T = V dO^T and dK += ds^T q, with
+#     ds^T = p^T (dp^T - delta); p^T passes through two shared-memory buffers. Each warpgroup
+#     runs two of the four matmuls, and the wait for p^T offsets warpgroup 1 by half a step, so
+#     one's elementwise work overlaps the other's matmuls.
+#   dQ: one consumer owns the CTA's 64 rows (two sets of q, dO and K/V slots do not fit in
+#     shared memory).
+#   The output staging tiles share memory with the walked slots (plgpu.RefUnion): they are
+#   written once every walked tile is consumed.
 
 BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
 # Rows of a walked tile. dK/dV walks q tiles of DKV_WALK_ROWS, 128 at head dims <= 64 (H100:
 # 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its float32 dK, dV, s^T and
 # dp^T fill the registers. dQ walks K/V tiles of DQ_WALK_ROWS (64 where float32 outputs leave
-# room for fewer than two slots).
+# room for fewer than two slots, and in wide kernels, whose float32 dQ takes 128 registers).
 DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64
 DQ_WALK_ROWS = 128
+WIDE_HEAD_DIM = 128  # head dims above run the wide kernels
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
   """Why the Mosaic GPU backward cannot serve a call its forward serves (None when it can);
   ``backward`` then runs ``pallas_triton``'s over the same plan."""
-  if not tuning.mosaic_gpu_backward(head_dim):
-    return (f"head dim {head_dim} (a warpgroup's float32 dK and dV of {BWD_ROWS} keys need "
-            f"{2 * head_dim} registers per thread at head dim {head_dim}; the limit is 255)")
   if (cfg.block_q_bwd, cfg.block_kv_bwd) != (BWD_BLOCK, BWD_BLOCK):
     return (f"backward tiles ({cfg.block_q_bwd}, {cfg.block_kv_bwd}) (it takes "
             f"({BWD_BLOCK}, {BWD_BLOCK}): two warpgroups of {BWD_ROWS} rows)")
@@ -412,6 +420,7 @@ class _BwdGeometry:
   blocks: int  # CTAs along the owned sequence
   walked_heads: int  # query heads walked per CTA: `group` for dK/dV, 1 for dQ
   walk: int  # rows of a walked tile
+  wide: bool  # head dim above WIDE_HEAD_DIM: 64 owned rows per CTA (see above)
 
   rows = BWD_ROWS  # owned rows per warpgroup
 
@@ -420,14 +429,14 @@ class _BwdGeometry:
     """Walked tiles per plan block."""
     return BWD_BLOCK // self.walk
 
+  @property
+  def cta_rows(self) -> int:
+    """Owned rows per CTA."""
+    return BWD_ROWS if self.wide else BWD_BLOCK
 
-def _bwd_slots(walk: int, head_dim: int, itemsize: int, out_itemsize: int, info_rows: int
-               ) -> int:
-  """Slots of two walked tiles that fit beside the owned tiles and the output staging."""
-  row = head_dim * itemsize
-  owned = _COMPUTE_WGS * BWD_ROWS * (2 * row + head_dim * out_itemsize + 4 * (2 + info_rows))
-  per_slot = walk * (2 * row + 4 * (2 + info_rows))
-  return min(4, (SMEM_BYTES - owned) // per_slot)
+  def plan_block(self, cta):
+    """The plan block (row of the plan's lists) of the CTA at ``cta`` along the sequence."""
+    return lax.div(cta, jnp.asarray(BWD_BLOCK // self.cta_rows, cta.dtype))
 
 
 def _walk(g: _BwdGeometry, plan_row, body, carry):
@@ -462,31 +471,44 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _products(tile, a, b, c, d, issued=lambda: None):
-  """``(a b^T, c d^T)``, float32 ``tile``-shaped, from shared-memory operands (one wgmma wait);
-  ``issued()`` runs once both are issued."""
+def _products(tile, pairs, issued=lambda: None):
+  """``[a b^T for a, b in pairs]``, float32 ``tile``-shaped, from shared-memory operands (one
+  wgmma wait); ``issued()`` runs once all are issued."""
 
   def run(refs):
-    plgpu.wgmma(refs[0], a, b.transpose((1, 0)))
-    plgpu.wgmma(refs[1], c, d.transpose((1, 0)))
+    for ref, (a, b) in zip(refs, pairs):
+      plgpu.wgmma(ref, a, b.transpose((1, 0)))
     issued()
 
-  return pl.run_state(run)((plgpu.ACC.init(_zeros(tile)), plgpu.ACC.init(_zeros(tile))))
+  return pl.run_state(run)(tuple(plgpu.ACC.init(_zeros(tile)) for _ in pairs))
 
 
-def _probs_and_ds(s_raw, dp, lse2, delta, vis, cfg, row_axis: int):
-  """``(p, ds)`` of a tile from raw ``q.k`` products and ``dO.v``: ``lse2`` (base 2) and
-  ``delta`` are vectors along axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]``
-  tiles, 1 for dK/dV's transposed ``[k, q]`` ones); ``ds`` is the raw-logit gradient / scale."""
+def _accumulate(terms):
+  """``[acc + a b for acc, a, b in terms]``: ``a`` in registers (16-bit, wgmma layout), ``b`` in
+  shared memory (one wgmma wait)."""
+
+  def run(refs):
+    for ref, (_, a, b) in zip(refs, terms):
+      plgpu.wgmma(ref, a, b)
+
+  return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in terms))
+
+
+def _probs(s_raw, lse2, vis, cfg, row_axis: int):
+  """``(p, dlogits)`` of a tile from raw ``q.k`` products: ``lse2`` (base 2) is a vector along
+  axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]`` tiles, 1 for dK/dV's
+  transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without)."""
   s, c = _logits(s_raw, cfg)
-  bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [row_axis])
-  p = jnp.exp2(s * c - bcast(lse2))
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
   if vis is not None:
     p = jnp.where(vis, p, 0.0)
-  ds = p * (dp - bcast(delta))
-  if cfg.softcap is not None:
-    ds = ds * common.softcap_grad(s * LN2, cfg)
-  return p, ds
+  return p, None if cfg.softcap is None else common.softcap_grad(s * LN2, cfg)
+
+
+def _grad_logits(p, dp, delta, dlogits, row_axis: int):
+  """``ds``, the raw-logit gradient / scale, from ``p`` and ``dp = dO.v`` (``_probs``)."""
+  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
+  return ds if dlogits is None else ds * dlogits
 
 
 def _store(smem, value, dst):
@@ -498,65 +520,137 @@ def _store(smem, value, dst):
 
 
 def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, scoped, *, cfg, g: _BwdGeometry):
-  owned, walked, bars = scoped[0][:4], scoped[0][4:], scoped[1]
-  k_own2, v_own2, out2, kinfo_own2 = owned
+                lse_ref, delta_ref, dk_ref, dv_ref, owned, walked, out2, bars, *, cfg,
+                g: _BwdGeometry):
+  k_own2, v_own2, kinfo_own2, p_smem = owned  # p_smem: the wide kernel's p^T buffers
   q_smem, do_smem, lse_smem, delta_smem, qinfo_smem = walked
-  own_bar, q_bar, do_bar, free, sched = bars
+  own_bar, q_bar, do_bar, free, sched, p_full, p_free = bars
   batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   kj = lax.axis_index("kv_seq")  # causal-type masks give the first kv blocks the longest lists
   rows = g.rows
   q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
   q_head = lambda h: kv_head * g.group + h
+  tile = (rows, g.walk)  # [keys, queries]
 
   def plan_row(h):
     at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], q_head(h))]
-    return at(idx_ref).at[kj], at(cnt_ref)[kj], at(full_ref)[kj]
+    blk = g.plan_block(kj)
+    return at(idx_ref).at[blk], at(cnt_ref)[blk], at(full_ref)[blk]
 
-  @pl.when(wg < _COMPUTE_WGS)
-  def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-    k_own, v_own, out, kinfo_own = k_own2.at[wg], v_own2.at[wg], out2.at[wg], kinfo_own2.at[wg]
-    k0 = kj * BWD_BLOCK + wg * rows
-    own = (batch, pl.ds(k0, rows), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[own], k_own, own_bar.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[own], v_own, own_bar.at[wg])
-    plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own, own_bar.at[wg])
-    plgpu.barrier_wait(own_bar.at[wg])
-    tile = (rows, g.walk)  # [keys, queries]
-    k_info = _info_rows(kinfo_own, _ROWS, tile, 0, g.info_rows)
-    k_index = k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+  def own_keys(t, k=True, v=True):
+    """Loads consumer ``t``'s owned tiles: K with the keys' token info (``k``) and V (``v``).
+    Returns the keys' output block and, with ``k``, their token info and index in a tile."""
+    i, k0 = (0, kj * rows) if g.wide else (t, kj * BWD_BLOCK + t * rows)
+    own, bar = (batch, pl.ds(k0, rows), kv_head), own_bar.at[t]
+    if k:
+      plgpu.copy_gmem_to_smem(k_ref.at[own], k_own2.at[i], bar)
+      plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own2.at[i], bar)
+    if v:
+      plgpu.copy_gmem_to_smem(v_ref.at[own], v_own2.at[i], bar)
+    else:
+      plgpu.barrier_arrive(bar)  # wide warpgroup 0: the phase's third arrival, without data
+    if not k:
+      plgpu.barrier_arrive(bar)  # wide warpgroup 1: its second and third arrivals
+      plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    if not k:
+      return own, None
+    k_info = _info_rows(kinfo_own2.at[i], _ROWS, tile, 0, g.info_rows)
+    return own, (k_info, k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0,
+                                                     layout=plgpu.Layout.WGMMA))
 
-    def body(h, start, masked, carry):
-      n, dk, dv = carry
-      slot = _slot(n, g.slots)
-      q, do = q_smem.at[slot], do_smem.at[slot]
-      plgpu.barrier_wait(q_bar.at[slot])
-      plgpu.barrier_wait(do_bar.at[slot])
+  def visible(slot, keys):
+    (k_info, k_index), q_info = keys, _info_rows(qinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
+    return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
 
-      # s^T = K q^T, dp^T = V dO^T
-      s, dp = _products(tile, k_own, q, v_own, do, functools.partial(_schedule, sched))
-      vis = None
-      if masked:
-        q_info = _info_rows(qinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
-        vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
-      p, ds = _probs_and_ds(s, dp, _load(lse_smem.at[slot], _COLS),
-                            _load(delta_smem.at[slot], _COLS), vis, cfg, row_axis=1)
-      p, ds = lax.optimization_barrier((p.astype(g.dtype), ds.astype(g.dtype)))
-      _schedule(sched)  # the other warpgroup's matmuls are issued
+  def walk(body, *acc):
+    """The consumers' walk from accumulators ``acc``; returns them."""
+    return _walk(g, plan_row, body, (jnp.int32(0), *acc))[1:]
 
-      def grads(refs):  # dV += p^T dO, dK += ds^T q
-        plgpu.wgmma(refs[0], p, do)
-        plgpu.wgmma(refs[1], ds, q)
+  if not g.wide:
+    @pl.when(wg < _COMPUTE_WGS)
+    def _consumer():  # each consumer: its own 64 keys' p, ds, dK and dV
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      own, keys = own_keys(wg)
 
-      dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-      plgpu.barrier_arrive(free.at[slot])
-      return n + 1, dk, dv
+      def body(h, start, masked, carry):
+        n, dk, dv = carry
+        slot = _slot(n, g.slots)
+        q, do = q_smem.at[slot], do_smem.at[slot]
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(do_bar.at[slot])
+        # s^T = K q^T, dp^T = V dO^T
+        s, dp = _products(tile, ((k_own2.at[wg], q), (v_own2.at[wg], do)),
+                          functools.partial(_schedule, sched))
+        p, dlogits = _probs(s, _load(lse_smem.at[slot], _COLS),
+                            visible(slot, keys) if masked else None, cfg, row_axis=1)
+        ds = _grad_logits(p, dp, _load(delta_smem.at[slot], _COLS), dlogits, row_axis=1)
+        p, ds = lax.optimization_barrier((p.astype(g.dtype), ds.astype(g.dtype)))
+        _schedule(sched)  # the other warpgroup's matmuls are issued
+        dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
+        plgpu.barrier_arrive(free.at[slot])
+        return n + 1, dk, dv
 
-    acc = _zeros((rows, g.head_dim))
-    _, dk, dv = _pingpong(sched, lambda: _walk(g, plan_row, body, (jnp.int32(0), acc, acc)))
-    _store(out, dk * cfg.scale, dk_ref.at[own])
-    _store(out, dv, dv_ref.at[own])
+      acc = _zeros((rows, g.head_dim))
+      dk, dv = _pingpong(sched, lambda: walk(body, acc, acc))
+      _store(out2.at[wg], dk * cfg.scale, dk_ref.at[own])
+      _store(out2.at[wg], dv, dv_ref.at[own])
+
+  def staged(dst, value, t):
+    """Stores a wide consumer's result once both consumers are done with the walked slots
+    (which the staging tiles alias)."""
+    _schedule(sched)
+    _store(out2.at[t], value, dst)
+
+  if g.wide:
+    @pl.when(wg == 0)
+    def _p_and_dv():  # p^T = exp(K q^T - lse) to warpgroup 1, dV += p^T dO
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      own, keys = own_keys(0, v=False)
+
+      def body(h, start, masked, carry):
+        n, dv = carry
+        slot, buf = _slot(n, g.slots), _slot(n, 2)
+        plgpu.barrier_wait(q_bar.at[slot])
+        (s,) = _products(tile, ((k_own2.at[0], q_smem.at[slot]),))
+        p, dlogits = _probs(s, _load(lse_smem.at[slot], _COLS),
+                            visible(slot, keys) if masked else None, cfg, row_axis=1)
+
+        @pl.when(n >= 2)
+        def _():
+          plgpu.barrier_wait(p_free.at[buf])
+
+        p_smem.at[buf][...] = (p if dlogits is None else p * dlogits).astype(g.dtype)
+        plgpu.barrier_arrive(p_full.at[buf])
+        plgpu.barrier_wait(do_bar.at[slot])
+        (dv,) = _accumulate(((dv, p.astype(g.dtype), do_smem.at[slot]),))
+        plgpu.barrier_arrive(free.at[slot])
+        return n + 1, dv
+
+      (dv,) = walk(body, _zeros((rows, g.head_dim)))
+      staged(dv_ref.at[own], dv, 0)
+
+    @pl.when(wg == 1)
+    def _ds_and_dk():  # dp^T = V dO^T; ds^T from warpgroup 0's p^T; dK += ds^T q
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      own, _ = own_keys(1, k=False)
+
+      def body(h, start, masked, carry):
+        n, dk = carry
+        slot, buf = _slot(n, g.slots), _slot(n, 2)
+        plgpu.barrier_wait(do_bar.at[slot])
+        (dp,) = _products(tile, ((v_own2.at[0], do_smem.at[slot]),))
+        plgpu.barrier_wait(p_full.at[buf])
+        p = _load(p_smem.at[buf], plgpu.Layout.WGMMA).astype(jnp.float32)  # (soft-cap folded)
+        plgpu.barrier_arrive(p_free.at[buf])
+        ds = _grad_logits(p, dp, _load(delta_smem.at[slot], _COLS), None, row_axis=1)
+        plgpu.barrier_wait(q_bar.at[slot])
+        (dk,) = _accumulate(((dk, ds.astype(g.dtype), q_smem.at[slot]),))
+        plgpu.barrier_arrive(free.at[slot])
+        return n + 1, dk
+
+      (dk,) = walk(body, _zeros((rows, g.head_dim)))
+      staged(dk_ref.at[own], dk * cfg.scale, 1)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
@@ -585,27 +679,27 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
 
 def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, scoped, *, cfg, g: _BwdGeometry):
-  owned, walked, bars = scoped[0][:6], scoped[0][6:], scoped[1]
-  q_own2, do_own2, out2, lse_own2, delta_own2, qinfo_own2 = owned
+               lse_ref, delta_ref, dq_ref, owned, walked, out2, bars, *, cfg, g: _BwdGeometry):
+  q_own2, do_own2, lse_own2, delta_own2, qinfo_own2 = owned
   k_smem, v_smem, kinfo_smem = walked
   own_bar, k_bar, v_bar, free = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
-  rows = g.rows
+  rows, consumers = g.rows, g.cta_rows // g.rows
   q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
   kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
   def plan_row(h):
     del h
     at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
-    return at(idx_ref).at[qi], at(cnt_ref)[qi], at(full_ref)[qi]
+    blk = g.plan_block(qi)
+    return at(idx_ref).at[blk], at(cnt_ref)[blk], at(full_ref)[blk]
 
-  @pl.when(wg < _COMPUTE_WGS)
+  @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-    q_own, do_own, out = q_own2.at[wg], do_own2.at[wg], out2.at[wg]
-    q0 = qi * BWD_BLOCK + wg * rows
+    q_own, do_own = q_own2.at[wg], do_own2.at[wg]
+    q0 = qi * g.cta_rows + wg * rows
     own, seq = (batch, pl.ds(q0, rows), head), pl.ds(q0, rows)
     for src, dst in ((q_ref.at[own], q_own), (do_ref.at[own], do_own),
                      (lse_ref.at[batch, head, seq], lse_own2.at[wg]),
@@ -624,25 +718,24 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
 
-      s, dp = _products(tile, q_own, k, do_own, v)  # s = q K^T, dp = dO V^T
+      s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
       vis = None
       if masked:
         k_info = _info_rows(kinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
         vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
-      _, ds = _probs_and_ds(s, dp, lse2, delta, vis, cfg, row_axis=0)
-
-      def grad(acc_ref):  # dq += ds K
-        plgpu.wgmma(acc_ref, ds.astype(g.dtype), k)
-
-      dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      p, dlogits = _probs(s, lse2, vis, cfg, row_axis=0)
+      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0)
+      (dq,) = _accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq
 
+    # (the wide kernel's staging tile aliases the walked slots: its one consumer is done with
+    # them, and the producer has nothing left in flight, once the walk returns)
     _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
-    _store(out, dq * cfg.scale, dq_ref.at[own])
+    _store(out2.at[wg], dq * cfg.scale, dq_ref.at[own])
 
-  @pl.when(wg == _COMPUTE_WGS)
+  @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
 
@@ -667,18 +760,20 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
     _walk(g, plan_row, body, jnp.int32(0))
 
 
-def _bwd_call(kernel, scratch, barriers, out_shapes, grid, grid_names, args, *, cfg, g):
-  """Runs a backward kernel: 2 consumer warpgroups and the producer over ``grid``, with its
-  shared memory and barriers passed as ``(scratch, barriers)``."""
+def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, args, *, cfg, g):
+  """Runs a backward kernel: ``consumers`` warpgroups and the producer over ``grid``, with
+  ``scratch = (owned, walked, out staging, barriers)`` (the staging aliases the walked slots in
+  wide kernels)."""
+  owned, walked, out, bars = scratch
+  shared = plgpu.RefUnion(walked, out) if g.wide else (walked, out)
 
   def entry(*refs):
-    n = len(scratch)
-    pl.run_scoped(lambda *sc: kernel(*refs, (sc[:n], sc[n:]), cfg=cfg, g=g),
-                  *scratch, *barriers, collective_axes="wg")
+    pl.run_scoped(lambda own, sh, b: kernel(*refs, own, *sh, b, cfg=cfg, g=g),
+                  owned, shared, bars, collective_axes="wg")
 
   return plgpu.kernel(
       entry, out_type=out_shapes, grid=grid, grid_names=grid_names,
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      num_threads=consumers + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
@@ -686,9 +781,9 @@ def _bwd_call(kernel, scratch, barriers, out_shapes, grid, grid_names, args, *, 
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``.
 
-  Calls that ``backward_unsupported`` names (head dims above 128, backward tiles other than
-  128 x 128) and interpret mode run the ``pallas_triton`` backward on the same plan instead
-  (``cfg.num_stages`` means the forward's K/V slots here, so Triton gets its own default).
+  Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
+  ``pallas_triton`` backward on the same plan instead (``cfg.num_stages`` means the forward's
+  K/V slots here, so Triton gets its own default).
   """
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
@@ -701,45 +796,64 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
   out_dt = jnp.dtype(cfg.out_dtype)
+  wide = hp > WIDE_HEAD_DIM
+  dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32
+  tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
+  out_bytes = rows * hp * out_dt.itemsize  # one output staging tile
+  # Owned tiles: dK/dV: K and V of 64 keys per consumer (wide: one pair, and the p^T buffers);
+  # dQ: q and dO of 64 rows per consumer; both with 4-byte row vectors (info, lse, delta).
+  owners = 1 if wide else _COMPUTE_WGS
 
-  def geometry(blocks, heads, walk):
-    slots_ = _bwd_slots(walk, hp, q.dtype.itemsize, out_dt.itemsize, info_rows)
-    if slots_ < 2 and walk > BWD_ROWS:  # e.g. float32 outputs: shorter walked tiles
-      return geometry(blocks, heads, BWD_ROWS)
-    return _BwdGeometry(slots=slots_, group=n // kh, head_dim=hp, dtype=q.dtype,
-                        info_rows=info_rows, blocks=blocks, walked_heads=heads, walk=walk)
+  def geometry(seq, heads, walk, owned, staging):
+    """Tiles walked ``walk`` rows at a time in as many slots as fit beside ``owned`` bytes and
+    the ``staging`` bytes of output tiles (which alias the slots in wide kernels)."""
+    per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows))
+    room = SMEM_BYTES - owned - (0 if wide else staging)
+    n_slots = min(4, room // per_slot)
+    if n_slots < 2 and walk > rows:  # e.g. float32 outputs: shorter walked tiles
+      return geometry(seq, heads, rows, owned, staging)
+    assert n_slots >= 2 and (staging <= room or not wide), (hp, out_dt)  # (every served H)
+    return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
+                        info_rows=info_rows, blocks=seq // (rows if wide else BWD_BLOCK),
+                        walked_heads=heads, walk=walk, wide=wide)
 
   lse2 = common.safe_lse(lse) * LOG2E  # base 2; empty rows: +inf, so p = 0
-  delta = delta.astype(jnp.float32)
+  delta = delta.astype(f32)
   infos = (token_info(ops.q_info), token_info(ops.kv_info))
-  rows, wgs, f32, i32 = BWD_ROWS, _COMPUTE_WGS, jnp.float32, jnp.int32
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
+  smem = functools.partial(_smem, dt)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
-  g = geometry(sp // BWD_BLOCK, n // kh, DKV_WALK_ROWS.get(hp, BWD_ROWS))
-  sl, w = g.slots, g.walk
+  g = geometry(sp, n // kh, rows if wide else DKV_WALK_ROWS.get(hp, rows),
+               owners * (2 * tile_bytes + 4 * rows * info_rows) + (
+                   2 * rows * rows * dt.itemsize if wide else 0),
+               2 * out_bytes)
+  sl, w, two = g.slots, g.walk, _COMPUTE_WGS
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
   dk, dv = _bwd_call(
-      _dkv_kernel,
-      (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
-       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
-       _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
-       plgpu.SMEM((sl, info_rows, w), i32)),
-      (barriers(3, wgs), barriers(3, sl), barriers(2, sl), barriers(wgs, sl), barriers(wgs, 1)),
+      _dkv_kernel, two,
+      ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, info_rows, rows), i32),
+        smem(2, rows, w) if wide else None),
+       (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
+        plgpu.SMEM((sl, info_rows, w), i32)),
+       _smem(out_dt, two, rows, hp),
+       (barriers(3, two), barriers(3, sl), barriers(2, sl), barriers(two, sl), barriers(two, 1),
+        barriers(1, 2) if wide else None, barriers(1, 2) if wide else None)),
       (dkv_shape, dkv_shape), (kh, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
 
   # dQ: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V.
-  g = geometry(tp // BWD_BLOCK, 1, DQ_WALK_ROWS)
+  g = geometry(tp, 1, rows if wide else DQ_WALK_ROWS,
+               owners * (2 * tile_bytes + 4 * rows * (2 + info_rows)), owners * out_bytes)
   sl, w = g.slots, g.walk
   dq = _bwd_call(
-      _dq_kernel,
-      (_smem(q.dtype, wgs, rows, hp), _smem(q.dtype, wgs, rows, hp), _smem(out_dt, wgs, rows, hp),
-       plgpu.SMEM((wgs, rows), f32), plgpu.SMEM((wgs, rows), f32),
-       plgpu.SMEM((wgs, info_rows, rows), i32), _smem(q.dtype, sl, w, hp),
-       _smem(q.dtype, sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
-      (barriers(5, wgs), barriers(2, sl), barriers(1, sl), barriers(wgs, sl)),
+      _dq_kernel, owners,
+      ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
+        plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32)),
+       (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
+       _smem(out_dt, owners, rows, hp),
+       (barriers(5, owners), barriers(2, sl), barriers(1, sl), barriers(owners, sl))),
       jax.ShapeDtypeStruct(q.shape, out_dt), (n, g.blocks, b), ("heads", "q_seq", "batch"),
       (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2, delta),
       cfg=cfg, g=g)

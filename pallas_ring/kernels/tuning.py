@@ -47,11 +47,9 @@ def _defaults(backend: str, head_dim: int, device_kind: str) -> BlockSizes:
     if head_dim <= 128:
       return BlockSizes(128, 64, 64, 64, 4, 3)
     return BlockSizes(64, 32, 32, 32, 4, 2)
-  if backend == "pallas_mosaic_gpu":  # 2 x 64 rows per CTA; the backward above H=128: Triton's
-    bwd = (BlockSizes(block_q_bwd=128, block_kv_bwd=128) if mosaic_gpu_backward(head_dim) else
-           _defaults("pallas_triton", head_dim, device_kind))
+  if backend == "pallas_mosaic_gpu":  # 2 x 64 rows per CTA; the backward kernels take 128 x 128
     block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
-    return BlockSizes(128, block_kv, bwd.block_q_bwd, bwd.block_kv_bwd, None, None)
+    return BlockSizes(128, block_kv, 128, 128, None, None)
   if backend == "pallas_tpu":
     kind = device_kind.lower()
     if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
@@ -74,8 +72,8 @@ def check_block_sizes(backend: str, bs: BlockSizes) -> None:
       raise ValueError(
           f"block_sizes.{f}={val} cannot be used by backend 'pallas_mosaic_gpu': its tiles are "
           f"powers of two, block_q >= 128 (two warpgroups of >= 64 rows), block_kv >= 64, and "
-          f"the backward's >= 16 (its own kernels take 128 x 128 backward tiles at head dims "
-          f"<= 128; other tiles run the Triton backward). Use "
+          f"the backward's >= 16 (its own kernels take 128 x 128 backward tiles; other tiles run "
+          f"the Triton backward). Use "
           f"{max(_MOSAIC_MIN[f], _next_pow2(val))}, or None for the tuned default.")
     if backend == "pallas_triton" and (val < 16 or val & (val - 1)):
       raise ValueError(
@@ -125,20 +123,6 @@ def device_kind(backend: str) -> str:
   return dev.device_kind if native else f"{dev.device_kind}:interpret"
 
 
-def mosaic_gpu_backward(head_dim: int) -> bool:
-  """Whether the Mosaic GPU backend's backward runs its own kernels at a (padded) head dim; above
-  128 it is ``pallas_triton``'s (``pallas_mosaic_gpu.backward_unsupported`` says why)."""
-  return head_dim <= 128
-
-
-def table_backend(backend: str, pass_: str, head_dim: int) -> str:
-  """The backend whose cache / table entries a pass's tiles are keyed by: where the Mosaic GPU
-  backend's backward is Triton's, it shares Triton's tuned backward tiles."""
-  if backend == "pallas_mosaic_gpu" and pass_ == "bwd" and not mosaic_gpu_backward(head_dim):
-    return "pallas_triton"
-  return backend
-
-
 def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes, str, str]:
   """Fills the unset fields of ``bs`` from the cache / shipped table, per pass."""
   sources = []
@@ -149,8 +133,7 @@ def _tuned(backend, bs: BlockSizes, kind: str, shape: dict) -> tuple[BlockSizes,
     if not kind:
       sources.append("heuristic")
       continue
-    k = tile_cache.key(kind, table_backend(backend, pass_, shape["head_dim"]), pass_=pass_,
-                        **shape)
+    k = tile_cache.key(kind, backend, pass_=pass_, **shape)
     entry, source = tile_cache.lookup(k)
     if entry is not None:
       try:
@@ -196,7 +179,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
   else:
     cap_q, cap_k = q_len, kv_len
   cap_kb = cap_k
-  if backend == "pallas_mosaic_gpu" and mosaic_gpu_backward(head_dim):
+  if backend == "pallas_mosaic_gpu":
     cap_kb = max(128, cap_k)  # its backward kernels own 128 keys per CTA
   bq, bqb = min(bq, cap_q), min(bqb, cap_q)
   bk, bkb = min(bk, cap_k), min(bkb, cap_kb)
@@ -215,7 +198,7 @@ def padded_len(length: int, *blocks: int) -> int:
 
 def padded_head_dim(backend: str, head_dim: int) -> int:
   """The head dim a backend's kernels see (zero-padded): Triton arrays need powers of two >= 16
-  (Mosaic GPU: wgmma tiles of 64, and powers of two for its Triton backward above H=128);
+  (Mosaic GPU: wgmma tiles of 64, and powers of two: 64, 128, 256);
   the TPU kernels slice heads out of lane blocks where heads are not a multiple of 8, so H is a
   multiple of 128 lanes there (no padding for H = 128, 256)."""
   if backend == "pallas_triton":
