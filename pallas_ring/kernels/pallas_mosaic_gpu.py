@@ -537,16 +537,21 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     blk = g.plan_block(kj)
     return at(idx_ref).at[blk], at(cnt_ref)[blk], at(full_ref)[blk]
 
-  def own_keys(t, k=True, v=True):
-    """Loads consumer ``t``'s owned tiles: K with the keys' token info (``k``) and V (``v``).
+  # The owned tiles of this consumer (wide kernels: one K/V pair, shared by both consumers).
+  # (Refs are indexed by traced values only: JAX 0.11.2 fails on static ones inside loops.)
+  k_own, v_own, kinfo_own = (k_own2, v_own2, kinfo_own2) if g.wide else (
+      k_own2.at[wg], v_own2.at[wg], kinfo_own2.at[wg])
+
+  def own_keys(k=True, v=True):
+    """Loads this consumer's owned tiles: K with the keys' token info (``k``) and V (``v``).
     Returns the keys' output block and, with ``k``, their token info and index in a tile."""
-    i, k0 = (0, kj * rows) if g.wide else (t, kj * BWD_BLOCK + t * rows)
-    own, bar = (batch, pl.ds(k0, rows), kv_head), own_bar.at[t]
+    k0 = kj * rows if g.wide else kj * BWD_BLOCK + wg * rows
+    own, bar = (batch, pl.ds(k0, rows), kv_head), own_bar.at[wg]
     if k:
-      plgpu.copy_gmem_to_smem(k_ref.at[own], k_own2.at[i], bar)
-      plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own2.at[i], bar)
+      plgpu.copy_gmem_to_smem(k_ref.at[own], k_own, bar)
+      plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own, bar)
     if v:
-      plgpu.copy_gmem_to_smem(v_ref.at[own], v_own2.at[i], bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[own], v_own, bar)
     else:
       plgpu.barrier_arrive(bar)  # wide warpgroup 0: the phase's third arrival, without data
     if not k:
@@ -555,7 +560,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     plgpu.barrier_wait(bar)
     if not k:
       return own, None
-    k_info = _info_rows(kinfo_own2.at[i], _ROWS, tile, 0, g.info_rows)
+    k_info = _info_rows(kinfo_own, _ROWS, tile, 0, g.info_rows)
     return own, (k_info, k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0,
                                                      layout=plgpu.Layout.WGMMA))
 
@@ -571,7 +576,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     @pl.when(wg < _COMPUTE_WGS)
     def _consumer():  # each consumer: its own 64 keys' p, ds, dK and dV
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-      own, keys = own_keys(wg)
+      own, keys = own_keys()
 
       def body(h, start, masked, carry):
         n, dk, dv = carry
@@ -580,7 +585,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         plgpu.barrier_wait(q_bar.at[slot])
         plgpu.barrier_wait(do_bar.at[slot])
         # s^T = K q^T, dp^T = V dO^T
-        s, dp = _products(tile, ((k_own2.at[wg], q), (v_own2.at[wg], do)),
+        s, dp = _products(tile, ((k_own, q), (v_own, do)),
                           functools.partial(_schedule, sched))
         p, dlogits = _probs(s, _load(lse_smem.at[slot], _COLS),
                             visible(slot, keys) if masked else None, cfg, row_axis=1)
@@ -596,23 +601,23 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       _store(out2.at[wg], dk * cfg.scale, dk_ref.at[own])
       _store(out2.at[wg], dv, dv_ref.at[own])
 
-  def staged(dst, value, t):
+  def staged(dst, value):
     """Stores a wide consumer's result once both consumers are done with the walked slots
     (which the staging tiles alias)."""
     _schedule(sched)
-    _store(out2.at[t], value, dst)
+    _store(out2.at[wg], value, dst)
 
   if g.wide:
     @pl.when(wg == 0)
     def _p_and_dv():  # p^T = exp(K q^T - lse) to warpgroup 1, dV += p^T dO
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-      own, keys = own_keys(0, v=False)
+      own, keys = own_keys(v=False)
 
       def body(h, start, masked, carry):
         n, dv = carry
         slot, buf = _slot(n, g.slots), _slot(n, 2)
         plgpu.barrier_wait(q_bar.at[slot])
-        (s,) = _products(tile, ((k_own2.at[0], q_smem.at[slot]),))
+        (s,) = _products(tile, ((k_own, q_smem.at[slot]),))
         p, dlogits = _probs(s, _load(lse_smem.at[slot], _COLS),
                             visible(slot, keys) if masked else None, cfg, row_axis=1)
 
@@ -628,18 +633,18 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         return n + 1, dv
 
       (dv,) = walk(body, _zeros((rows, g.head_dim)))
-      staged(dv_ref.at[own], dv, 0)
+      staged(dv_ref.at[own], dv)
 
     @pl.when(wg == 1)
     def _ds_and_dk():  # dp^T = V dO^T; ds^T from warpgroup 0's p^T; dK += ds^T q
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-      own, _ = own_keys(1, k=False)
+      own, _ = own_keys(k=False)
 
       def body(h, start, masked, carry):
         n, dk = carry
         slot, buf = _slot(n, g.slots), _slot(n, 2)
         plgpu.barrier_wait(do_bar.at[slot])
-        (dp,) = _products(tile, ((v_own2.at[0], do_smem.at[slot]),))
+        (dp,) = _products(tile, ((v_own, do_smem.at[slot]),))
         plgpu.barrier_wait(p_full.at[buf])
         p = _load(p_smem.at[buf], plgpu.Layout.WGMMA).astype(jnp.float32)  # (soft-cap folded)
         plgpu.barrier_arrive(p_free.at[buf])
@@ -650,7 +655,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         return n + 1, dk
 
       (dk,) = walk(body, _zeros((rows, g.head_dim)))
-      staged(dk_ref.at[own], dk * cfg.scale, 1)
+      staged(dk_ref.at[own], dk * cfg.scale)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
@@ -830,10 +835,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                    2 * rows * rows * dt.itemsize if wide else 0),
                2 * out_bytes)
   sl, w, two = g.slots, g.walk, _COMPUTE_WGS
+  own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
   dk, dv = _bwd_call(
       _dkv_kernel, two,
-      ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, info_rows, rows), i32),
+      ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, info_rows, rows), i32),
         smem(2, rows, w) if wide else None),
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, info_rows, w), i32)),
