@@ -1,8 +1,7 @@
 """Kernel lowerings, one module each, all implementing the contract of ``kernels.common``.
 
 * ``xla``: blockwise pure jnp (CPU default, and the oracle for the block logic).
-* ``pallas_mosaic_gpu``: Pallas lowered through Mosaic GPU (Hopper, sm_90+; its backward above
-  head dim 128 is ``pallas_triton``'s).
+* ``pallas_mosaic_gpu``: Pallas lowered through Mosaic GPU (Hopper, sm_90+).
 * ``pallas_triton``: Pallas lowered through Triton (GPU).
 * ``pallas_tpu``: Pallas lowered through Mosaic (TPU).
 

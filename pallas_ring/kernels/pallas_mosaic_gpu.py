@@ -394,9 +394,10 @@ BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = 
 # 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its float32 dK, dV, s^T and
 # dp^T fill the registers. dQ walks K/V tiles of DQ_WALK_ROWS (64 where float32 outputs leave
 # room for fewer than two slots, and in wide kernels, whose float32 dQ takes 128 registers).
-DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64
+DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64 (also in the wide kernel)
 DQ_WALK_ROWS = 128
-WIDE_HEAD_DIM = 128  # head dims above run the wide kernels
+# Head dims above which each backward kernel is wide (64 rows per CTA, see above).
+WIDE_DKV_ABOVE = WIDE_DQ_ABOVE = 128
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
@@ -420,7 +421,7 @@ class _BwdGeometry:
   blocks: int  # CTAs along the owned sequence
   walked_heads: int  # query heads walked per CTA: `group` for dK/dV, 1 for dQ
   walk: int  # rows of a walked tile
-  wide: bool  # head dim above WIDE_HEAD_DIM: 64 owned rows per CTA (see above)
+  wide: bool  # 64 owned rows per CTA (see above): head dims above WIDE_DKV_ABOVE / WIDE_DQ_ABOVE
 
   rows = BWD_ROWS  # owned rows per warpgroup
 
@@ -801,22 +802,25 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
   out_dt = jnp.dtype(cfg.out_dtype)
-  wide = hp > WIDE_HEAD_DIM
   dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32
   tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
   out_bytes = rows * hp * out_dt.itemsize  # one output staging tile
-  # Owned tiles: dK/dV: K and V of 64 keys per consumer (wide: one pair, and the p^T buffers);
-  # dQ: q and dO of 64 rows per consumer; both with 4-byte row vectors (info, lse, delta).
-  owners = 1 if wide else _COMPUTE_WGS
 
-  def geometry(seq, heads, walk, owned, staging):
-    """Tiles walked ``walk`` rows at a time in as many slots as fit beside ``owned`` bytes and
-    the ``staging`` bytes of output tiles (which alias the slots in wide kernels)."""
+  def geometry(dkv: bool, seq, heads, walk):
+    """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time in as many slots
+    as fit beside its owned tiles and output staging (which aliases the slots when wide)."""
+    wide = hp > (WIDE_DKV_ABOVE if dkv else WIDE_DQ_ABOVE)
+    owners = 1 if wide else _COMPUTE_WGS
+    # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
+    # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
+    owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows))
+    owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
+    staging = (2 if dkv else owners) * out_bytes
     per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows))
     room = SMEM_BYTES - owned - (0 if wide else staging)
     n_slots = min(4, room // per_slot)
     if n_slots < 2 and walk > rows:  # e.g. float32 outputs: shorter walked tiles
-      return geometry(seq, heads, rows, owned, staging)
+      return geometry(dkv, seq, heads, rows)
     assert n_slots >= 2 and (staging <= room or not wide), (hp, out_dt)  # (every served H)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
                         info_rows=info_rows, blocks=seq // (rows if wide else BWD_BLOCK),
@@ -830,11 +834,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   smem = functools.partial(_smem, dt)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
-  g = geometry(sp, n // kh, rows if wide else DKV_WALK_ROWS.get(hp, rows),
-               owners * (2 * tile_bytes + 4 * rows * info_rows) + (
-                   2 * rows * rows * dt.itemsize if wide else 0),
-               2 * out_bytes)
-  sl, w, two = g.slots, g.walk, _COMPUTE_WGS
+  g = geometry(True, sp, n // kh, DKV_WALK_ROWS.get(hp, rows))
+  sl, w, two, wide = g.slots, g.walk, _COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
   dk, dv = _bwd_call(
@@ -850,9 +851,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
 
   # dQ: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V.
-  g = geometry(tp, 1, rows if wide else DQ_WALK_ROWS,
-               owners * (2 * tile_bytes + 4 * rows * (2 + info_rows)), owners * out_bytes)
-  sl, w = g.slots, g.walk
+  g = geometry(False, tp, 1, rows if hp > WIDE_DQ_ABOVE else DQ_WALK_ROWS)
+  sl, w, owners = g.slots, g.walk, g.cta_rows // rows
   dq = _bwd_call(
       _dq_kernel, owners,
       ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
