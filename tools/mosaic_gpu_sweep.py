@@ -3,7 +3,6 @@
     python tools/mosaic_gpu_sweep.py correct   # forward: every configuration vs the xla backend
     python tools/mosaic_gpu_sweep.py variants  # forward: ours (Mosaic GPU, Triton) vs cuDNN and
                                                # upstream attention_mgpu, timed interleaved
-                                               # ([persistent=0|both] [shape words])
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
     python tools/mosaic_gpu_sweep.py grads     # backward: every configuration's gradients vs
                                                # the xla backend, run-to-run bitwise equality,
@@ -151,17 +150,9 @@ def _time_against_cudnn(name, fns, args, flops):
           f"{flops / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
-def variants(*opts):
-  """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing.
-
-  ``persistent=0`` runs our forward with one CTA per work item, ``persistent=both`` times both
-  ways; other words select shapes by their first word (e.g. ``docs window``).
-  """
+def variants():
+  """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
-  from pallas_ring.kernels import pallas_mosaic_gpu
-  words = dict(o.split("=") for o in opts if "=" in o)
-  only = [o for o in opts if "=" not in o]
-  modes = {"1": (True,), "0": (False,), "both": (True, False)}[words.get("persistent", "1")]
   shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
             ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
             ("dense T=16k fp16", 16384, 16, 16, 128, None, "full", jnp.float16),
@@ -172,21 +163,13 @@ def variants(*opts):
             ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
             ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
   for name, t, n, kh, h, mask, kind, dt in shapes:
-    if only and name.split()[0] not in only:
-      continue
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     pairs = visible_pairs(t, kind)
     comp = lambda f: jax.jit(f).lower(q, k, v).compile()
-    ours = lambda be: comp(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                                           backend=be))
-    fns = {}
-    for persistent in modes:
-      pallas_mosaic_gpu.PERSISTENT = persistent
-      jax.clear_caches()  # (the forward is traced again with the flag)
-      tag = "" if len(modes) == 1 else " persistent" if persistent else " per-item"
-      fns[f"ours pallas_mosaic_gpu{tag}"] = ours("pallas_mosaic_gpu")
-    fns["ours pallas_triton"] = ours("pallas_triton")
+    fns = {f"ours {be}": comp(lambda q, k, v, be=be: flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be))
+        for be in ("pallas_mosaic_gpu", "pallas_triton")}
     window = (1024, 0) if kind == "window" else None
     if kind != "documents":  # (cuDNN takes documents only as a dense mask: 30x slower)
       fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(

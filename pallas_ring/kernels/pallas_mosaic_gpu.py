@@ -1,14 +1,13 @@
 """Pallas kernels lowered through Mosaic GPU (Hopper, sm_90+), implementing ``kernels.common``.
 
-The forward is FlashAttention-3 shaped and persistent (one CTA per SM runs a strided share of
-the work items). A work item is ``cfg.block_q`` query rows of one head, split between two
-consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams the K/V
-tiles of the item's plan row by TMA into a ring of ``num_stages`` shared-memory slots guarded by
-barriers, running ahead into the next item's. Each consumer runs ``wgmma`` for ``q.k^T`` and
-``p.v`` and keeps the online softmax (base 2, scale folded) in registers; a shared "schedule"
-barrier makes one warpgroup's softmax overlap the other's matmuls.
+The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows, split between
+two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams the K/V
+tiles of the CTA's plan row by TMA into a ring of ``num_stages`` shared-memory slots guarded by
+barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
+(base 2, scale folded) in registers; a shared "schedule" barrier makes one warpgroup's softmax
+overlap the other's matmuls.
 
-Both consumers walk the same plan row (the plan's query block is the item's rows), so the producer
+Both consumers walk the same plan row (the plan's query block is the CTA's rows), so the producer
 loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
 through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
 K/V are read per kv head (GQA is never repeated).
@@ -173,24 +172,6 @@ def _pingpong(sched, loop):
   return out
 
 
-# The forward is persistent: min(work items, SMs) CTAs each run work items (a q block of one
-# head and batch) strided by the CTA count, and the producer streams the next item's K/V while
-# the consumers finish the current one (short rows, e.g. documents or a window, otherwise pay a
-# CTA's start and end per few kv blocks). False: one CTA per item.
-PERSISTENT = True
-_DEFAULT_SMS = 132  # H100 / H200 SXM, where no GPU is visible (cross-lowering)
-
-
-def _sm_count() -> int:
-  """Streaming multiprocessors of the default GPU (``_DEFAULT_SMS`` without one)."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:  # pragma: no cover - no backend at all
-    return _DEFAULT_SMS
-  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-  return count or _DEFAULT_SMS
-
-
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
   """Static sizes of one forward call."""
@@ -202,38 +183,24 @@ class _Geometry:
   head_dim: int
   dtype: object
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
-  q_blocks: int  # q blocks along the sequence (plan rows)
-  heads: int  # query heads
-  batch: int
-  ctas: int  # CTAs (persistent: at most one per SM)
-
-  @property
-  def items(self) -> int:
-    """Work items: (head, q block, batch) triples."""
-    return self.heads * self.q_blocks * self.batch
+  q_blocks: int  # CTAs along the sequence (plan rows)
 
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, o_ref,
                 lse_ref, scoped, *, cfg, g: _Geometry):
   (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free), sched = bars
-  wg, cta = lax.axis_index("wg"), lax.axis_index("cta")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  # CTAs launch in grid order: walking the q blocks from the last starts the longest rows of
+  # causal-type masks first, and the short ones fill the tail (H100: causal 1.73 vs 1.98 ms).
+  qi = g.q_blocks - 1 - lax.axis_index("q_seq")
+  wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
-  i32 = lambda x: jnp.asarray(x, jnp.int32)
-  n_items = lax.div(i32(g.items - 1) - cta, i32(g.ctas)) + 1  # this CTA's (cta < g.items)
-
-  def item(i):
-    """``(batch, head, qi, kv index row, count, n_full)`` of this CTA's ``i``-th work item.
-    Items run head by head (a head's K/V stay in L2 while its q blocks run), and each head's
-    q blocks from the last: causal-type masks start the longest rows first and the short ones
-    fill the tail (H100: causal 1.73 vs 1.98 ms)."""
-    w = cta + i * i32(g.ctas)
-    per_head = i32(g.q_blocks * g.batch)
-    head, rest = lax.div(w, per_head), lax.rem(w, per_head)
-    qi = i32(g.q_blocks - 1) - lax.div(rest, i32(g.batch))
-    batch = lax.rem(rest, i32(g.batch))
-    lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
-    return batch, head, qi, lists(idx_ref).at[qi], lists(cnt_ref)[qi], lists(full_ref)[qi]
+  lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
+  idx_row = lists(idx_ref).at[qi]
+  q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
+  count = lists(cnt_ref)[qi]
+  n_full = lists(full_ref)[qi]
 
   schedule = functools.partial(_schedule, sched)
 
@@ -241,126 +208,111 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
+    q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+    # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
+    q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
 
-    def work(i, base):  # base: K/V tiles of earlier items (the slot ring's position)
-      batch, head, qi, idx_row, count, n_full = item(i)
-      q_info_b = common.sel(qinfo_ref.shape[0], batch)
-      q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
-      # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
-      q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
+    def visible(j, slot):
+      k0 = idx_row[j] * bk
+      k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
+      k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+      return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
 
-      def visible(j, slot):
-        k0 = idx_row[j] * bk
-        k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
-        k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+    def step(j, carry, masked):
+      acc, m, l = carry
+      slot = _slot(j, g.slots)
 
-      def step(j, carry, masked):
-        acc, m, l = carry
-        slot = _slot(base + j, g.slots)
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        schedule()
+        return acc_ref[...]
 
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          schedule()
-          return acc_ref[...]
+      s, c = _logits(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
+      # The slot's key info is read before the slot is released to the producer (which then
+      # overwrites it with a later tile's).
+      vis = visible(j, slot) if masked else None
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        s = jnp.where(vis, s, common.NEG_INF)
+      m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      if masked:
+        p = jnp.where(vis, p, 0.0)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(g.dtype)
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(sched)  # softmax done
+      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_wait(sched)  # the other warpgroup's matmul is done
 
-        s, c = _logits(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
-        # The slot's key info is read before the slot is released to the producer (which then
-        # overwrites it with a later tile's).
-        vis = visible(j, slot) if masked else None
-        plgpu.barrier_arrive(k_free.at[slot])
-        if masked:
-          s = jnp.where(vis, s, common.NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        if masked:
-          p = jnp.where(vis, p, 0.0)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(g.dtype)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_arrive(sched)  # softmax done
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(sched)  # the other warpgroup's matmul is done
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        nxt = j + 1
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          nxt = j + 1
+        @pl.when(nxt < count)
+        def _():
+          plgpu.barrier_wait(k_bar.at[_slot(nxt, g.slots)])
 
-          @pl.when(nxt < count)
-          def _():
-            plgpu.barrier_wait(k_bar.at[_slot(base + nxt, g.slots)])
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
 
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+    acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (acc, _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq))
 
-      acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
-      carry = (acc, _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq))
+    @pl.when(count > 0)
+    def _():
+      plgpu.barrier_wait(k_bar.at[0])
 
-      @pl.when(count > 0)
-      def _():
-        plgpu.barrier_wait(k_bar.at[_slot(base, g.slots)])
+    acc, m, l = _pingpong(sched, lambda: lax.fori_loop(
+        n_full, count, functools.partial(step, masked=True),
+        lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)))
 
-      acc, m, l = lax.fori_loop(n_full, count, functools.partial(step, masked=True),
-                                lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                                              carry))
-      empty = l == 0.0
-      inv = 1.0 / jnp.where(empty, 1.0, l)
-      q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(g.dtype)
-      lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q0, bq)])
-      plgpu.wait_smem_to_gmem(0)  # (the next item's q tile reuses q_smem)
-      return base + count
-
-    _pingpong(sched, lambda: lax.fori_loop(i32(0), n_items, work, i32(0)))
+    empty = l == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, l)
+    q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(g.dtype)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, bq), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
-    def work(i, base):
-      batch, head, _, idx_row, count, n_full = item(i)
-      k_info_b = common.sel(kinfo_ref.shape[0], batch)
-      kv_head = lax.div(head, i32(g.group))
+    @pl.loop(0, count)
+    def _(j):
+      slot = _slot(j, g.slots)
+      keys = pl.ds(idx_row[j] * bk, bk)
+      src = (batch, keys, kv_head)
 
-      @pl.loop(0, count)
-      def _(j):
-        t = base + j  # the tile's position in the slot ring over all items
-        slot = _slot(t, g.slots)
-        keys = pl.ds(idx_row[j] * bk, bk)
-        src = (batch, keys, kv_head)
+      @pl.when(j >= g.slots)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
 
-        @pl.when(t >= g.slots)
-        def _():
-          plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+      @pl.when(j >= n_full)  # only masked tiles read the keys' token info
+      def _():
+        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
+                                k_bar.at[slot])
 
-        @pl.when(j >= n_full)  # only masked tiles read the keys' token info
-        def _():
-          plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
-                                  k_bar.at[slot])
+      @pl.when(j < n_full)
+      def _():
+        plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
 
-        @pl.when(j < n_full)
-        def _():
-          plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
+      @pl.when(j >= g.slots)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
 
-        @pl.when(t >= g.slots)
-        def _():
-          plgpu.barrier_wait(v_free.at[slot])
-
-        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
-
-      return base + count
-
-    lax.fori_loop(i32(0), n_items, work, i32(0))
+      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -379,12 +331,10 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   check_tiles(cfg, hp, itemsize)
-  items = n * (tp // cfg.block_q) * b
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
-                q_blocks=tp // cfg.block_q, heads=n, batch=b,
-                ctas=min(items, _sm_count()) if PERSISTENT else items)
+                q_blocks=tp // cfg.block_q)
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
@@ -405,7 +355,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
       entry,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tp),
                                                                              jnp.float32)),
-      grid=(g.ctas,), grid_names=("cta",),
+      grid=(n, tp // cfg.block_q, b), grid_names=("heads", "q_seq", "batch"),
       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info),
