@@ -3,6 +3,7 @@
     python tools/mosaic_gpu_sweep.py correct   # forward: every configuration vs the xla backend
     python tools/mosaic_gpu_sweep.py variants  # forward: ours (Mosaic GPU, Triton) vs cuDNN and
                                                # upstream attention_mgpu, timed interleaved
+                                               # ([shape words])
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
     python tools/mosaic_gpu_sweep.py grads     # backward: every configuration's gradients vs
                                                # the xla backend, run-to-run bitwise equality,
@@ -150,8 +151,9 @@ def _time_against_cudnn(name, fns, args, flops):
           f"{flops / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
-def variants():
-  """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing."""
+def variants(*only):
+  """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing; words
+  select shapes by their first word (e.g. ``docs window``)."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
   shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
             ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
@@ -163,6 +165,8 @@ def variants():
             ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
             ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
   for name, t, n, kh, h, mask, kind, dt in shapes:
+    if only and name.split()[0] not in only:
+      continue
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     pairs = visible_pairs(t, kind)
