@@ -5,6 +5,7 @@
                                                # upstream attention_mgpu, timed interleaved
                                                # ([shape words])
     python tools/mosaic_gpu_sweep.py tiles     # forward tile / slot candidates at T=16k
+    python tools/mosaic_gpu_sweep.py sparse_tiles  # the same for a window and documents
     python tools/mosaic_gpu_sweep.py grads     # backward: every configuration's gradients vs
                                                # the xla backend, run-to-run bitwise equality,
                                                # the float32 outputs the ring accumulates
@@ -138,6 +139,30 @@ def tiles():
           except Exception as e:
             print(f"H={h} bk={bk} stages={stages}: failed {type(e).__name__} {str(e)[:120]}",
                   flush=True)
+
+
+def sparse_tiles():
+  """Forward tile / slot candidates for short rows (causal window 1024; 16 causal documents of
+  1024), H=128, T=16k, timed interleaved (with cuDNN's window where it has one)."""
+  t, n, h = 16384, 16, 128
+  q, k, v, _ = _inputs(1, t, n, h)
+  for kind, mask, seg in (
+      ("window", masks.Causal() & masks.SlidingWindow(1024), None),
+      ("documents", masks.Causal(), (jnp.arange(t, dtype=jnp.int32) // 1024)[None])):
+    fns = {}
+    for bk in (64, 128):
+      for stages in (None, 2, 3, 4):
+        bs = BlockSizes(block_q=128, block_kv=bk, num_stages=stages)
+        try:  # (slots that do not fit in shared memory are refused)
+          fns[f"bk={bk} stages={stages}"] = jax.jit(lambda q, k, v, bs=bs: flash_attention(
+              q, k, v, mask=mask, segment_ids=seg, block_sizes=bs,
+              backend="pallas_mosaic_gpu")).lower(q, k, v).compile()
+        except ValueError as e:
+          print(f"{kind} bk={bk} stages={stages}: {str(e)[:100]}", flush=True)
+    if kind == "window":
+      fns["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, local_window_size=(1024, 0), implementation="cudnn"))
+    _time_against_cudnn(kind, fns, (q, k, v), 4 * n * visible_pairs(t, kind) * h)
 
 
 def _time_against_cudnn(name, fns, args, flops):
@@ -336,5 +361,6 @@ def parts(out_dir="/tmp/trace", *only):
 
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  {"correct": correct, "tiles": tiles, "variants": variants, "grads": grads,
+  {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
+   "grads": grads,
    "bwd": bwd, "parts": parts}[sys.argv[1]](*sys.argv[2:])
