@@ -26,7 +26,7 @@ def demo(args) -> int:
   from pallas_ring.sharded import sharded_attention
 
   r = jax.device_count()
-  t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, 64, 16
+  t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, args.head_dim, 16
   print(f"devices: {r} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"jax {jax.__version__}; T={t}, N={n}, K={kh}, H={h}, {args.dtype}, tile {blk}")
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
@@ -155,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="ring attention on all devices (8 virtual CPU devices on CPU), each "
                           "mask x layout, checked against the dense reference")
   p.add_argument("--seq-len", type=int, default=256, help="total tokens")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
   p.add_argument("--backend", default="auto", help="kernel backend")
   p.add_argument("--verbose", action="store_true", help="print the device x step live matrix")
   p.add_argument("--dtype", default="float32",
