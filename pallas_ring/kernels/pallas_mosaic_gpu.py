@@ -385,15 +385,16 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 #     one's elementwise work overlaps the other's matmuls.
 #   dQ: one consumer owns the CTA's 64 rows (two sets of q, dO and K/V slots do not fit in
 #     shared memory).
-#   The output staging tiles share memory with the walked slots (plgpu.RefUnion): they are
-#   written once every walked tile is consumed.
+# In every kernel the output staging tiles share memory with the walked slots (plgpu.RefUnion):
+# the consumers meet once both are done with the slots, then write. This leaves room for longer
+# walked tiles (dQ at H=128: 128 keys, wgmmas of N = 128) or more slots.
 
 BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
 # Rows of a walked tile. dK/dV walks q tiles of DKV_WALK_ROWS, 128 at head dims <= 64 (H100:
 # 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its float32 dK, dV, s^T and
-# dp^T fill the registers. dQ walks K/V tiles of DQ_WALK_ROWS (64 where float32 outputs leave
-# room for fewer than two slots, and in wide kernels, whose float32 dQ takes 128 registers).
+# dp^T fill the registers. dQ walks K/V tiles of DQ_WALK_ROWS (64 in wide kernels, whose float32
+# dQ takes 128 registers; and where two slots would not fit).
 DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64 (also in the wide kernel)
 DQ_WALK_ROWS = 128
 # Head dims above which each backward kernel is wide (64 rows per CTA, see above).
@@ -512,12 +513,17 @@ def _grad_logits(p, dp, delta, dlogits, row_axis: int):
   return ds if dlogits is None else ds * dlogits
 
 
-def _store(smem, value, dst):
-  """Writes a ``[rows, H]`` float32 tile to ``dst`` (global) through the staging tile ``smem``."""
-  smem[...] = value.astype(smem.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem, dst)
-  plgpu.wait_smem_to_gmem(0)
+def _finish(done, stage, *results):
+  """Writes a consumer's ``(dst, value)`` results, ``[rows, H]`` float32 tiles, to global memory
+  through its staging tile ``stage``, once the consumers have met at ``done`` (None: the only
+  consumer): the staging tiles alias the walked slots."""
+  if done is not None:
+    _schedule(done)
+  for dst, value in results:
+    stage[...] = value.astype(stage.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dst)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
@@ -599,14 +605,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
       acc = _zeros((rows, g.head_dim))
       dk, dv = _pingpong(sched, lambda: walk(body, acc, acc))
-      _store(out2.at[wg], dk * cfg.scale, dk_ref.at[own])
-      _store(out2.at[wg], dv, dv_ref.at[own])
-
-  def staged(dst, value):
-    """Stores a wide consumer's result once both consumers are done with the walked slots
-    (which the staging tiles alias)."""
-    _schedule(sched)
-    _store(out2.at[wg], value, dst)
+      _finish(sched, out2.at[wg], (dk_ref.at[own], dk * cfg.scale), (dv_ref.at[own], dv))
 
   if g.wide:
     @pl.when(wg == 0)
@@ -634,7 +633,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         return n + 1, dv
 
       (dv,) = walk(body, _zeros((rows, g.head_dim)))
-      staged(dv_ref.at[own], dv)
+      _finish(sched, out2.at[wg], (dv_ref.at[own], dv))
 
     @pl.when(wg == 1)
     def _ds_and_dk():  # dp^T = V dO^T; ds^T from warpgroup 0's p^T; dK += ds^T q
@@ -656,7 +655,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         return n + 1, dk
 
       (dk,) = walk(body, _zeros((rows, g.head_dim)))
-      staged(dk_ref.at[own], dk * cfg.scale)
+      _finish(sched, out2.at[wg], (dk_ref.at[own], dk * cfg.scale))
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
@@ -688,7 +687,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
                lse_ref, delta_ref, dq_ref, owned, walked, out2, bars, *, cfg, g: _BwdGeometry):
   q_own2, do_own2, lse_own2, delta_own2, qinfo_own2 = owned
   k_smem, v_smem, kinfo_smem = walked
-  own_bar, k_bar, v_bar, free = bars
+  own_bar, k_bar, v_bar, free, done = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
   rows, consumers = g.rows, g.cta_rows // g.rows
@@ -736,10 +735,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq
 
-    # (the wide kernel's staging tile aliases the walked slots: its one consumer is done with
-    # them, and the producer has nothing left in flight, once the walk returns)
     _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
-    _store(out2.at[wg], dq * cfg.scale, dq_ref.at[own])
+    _finish(done, out2.at[wg], (dq_ref.at[own], dq * cfg.scale))
 
   @pl.when(wg == consumers)
   def _producer():
@@ -768,10 +765,9 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
 
 def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, args, *, cfg, g):
   """Runs a backward kernel: ``consumers`` warpgroups and the producer over ``grid``, with
-  ``scratch = (owned, walked, out staging, barriers)`` (the staging aliases the walked slots in
-  wide kernels)."""
+  ``scratch = (owned, walked, out staging, barriers)`` (the staging aliases the walked slots)."""
   owned, walked, out, bars = scratch
-  shared = plgpu.RefUnion(walked, out) if g.wide else (walked, out)
+  shared = plgpu.RefUnion(walked, out)
 
   def entry(*refs):
     pl.run_scoped(lambda own, sh, b: kernel(*refs, own, *sh, b, cfg=cfg, g=g),
@@ -808,7 +804,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   def geometry(dkv: bool, seq, heads, walk):
     """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time in as many slots
-    as fit beside its owned tiles and output staging (which aliases the slots when wide)."""
+    as fit beside its owned tiles (the output staging aliases the slots)."""
     wide = hp > (WIDE_DKV_ABOVE if dkv else WIDE_DQ_ABOVE)
     owners = 1 if wide else _COMPUTE_WGS
     # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
@@ -817,11 +813,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
     staging = (2 if dkv else owners) * out_bytes
     per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows))
-    room = SMEM_BYTES - owned - (0 if wide else staging)
+    room = SMEM_BYTES - owned
     n_slots = min(4, room // per_slot)
-    if n_slots < 2 and walk > rows:  # e.g. float32 outputs: shorter walked tiles
+    if n_slots < 2 and walk > rows:  # shorter walked tiles
       return geometry(dkv, seq, heads, rows)
-    assert n_slots >= 2 and (staging <= room or not wide), (hp, out_dt)  # (every served H)
+    assert n_slots >= 2 and staging <= room, (hp, out_dt)  # (holds for every served head dim)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
                         info_rows=info_rows, blocks=seq // (rows if wide else BWD_BLOCK),
                         walked_heads=heads, walk=walk, wide=wide)
@@ -859,7 +855,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32)),
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
        _smem(out_dt, owners, rows, hp),
-       (barriers(5, owners), barriers(2, sl), barriers(1, sl), barriers(owners, sl))),
+       (barriers(5, owners), barriers(2, sl), barriers(1, sl), barriers(owners, sl),
+        barriers(owners, 1) if owners > 1 else None)),
       jax.ShapeDtypeStruct(q.shape, out_dt), (n, g.blocks, b), ("heads", "q_seq", "batch"),
       (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2, delta),
       cfg=cfg, g=g)
