@@ -554,15 +554,11 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     Returns the keys' output block and, with ``k``, their token info and index in a tile."""
     k0 = kj * rows if g.wide else kj * BWD_BLOCK + wg * rows
     own, bar = (batch, pl.ds(k0, rows), kv_head), own_bar.at[wg]
-    if k:
-      plgpu.copy_gmem_to_smem(k_ref.at[own], k_own, bar)
-      plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own, bar)
-    if v:
-      plgpu.copy_gmem_to_smem(v_ref.at[own], v_own, bar)
-    else:
-      plgpu.barrier_arrive(bar)  # wide warpgroup 0: the phase's third arrival, without data
-    if not k:
-      plgpu.barrier_arrive(bar)  # wide warpgroup 1: its second and third arrivals
+    copies = ([(k_ref.at[own], k_own), (kinfo_ref.at[k_info_b, :, pl.ds(k0, rows)], kinfo_own)]
+              if k else []) + ([(v_ref.at[own], v_own)] if v else [])
+    for src, dst in copies:
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+    for _ in range(3 - len(copies)):  # (wide consumers: the phase's other arrivals, no data)
       plgpu.barrier_arrive(bar)
     plgpu.barrier_wait(bar)
     if not k:
