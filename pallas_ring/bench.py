@@ -8,8 +8,8 @@ all-gather K/V + cuDNN vs our kernel on one GPU doing the same per-device work.
 Timing: jit, warm up, then ``block_until_ready`` around a batch of calls, median of ``reps`` such
 batches, on random inputs. A batch is ``iters`` calls, or more for short calls: enough to last
 ``MIN_BATCH_S``, so that the fixed cost of starting and synchronizing a batch (tens of
-microseconds) is not counted as kernel time. TFLOP/s count visible (query, key) pairs only: ``4 * B * N * pairs * H``
-forward, 3.5x that forward+backward.
+microseconds) is not counted as kernel time. TFLOP/s count visible (query, key) pairs only:
+``4 * B * N * pairs * H`` forward, 3.5x that forward+backward.
 """
 
 from __future__ import annotations
