@@ -295,8 +295,7 @@ def bwd(*opts):
   """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved.
 
   Options ``dq=ROWS`` / ``dkv=ROWS`` set the rows of the backward kernels' walked tiles, and
-  ``wide_dkv=H`` / ``wide_dq=H`` the head dim above which a kernel is wide, ``dq_schedule=1``
-  alternates dQ's consumers (experiments); other
+  ``wide_dkv=H`` / ``wide_dq=H`` the head dim above which a kernel is wide (experiments); other
   words select shapes by their first word (e.g. ``dense h64``).
   """
   from pallas_ring.kernels import pallas_mosaic_gpu
@@ -304,7 +303,6 @@ def bwd(*opts):
   pallas_mosaic_gpu.DQ_WALK_ROWS = int(words.get("dq", pallas_mosaic_gpu.DQ_WALK_ROWS))
   if "dkv" in words:
     pallas_mosaic_gpu.DKV_WALK_ROWS = {h: int(words["dkv"]) for h in (64, 128, 256)}
-  pallas_mosaic_gpu.DQ_SCHEDULE = words.get("dq_schedule", "0") == "1"
   for kernel in ("dkv", "dq"):  # wide_dkv=64: the wide (split-role) dK/dV kernel from H=128
     if f"wide_{kernel}" in words:
       setattr(pallas_mosaic_gpu, f"WIDE_{kernel.upper()}_ABOVE", int(words[f"wide_{kernel}"]))

@@ -397,9 +397,6 @@ BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = 
 # dQ takes 128 registers; and where two slots would not fit).
 DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64 (also in the wide kernel)
 DQ_WALK_ROWS = 128
-# Whether dQ's two consumers alternate their matmuls as dK/dV's do (an experiment: with 64-key
-# tiles it made dQ slower, 4.4 -> 5.4 ms dense on an H100).
-DQ_SCHEDULE = False
 # Head dims above which each backward kernel is wide (64 rows per CTA, see above).
 WIDE_DKV_ABOVE = WIDE_DQ_ABOVE = 128
 
@@ -686,7 +683,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
                lse_ref, delta_ref, dq_ref, owned, walked, out2, bars, *, cfg, g: _BwdGeometry):
   q_own2, do_own2, lse_own2, delta_own2, qinfo_own2 = owned
   k_smem, v_smem, kinfo_smem = walked
-  own_bar, k_bar, v_bar, free, sched = bars  # sched: None with one consumer
+  own_bar, k_bar, v_bar, free, done = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
   rows, consumers = g.rows, g.cta_rows // g.rows
@@ -714,8 +711,6 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
     tile = (rows, g.walk)  # [queries, keys]
     q_info = _info_rows(qinfo_own2.at[wg], _ROWS, tile, 0, g.info_rows)
     lse2, delta = _load(lse_own2.at[wg], _ROWS), _load(delta_own2.at[wg], _ROWS)
-    alternate = DQ_SCHEDULE and sched is not None
-    schedule = functools.partial(_schedule, sched) if alternate else (lambda: None)
 
     def body(h, start, masked, carry):
       n, dq = carry
@@ -724,24 +719,20 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
 
-      s, dp = _products(tile, ((q_own, k), (do_own, v)), schedule)  # s = q K^T, dp = dO V^T
+      s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
       vis = None
       if masked:
         k_info = _info_rows(kinfo_smem.at[slot], _COLS, tile, 1, g.info_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
         vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
       p, dlogits = _probs(s, lse2, vis, cfg, row_axis=0)
-      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0).astype(g.dtype)
-      if alternate:
-        ds = lax.optimization_barrier(ds)
-        schedule()  # the other warpgroup's matmuls are issued
-      (dq,) = _accumulate(((dq, ds, k),))  # dq += ds K
+      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0)
+      (dq,) = _accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq
 
-    walk = lambda: _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
-    _, dq = _pingpong(sched, walk) if alternate else walk()
-    _finish(sched, out2.at[wg], (dq_ref.at[own], dq * cfg.scale))
+    _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
+    _finish(done, out2.at[wg], (dq_ref.at[own], dq * cfg.scale))
 
   @pl.when(wg == consumers)
   def _producer():
