@@ -69,9 +69,11 @@ def test_every_configuration_lowers_for_cuda(name):
   assert _kernels_of_gradients(text)
 
 
-def test_lowers_under_x64():
-  """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels."""
-  args, (qs, _), kw = _structs("documents")
+@pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])
+def test_lowers_under_x64(name):
+  """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels (H=256: the wide
+  backward kernels)."""
+  args, (qs, _), kw = _structs(name)
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
