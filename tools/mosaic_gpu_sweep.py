@@ -16,8 +16,8 @@
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
 ``bench`` (jit, warm-up, ``block_until_ready`` around batches of calls, median), same run for
-every implementation, bf16, random inputs; ``variants`` interleaves the implementations' repetitions
-(``bench.interleaved_samples``).
+every implementation, bf16, random inputs; ``variants`` interleaves the implementations'
+repetitions (``bench.interleaved_samples``).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def sparse_tiles():
 
 
 def _time_against_cudnn(name, fns, args, flops):
-  """Times ``fns`` (name -> compiled function of ``args``) interleaved, 7 x 10 calls each, and
+  """Times ``fns`` (name -> compiled function of ``args``) interleaved, 7 batches each, and
   prints each one's median (min-max), TFLOP/s and ratio to cuDNN's time where it ran."""
   samples = bench.interleaved_samples({impl: (f, args) for impl, f in fns.items()}, reps=7)
   res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
