@@ -433,9 +433,14 @@ class _BwdGeometry:
     return BWD_BLOCK // self.walk
 
   @property
+  def owners(self) -> int:
+    """Owned tiles (of 64 rows) per CTA: one when wide, else one per consumer."""
+    return 1 if self.wide else _COMPUTE_WGS
+
+  @property
   def cta_rows(self) -> int:
     """Owned rows per CTA."""
-    return BWD_ROWS if self.wide else BWD_BLOCK
+    return self.owners * BWD_ROWS
 
   def plan_block(self, cta):
     """The plan block (row of the plan's lists) of the CTA at ``cta`` along the sequence."""
@@ -687,7 +692,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
   own_bar, k_bar, v_bar, free, done = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   qi = g.blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first, as in the forward
-  rows, consumers = g.rows, g.cta_rows // g.rows
+  rows, consumers = g.rows, g.owners
   q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
   kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
@@ -799,11 +804,14 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
   out_bytes = rows * hp * out_dt.itemsize  # one output staging tile
 
-  def geometry(dkv: bool, seq, heads, walk):
-    """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time in as many slots
-    as fit beside its owned tiles (the output staging aliases the slots)."""
+  def geometry(dkv: bool, seq, heads, walk=None):
+    """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time (default
+    DKV_WALK_ROWS / DQ_WALK_ROWS) in as many slots as fit beside its owned tiles (the output
+    staging aliases the slots)."""
     wide = hp > (WIDE_DKV_ABOVE if dkv else WIDE_DQ_ABOVE)
     owners = 1 if wide else _COMPUTE_WGS
+    if walk is None:
+      walk = DKV_WALK_ROWS.get(hp, rows) if dkv else rows if wide else DQ_WALK_ROWS
     # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
     # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
     owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows))
@@ -816,7 +824,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       return geometry(dkv, seq, heads, rows)
     assert n_slots >= 2 and staging <= room, (hp, out_dt)  # (holds for every served head dim)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
-                        info_rows=info_rows, blocks=seq // (rows if wide else BWD_BLOCK),
+                        info_rows=info_rows, blocks=seq // (owners * rows),
                         walked_heads=heads, walk=walk, wide=wide)
 
   lse2 = common.safe_lse(lse) * LOG2E  # base 2; empty rows: +inf, so p = 0
@@ -827,7 +835,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   smem = functools.partial(_smem, dt)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
-  g = geometry(True, sp, n // kh, DKV_WALK_ROWS.get(hp, rows))
+  g = geometry(True, sp, n // kh)
   sl, w, two, wide = g.slots, g.walk, _COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dkv_shape = jax.ShapeDtypeStruct((b, sp, kh, hp), out_dt)
@@ -844,8 +852,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
 
   # dQ: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V.
-  g = geometry(False, tp, 1, rows if hp > WIDE_DQ_ABOVE else DQ_WALK_ROWS)
-  sl, w, owners = g.slots, g.walk, g.cta_rows // rows
+  g = geometry(False, tp, 1)
+  sl, w, owners = g.slots, g.walk, g.owners
   dq = _bwd_call(
       _dq_kernel, owners,
       ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
