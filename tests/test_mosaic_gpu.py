@@ -64,6 +64,8 @@ def test_every_configuration_lowers_for_cuda(name):
   seg_args = (qs, ks) if qs is not None else ()
   text = _lower(f, *args, *seg_args)
   assert text.count(MOSAIC) == 1 and TRITON not in text
+  # the consumers' schedule: hardware barriers of both consumer warpgroups' 256 threads
+  assert "bar.arrive $0, 256;" in text and "bar.sync $0, 256;" in text
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args, *seg_args)
   assert _kernels_of_gradients(text)

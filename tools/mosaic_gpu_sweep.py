@@ -23,6 +23,7 @@ repetitions (``bench.interleaved_samples``).
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -165,6 +166,40 @@ def sparse_tiles():
     _time_against_cudnn(kind, fns, (q, k, v), 4 * n * visible_pairs(t, kind) * h)
 
 
+def _compiled(f, *args):
+  """``f`` (jitted) compiled now for ``args``: switches read at trace time stay in effect."""
+  return f.lower(*args).compile()
+
+
+def _switches(opts):
+  """``(labels, settings)`` from words ``NAME=v1,v2`` (upper case): module switches of
+  ``pallas_mosaic_gpu`` to compare in one run; each setting is a ``{NAME: value}`` dict."""
+  words = [o.split("=") for o in opts if "=" in o and o.split("=")[0].isupper()]
+  settings = [{}]
+  for name, values in words:
+    settings = [{**s, name: v} for s in settings for v in values.split(",")]
+  return [" ".join(f"{k}={v}" for k, v in s.items()) for s in settings], settings
+
+
+def _ours_each(settings, compile_fn):
+  """``{label: compile_fn()}`` with each setting of ``_switches`` applied to ``pallas_mosaic_gpu``
+  (values that parse as integers become ints); caches are cleared between settings, so every
+  compiled function traces the kernels anew."""
+  from pallas_ring.kernels import pallas_mosaic_gpu
+  labels, settings = settings
+  saved = {k: getattr(pallas_mosaic_gpu, k) for s in settings for k in s}
+  fns = {}
+  for label, setting in zip(labels, settings):
+    for k, v in setting.items():
+      setattr(pallas_mosaic_gpu, k, int(v) if v.lstrip("-").isdigit() else v)
+    jax.clear_caches()
+    fns[f"ours pallas_mosaic_gpu {label}".strip()] = compile_fn()
+  for k, v in saved.items():
+    setattr(pallas_mosaic_gpu, k, v)
+  jax.clear_caches()
+  return fns
+
+
 def _time_against_cudnn(name, fns, args, flops):
   """Times ``fns`` (name -> compiled function of ``args``) interleaved, 7 batches each, and
   prints each one's median (min-max), TFLOP/s and ratio to cuDNN's time where it ran."""
@@ -176,9 +211,12 @@ def _time_against_cudnn(name, fns, args, flops):
           f"{flops / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
-def variants(*only):
+def variants(*opts):
   """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing; words
-  select shapes by their first word (e.g. ``docs window``)."""
+  select shapes by their first word (e.g. ``docs window``), and ``NAME=v1,v2`` compares module
+  switches of ``pallas_mosaic_gpu`` (e.g. ``SCHEDULE=named,mbarrier``) in the same run."""
+  switches = _switches(opts)
+  only = [o for o in opts if "=" not in o]
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
   shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
             ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
@@ -196,9 +234,10 @@ def variants(*only):
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     pairs = visible_pairs(t, kind)
     comp = lambda f: jax.jit(f).lower(q, k, v).compile()
-    fns = {f"ours {be}": comp(lambda q, k, v, be=be: flash_attention(
-        q, k, v, mask=mask, segment_ids=seg, backend=be))
-        for be in ("pallas_mosaic_gpu", "pallas_triton")}
+    ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be)
+    fns = _ours_each(switches, lambda: comp(ours))
+    fns["ours pallas_triton"] = comp(functools.partial(ours, be="pallas_triton"))
     window = (1024, 0) if kind == "window" else None
     if kind != "documents":  # (cuDNN takes documents only as a dense mask: 30x slower)
       fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
@@ -295,9 +334,11 @@ def bwd(*opts):
   """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved.
 
   Options ``dq=ROWS`` / ``dkv=ROWS`` set the rows of the backward kernels' walked tiles, and
-  ``wide_dkv=H`` / ``wide_dq=H`` the head dim above which a kernel is wide (experiments); other
-  words select shapes by their first word (e.g. ``dense h64``).
+  ``wide_dkv=H`` / ``wide_dq=H`` the head dim above which a kernel is wide (experiments);
+  ``NAME=v1,v2`` compares module switches in one run (see ``variants``); other words select
+  shapes by their first word (e.g. ``dense h64``).
   """
+  switches = _switches(opts)
   from pallas_ring.kernels import pallas_mosaic_gpu
   words = dict(o.split("=") for o in opts if "=" in o)
   pallas_mosaic_gpu.DQ_WALK_ROWS = int(words.get("dq", pallas_mosaic_gpu.DQ_WALK_ROWS))
@@ -309,9 +350,10 @@ def bwd(*opts):
   only = [o for o in opts if "=" not in o]
   for name, (t, n, h, mask, kind), (q, k, v, do), seg in _bwd_cases(only):
     pairs = visible_pairs(t, kind)
-    fns = {f"ours {be}": bench._fwd_bwd(lambda q, k, v, be=be: flash_attention(
-        q, k, v, mask=mask, segment_ids=seg, backend=be))
-        for be in ("pallas_mosaic_gpu", "pallas_triton")}
+    ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be)
+    fns = _ours_each(switches, lambda: _compiled(bench._fwd_bwd(ours), q, k, v, do))
+    fns["ours pallas_triton"] = bench._fwd_bwd(functools.partial(ours, be="pallas_triton"))
     if kind != "documents":
       fns["cudnn"] = bench._fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
