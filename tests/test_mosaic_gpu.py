@@ -5,6 +5,8 @@ Natively (PALLAS_RING_TEST_GPU=1 on an H100) the conformance and pitfall suites 
 test_flash_attention.py.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,29 @@ def test_lowers_under_x64(name):
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
     assert _kernels_of_gradients(_lower(grad, *args, qs))
+
+
+@pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap", "full_odd_lengths"])
+def test_lowers_with_warpgroup_semantics(name, monkeypatch):
+  """JAX 0.11 lowers Mosaic GPU kernels with warpgroup semantics by default (0.10: lane), and
+  there a kernel value that is a Python constant fails (e.g. a static ref index inside a loop:
+  "Shaped arrays must be represented by ir.Values, got: TypedInt(0)"). Lowering with those
+  semantics here catches such errors without a GPU."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+  monkeypatch.setattr(plgpu, "CompilerParams", functools.partial(
+      plgpu.CompilerParams, lowering_semantics=mgpu.LoweringSemantics.Warpgroup))
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+  f = lambda q, k, v, *s: flash_attention(
+      q, k, v, backend="pallas_mosaic_gpu", interpret=False,
+      **(dict(segment_ids=s[0], kv_segment_ids=s[1]) if s else {}), **kw)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
+  try:
+    assert _kernels_of_gradients(_lower(grad, *args, *seg))
+  finally:
+    jax.clear_caches()
 
 
 def test_backward_tiles_other_than_128_run_the_triton_backward():

@@ -181,9 +181,15 @@ def _switches(opts):
   return [" ".join(f"{k}={v}" for k, v in s.items()) for s in settings], settings
 
 
+def _value(word: str):
+  """A switch's value from its word: an int, a bool (``True``/``False``) or the string."""
+  return int(word) if word.lstrip("-").isdigit() else {"True": True, "False": False}.get(
+      word, word)
+
+
 def _ours_each(settings, compile_fn):
   """``{label: compile_fn()}`` with each setting of ``_switches`` applied to ``pallas_mosaic_gpu``
-  (values that parse as integers become ints); caches are cleared between settings, so every
+  (``_value``); caches are cleared between settings, so every
   compiled function traces the kernels anew."""
   from pallas_ring.kernels import pallas_mosaic_gpu
   labels, settings = settings
@@ -191,7 +197,7 @@ def _ours_each(settings, compile_fn):
   fns = {}
   for label, setting in zip(labels, settings):
     for k, v in setting.items():
-      setattr(pallas_mosaic_gpu, k, int(v) if v.lstrip("-").isdigit() else v)
+      setattr(pallas_mosaic_gpu, k, _value(v))
     jax.clear_caches()
     fns[f"ours pallas_mosaic_gpu {label}".strip()] = compile_fn()
   for k, v in saved.items():

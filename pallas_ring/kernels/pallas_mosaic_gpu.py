@@ -251,11 +251,27 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
     q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
 
-    def visible(j, slot):
-      k0 = idx_row[j] * bk
+    def visible(k0, slot):
       k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
       k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+
+    def softmax(s_raw, k0, slot, m, l, masked):
+      """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
+      the tile's K slot."""
+      s, c = _logits(s_raw, cfg)
+      # The slot's key info is read before the slot is released to the producer (which then
+      # overwrites it with a later tile's).
+      vis = visible(k0, slot) if masked else None
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        s = jnp.where(vis, s, common.NEG_INF)
+      m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      if masked:
+        p = jnp.where(vis, p, 0.0)
+      return p.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
     def step(j, carry, masked):
       acc, m, l = carry
@@ -266,21 +282,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         _issued()
         return acc_ref[...]
 
-      s, c = _logits(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)), cfg)
-      # The slot's key info is read before the slot is released to the producer (which then
-      # overwrites it with a later tile's).
-      vis = visible(j, slot) if masked else None
-      plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        s = jnp.where(vis, s, common.NEG_INF)
-      m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      if masked:
-        p = jnp.where(vis, p, 0.0)
+      p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
+                                     idx_row[j] * bk if masked else None, slot, m, l, masked)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
-      p16 = p.astype(g.dtype)
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       plgpu.barrier_wait(v_bar.at[slot])
       _may_issue()
