@@ -403,8 +403,10 @@ def parts(out_dir="/tmp/trace", *only):
     print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; the "
           f"last call's Mosaic GPU kernels: {' '.join('%.1f us' % d for d in kernels[-nk:])}",
           flush=True)
-    for kname, us in per.most_common(14):
-      print(f"  {us:9.1f} us  {kname}", flush=True)
+    count = collections.Counter(e["name"][:70] for e in events)
+    print(f"  {len(events) / 10:.0f} GPU ops per call", flush=True)
+    for kname, us in per.most_common(40):
+      print(f"  {us:9.1f} us  {count[kname] / 10:4.0f}x  {kname}", flush=True)
 
 
 if __name__ == "__main__":
