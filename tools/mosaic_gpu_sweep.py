@@ -189,8 +189,8 @@ def _value(word: str):
 
 def _ours_each(settings, compile_fn):
   """``{label: compile_fn()}`` with each setting of ``_switches`` applied to ``pallas_mosaic_gpu``
-  (``_value``); caches are cleared between settings, so every
-  compiled function traces the kernels anew."""
+  (``_value``); caches are cleared between settings, so every compiled function traces the
+  kernels anew."""
   from pallas_ring.kernels import pallas_mosaic_gpu
   labels, settings = settings
   saved = {k: getattr(pallas_mosaic_gpu, k) for s in settings for k in s}
@@ -219,8 +219,9 @@ def _time_against_cudnn(name, fns, args, flops):
 
 def variants(*opts):
   """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing; words
-  select shapes by their first word (e.g. ``docs window``), and ``NAME=v1,v2`` compares module
-  switches of ``pallas_mosaic_gpu`` (e.g. ``SCHEDULE=named,mbarrier``) in the same run."""
+  select shapes by their first word (e.g. ``docs window``), and ``NAME=v1,v2`` compiles our
+  kernel once per value of the module constant ``pallas_mosaic_gpu.NAME`` (an experiment switch)
+  and times every variant in the same run."""
   switches = _switches(opts)
   only = [o for o in opts if "=" not in o]
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
