@@ -12,6 +12,7 @@
     python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
     python tools/mosaic_gpu_sweep.py parts DIR # forward+backward ("fwd": forward): device time
                                                # per kernel and span per call (profiler trace)
+    python tools/mosaic_gpu_sweep.py calls     # two forward+backward calls, to run under ncu
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -410,8 +411,20 @@ def parts(out_dir="/tmp/trace", *only):
       print(f"  {us:9.1f} us  {count[kname] / 10:4.0f}x  {kname}", flush=True)
 
 
+def calls(*only):
+  """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: under
+  ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` the second call's three
+  kernels are profiled (forward, dK/dV, dQ). Words select shapes as in ``bwd``."""
+  for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
+    f = bench._fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                                       backend="pallas_mosaic_gpu"))
+    for _ in range(2):
+      jax.block_until_ready(f(q, k, v, do))
+    print(f"{name}: two forward+backward calls", flush=True)
+
+
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
-   "bwd": bwd, "parts": parts}[sys.argv[1]](*sys.argv[2:])
+   "bwd": bwd, "parts": parts, "calls": calls}[sys.argv[1]](*sys.argv[2:])
