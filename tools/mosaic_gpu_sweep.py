@@ -241,7 +241,7 @@ def variants(*opts):
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     pairs = visible_pairs(t, kind)
-    comp = lambda f: jax.jit(f).lower(q, k, v).compile()
+    comp = lambda f: _compiled(jax.jit(f), q, k, v)
     ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend=be)
     fns = _ours_each(switches, lambda: comp(ours))
@@ -412,9 +412,9 @@ def parts(out_dir="/tmp/trace", *only):
 
 
 def calls(*only):
-  """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: under
-  ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` the second call's three
-  kernels are profiled (forward, dK/dV, dQ). Words select shapes as in ``bwd``."""
+  """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: with one
+  shape, ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` profiles the second
+  call's three kernels (forward, dK/dV, dQ). Words select shapes as in ``bwd`` (default: dense)."""
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
     f = bench._fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                                        backend="pallas_mosaic_gpu"))

@@ -451,6 +451,11 @@ def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[st
   return None
 
 
+def _owners(wide: bool) -> int:
+  """Owned tiles (of 64 rows) per backward CTA: one when wide, else one per consumer."""
+  return 1 if wide else _COMPUTE_WGS
+
+
 @dataclasses.dataclass(frozen=True)
 class _BwdGeometry:
   """Static sizes of one backward kernel call."""
@@ -474,8 +479,8 @@ class _BwdGeometry:
 
   @property
   def owners(self) -> int:
-    """Owned tiles (of 64 rows) per CTA: one when wide, else one per consumer."""
-    return 1 if self.wide else _COMPUTE_WGS
+    """Owned tiles per CTA (``_owners``)."""
+    return _owners(self.wide)
 
   @property
   def cta_rows(self) -> int:
@@ -850,7 +855,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     DKV_WALK_ROWS / DQ_WALK_ROWS) in as many slots as fit beside its owned tiles (the output
     staging aliases the slots)."""
     wide = hp > (WIDE_DKV_ABOVE if dkv else WIDE_DQ_ABOVE)
-    owners = 1 if wide else _COMPUTE_WGS
+    owners = _owners(wide)
     if walk is None:
       walk = DKV_WALK_ROWS.get(hp, rows) if dkv else rows if wide else DQ_WALK_ROWS
     # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
