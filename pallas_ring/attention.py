@@ -35,7 +35,7 @@ def merge_sinks(o, lse, sinks):
 
 
 def sinks_grad(sinks, lse, delta):
-  """d loss / d sinks from the final lse and the row term ``delta`` (see ``row_delta``)."""
+  """d loss / d sinks from the final lse and the row term ``delta`` (see ``common.row_delta``)."""
   p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - common.safe_lse(lse))
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 
@@ -45,24 +45,6 @@ def finish_forward(o, lse, sinks, dtype):
   if sinks is not None:
     o, lse = merge_sinks(o.astype(lse.dtype), lse, sinks)
   return o.astype(dtype), lse
-
-
-def row_delta(o, do, dlse=None):
-  """The backward's row term ``delta = sum(o * do, -1) - dlse``, ``[B, N, T]``.
-
-  ``d lse / d s = p``, so the cotangent of the returned lse enters every score gradient as
-  ``ds = p * (dp - delta + dlse)``: folding ``-dlse`` into delta makes the lse differentiable in
-  every kernel (and for the sinks) without touching the kernels.
-
-  Args:
-    o, do: ``[B, T, N, H]`` output and its cotangent.
-    dlse: ``[B, N, T]`` cotangent of the lse output, or None (symbolic zero).
-  """
-  acc = common.acc_dtype(o.dtype)
-  delta = jnp.swapaxes(jnp.sum(o.astype(acc) * do.astype(acc), axis=-1), 1, 2)
-  if dlse is None:
-    return delta
-  return delta - dlse.astype(acc)
 
 
 def pad_tokens(x, length, head_dim):
@@ -128,7 +110,10 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
 def _flash_bwd(cfg, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
   do, dlse = cts
-  delta = row_delta(o, do, dlse)  # [B, N, Tp]
+  # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
+  delta = common.RowTerm(o, dlse)
+  if sinks is not None or ops.bias is not None:
+    delta = common.delta_array(delta, do)
 
   def backward(q, k, v, do, lse, delta, ops):
     plan = make_plan(ops, cfg, backward=True)

@@ -273,7 +273,7 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
   do, dlse = cts
-  delta = attention.row_delta(o, do, dlse)
+  delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
       q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None

@@ -111,6 +111,33 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.parametrize("head_dim, dlse", [(128, False), (128, True), (256, True)])
+def test_dq_kernel_computes_a_row_term(head_dim, dlse):
+  """Given delta as a ``common.RowTerm`` the dQ kernel computes it from o (minus dlse when
+  given) and hands it to the dK/dV kernel: two Mosaic GPU kernels, no XLA reduction of o * dO
+  (H=256: the wide kernels)."""
+  from pallas_ring import attention, block_sparse
+  from pallas_ring.kernels import common, tuning
+  b, t, n, kh = 2, 256, 4, 2
+  sd = jax.ShapeDtypeStruct
+  q, k = sd((b, t, n, head_dim), jnp.bfloat16), sd((b, t, kh, head_dim), jnp.bfloat16)
+  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, head_dim)
+  cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=0.1, softcap=None, q_len=t,
+                                kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
+
+  def grads(q, k, v, do, lse, o, *dlse):
+    info = block_sparse.make_token_info(t, b)
+    ops = common.Operands(info, info)
+    plan = attention.make_plan(ops, cfg, backward=True)
+    return pallas_mosaic_gpu.backward(q, k, v, do, lse, common.RowTerm(o, *dlse), ops, plan, cfg)
+
+  text = _lower(grads, q, k, k, q, sd((b, n, t), jnp.float32), q,
+                *([sd((b, n, t), jnp.float32)] if dlse else []))
+  assert text.count(MOSAIC) == 2 and TRITON not in text
+  assert not any(f"tensor<{b}x{t}x{n}x{head_dim}x" in line for line in text.splitlines()
+                 if "stablehlo.reduce" in line)
+
+
 def test_backward_tiles_other_than_128_run_the_triton_backward():
   """The Mosaic GPU backward owns 128 rows per CTA on both sides; other user-given backward
   tiles are served by the Triton backward on the same plan (and say so in the tile rule)."""

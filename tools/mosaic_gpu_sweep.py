@@ -288,7 +288,41 @@ def grads(*names):
   fails = _each_case(_gradients_ok, names)
   if not names or "f32" in names:
     fails += _float32_outputs()
+  if not names or "rowterm" in names:
+    fails += _row_terms()
   print("FAILURES", fails)
+
+
+def _row_terms():
+  """The backward given ``delta`` as a ``RowTerm`` (the dQ kernel computes it from o, minus
+  dlse when given) against the same call given the array ``row_delta``: causal, documents with
+  GQA (masked tiles), H=256 (the wide kernels); gradients and bitwise equality of each."""
+  from pallas_ring import attention, block_sparse
+  from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
+  fails = 0
+  for h, segs in ((128, False), (128, True), (256, False)):
+    b, t, n, kh = 2, 1024, 4, 2
+    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
+    key = jax.random.key(h + segs)
+    dlse = jax.random.normal(key, (b, n, t), jnp.float32)
+    tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
+    cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
+                                  q_len=t, kv_len=t, out_dtype=q.dtype, interpret=False)
+    seg = _segments(key, t, t, segs).get("segment_ids")
+    info = block_sparse.make_token_info(t, b, segment_ids=seg)
+    ops = common.Operands(info, info)
+    o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    plan = attention.make_plan(ops, cfg, backward=True)
+    bwd = lambda d: pallas_mosaic_gpu.backward(q, k, v, do, lse, d, ops, plan, cfg)
+    for what, d in (("no dlse", None), ("dlse", dlse)):
+      ref = bwd(common.row_delta(o, do, d))
+      got, again = bwd(common.RowTerm(o, d)), bwd(common.RowTerm(o, d))
+      errs = [rel(a.astype(jnp.float32), r.astype(jnp.float32)) for a, r in zip(got, ref)]
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+      print(f"RowTerm H={h} documents={segs} {what}: dq dk dv rel err vs array delta "
+            f"{' '.join('%.2e' % e for e in errs)} deterministic {same}", flush=True)
+      fails += max(errs) > 1e-2 or not same
+  return fails
 
 
 def _float32_outputs():
@@ -307,7 +341,7 @@ def _float32_outputs():
     info = block_sparse.make_token_info(t, b)
     ops = common.Operands(info, info)
     o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-    delta = attention.row_delta(o, do)
+    delta = common.row_delta(o, do)
     plan = attention.make_plan(ops, cfg, backward=True)
     got = pallas_mosaic_gpu.backward(q, k, v, do, lse, delta, ops, plan, cfg)
     f32 = lambda x: x.astype(jnp.float32)

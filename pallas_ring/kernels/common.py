@@ -14,9 +14,11 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
 * ``o`` ``[B, Tp, N, H]`` in ``cfg.out_dtype``, normalised; ``lse`` ``[B, N, Tp]`` float32 (float64
   for float64 inputs, which only the ``xla`` lowering accepts; see ``acc_dtype``),
   ``-inf`` on rows with no visible key (their ``o`` is 0)
-* ``do`` ``[B, Tp, N, H]``; ``lse`` and ``delta = sum(o * do, -1)`` ``[B, N, Tp]`` are the *final*
-  row statistics (after merging ring steps and sinks), so a pass over one kv shard yields exact
-  contributions; ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``cfg.out_dtype``
+* ``do`` ``[B, Tp, N, H]``; ``lse`` and ``delta = sum(o * do, -1) - dlse`` ``[B, N, Tp]`` are the
+  *final* row statistics (after merging ring steps and sinks), so a pass over one kv shard yields
+  exact contributions. ``delta`` may also come as a ``RowTerm`` (the final ``o`` and ``dlse``):
+  the lowering then computes it, in a pass that reads ``do`` anyway where it can (``row_delta``
+  elsewhere); ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``cfg.out_dtype``
   (accumulated in ``acc_dtype`` inside the pass; the ring sets ``out_dtype`` to the accumulation
   dtype because it sums several passes, ``flash_attention`` to the inputs' dtype).
 
@@ -245,6 +247,42 @@ def finalize(acc, m, l, keep_scale: float = 1.0):
     o = o * keep_scale
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   return o, lse
+
+
+class RowTerm(NamedTuple):
+  """The backward's row term ``delta = sum(o * do, -1) - dlse``, left to the lowering.
+
+  Attributes:
+    o: ``[B, Tp, N, H]`` the final (normalised, sinks merged) output.
+    dlse: ``[B, N, Tp]`` cotangent of the lse output, or None (zero).
+  """
+
+  o: Array
+  dlse: Optional[Array] = None
+
+
+def row_delta(o, do, dlse=None):
+  """The backward's row term ``delta = sum(o * do, -1) - dlse``, ``[B, N, T]``.
+
+  ``d lse / d s = p``, so the cotangent of the returned lse enters every score gradient as
+  ``ds = p * (dp - delta + dlse)``: folding ``-dlse`` into delta makes the lse differentiable in
+  every kernel (and for the sinks) without touching the kernels.
+
+  Args:
+    o, do: ``[B, T, N, H]`` output and its cotangent.
+    dlse: ``[B, N, T]`` cotangent of the lse output, or None (zero).
+  """
+  acc = acc_dtype(o.dtype)
+  delta = jnp.swapaxes(jnp.sum(o.astype(acc) * do.astype(acc), axis=-1), 1, 2)
+  if dlse is None:
+    return delta
+  return delta - dlse.astype(acc)
+
+
+def delta_array(delta, do):
+  """A backward's ``delta`` argument as the ``[B, N, Tp]`` array (a ``RowTerm`` computed by
+  ``row_delta``)."""
+  return row_delta(delta.o, do, delta.dlse) if isinstance(delta, RowTerm) else delta
 
 
 def safe_lse(lse):

@@ -573,6 +573,7 @@ def _dkv_step(step, slots: int):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
   heads = _Heads.of(n, kh, h)

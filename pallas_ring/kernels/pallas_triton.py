@@ -409,6 +409,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  delta = common.delta_array(delta, do)
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh

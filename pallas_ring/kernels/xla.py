@@ -233,6 +233,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
   kh = k.shape[2]
   do5 = do.reshape(b, tp, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
