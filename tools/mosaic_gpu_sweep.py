@@ -11,7 +11,8 @@
                                                # the float32 outputs the ring accumulates
     python tools/mosaic_gpu_sweep.py bwd       # forward+backward vs cuDNN and Triton, interleaved
     python tools/mosaic_gpu_sweep.py parts DIR # forward+backward ("fwd": forward): device time
-                                               # per kernel and span per call (profiler trace)
+                                               # per kernel and span per call (profiler trace),
+                                               # each XLA op with its HLO instruction
     python tools/mosaic_gpu_sweep.py calls     # two forward+backward calls, to run under ncu
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
@@ -441,8 +442,25 @@ def parts(out_dir="/tmp/trace", *only):
           flush=True)
     count = collections.Counter(e["name"][:70] for e in events)
     print(f"  {len(events) / 10:.0f} GPU ops per call", flush=True)
+    hlo = _hlo_lines(f, args, f"{d}/optimized_hlo.txt")
     for kname, us in per.most_common(40):
       print(f"  {us:9.1f} us  {count[kname] / 10:4.0f}x  {kname}", flush=True)
+      if "mosaic" not in kname and kname in hlo:
+        print(f"      {hlo[kname][:150]}", flush=True)
+
+
+def _hlo_lines(f, args, path):
+  """``{kernel name: its HLO instruction}`` of the jitted ``f``'s optimized module (kernel names
+  are instruction names with dots as underscores); the whole text goes to ``path``."""
+  text = f.lower(*args).compile().as_text()
+  with open(path, "w") as fh:
+    fh.write(text)
+  lines = {}
+  for line in text.splitlines():
+    lhs, sep, _ = line.strip().partition(" = ")
+    if sep:
+      lines.setdefault(lhs.removeprefix("ROOT ").lstrip("%").replace(".", "_"), line.strip())
+  return lines
 
 
 def calls(*only):
