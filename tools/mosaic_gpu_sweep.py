@@ -294,26 +294,34 @@ def grads(*names):
   print("FAILURES", fails)
 
 
+def _contract_call(h, out_dtype, seg=None):
+  """A direct call of the Mosaic GPU lowering's contract (B=2, T=1024, N=4, K=2, causal, segment
+  ids ``seg`` or none): ``(q, k, v, do, ops, cfg, o, lse, plan)``, o and lse from its forward
+  and ``plan`` for the backward."""
+  from pallas_ring import attention, block_sparse
+  from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
+  b, t, n, kh = 2, 1024, 4, 2
+  q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
+  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
+  cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
+                                q_len=t, kv_len=t, out_dtype=out_dtype, interpret=False)
+  info = block_sparse.make_token_info(t, b, segment_ids=seg)
+  ops = common.Operands(info, info)
+  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+  return q, k, v, do, ops, cfg, o, lse, attention.make_plan(ops, cfg, backward=True)
+
+
 def _row_terms():
   """The backward given ``delta`` as a ``RowTerm`` (the dQ kernel computes it from o, minus
   dlse when given) against the same call given the array ``row_delta``: causal, documents with
   GQA (masked tiles), H=256 (the wide kernels); gradients and bitwise equality of each."""
-  from pallas_ring import attention, block_sparse
-  from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
+  from pallas_ring.kernels import common, pallas_mosaic_gpu
   fails = 0
   for h, segs in ((128, False), (128, True), (256, False)):
-    b, t, n, kh = 2, 1024, 4, 2
-    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
     key = jax.random.key(h + segs)
-    dlse = jax.random.normal(key, (b, n, t), jnp.float32)
-    tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
-    cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
-                                  q_len=t, kv_len=t, out_dtype=q.dtype, interpret=False)
-    seg = _segments(key, t, t, segs).get("segment_ids")
-    info = block_sparse.make_token_info(t, b, segment_ids=seg)
-    ops = common.Operands(info, info)
-    o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-    plan = attention.make_plan(ops, cfg, backward=True)
+    seg = _segments(key, 1024, 1024, segs).get("segment_ids")
+    q, k, v, do, ops, cfg, o, lse, plan = _contract_call(h, jnp.bfloat16, seg)
+    dlse = jax.random.normal(key, lse.shape, jnp.float32)
     bwd = lambda d: pallas_mosaic_gpu.backward(q, k, v, do, lse, d, ops, plan, cfg)
     for what, d in (("no dlse", None), ("dlse", dlse)):
       ref = bwd(common.row_delta(o, do, d))
@@ -330,20 +338,11 @@ def _float32_outputs():
   """The ring's backward passes write float32 dq/dk/dv (``out_dtype``): the kernels' float32
   output staging against the xla lowering on the same lse and delta (H=128; H=256: the wide
   kernels, whose staging aliases the walked slots)."""
-  from pallas_ring import attention, block_sparse
-  from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning, xla
+  from pallas_ring.kernels import common, pallas_mosaic_gpu, xla
   fails = 0
   for h in (128, 256):
-    b, t, n, kh = 2, 1024, 4, 2
-    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
-    tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
-    cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
-                                  q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
-    info = block_sparse.make_token_info(t, b)
-    ops = common.Operands(info, info)
-    o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    q, k, v, do, ops, cfg, o, lse, plan = _contract_call(h, jnp.float32)
     delta = common.row_delta(o, do)
-    plan = attention.make_plan(ops, cfg, backward=True)
     got = pallas_mosaic_gpu.backward(q, k, v, do, lse, delta, ops, plan, cfg)
     f32 = lambda x: x.astype(jnp.float32)
     ref = xla.backward(f32(q), f32(k), f32(v), f32(do), lse, delta, ops, plan, cfg)
