@@ -7,6 +7,7 @@ import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+from jax import custom_derivatives
 import jax.numpy as jnp
 
 from pallas_ring import block_sparse, dropout, kernels, packing, validation
@@ -96,6 +97,30 @@ def first_order_only(backward: Callable) -> Callable:
   return once
 
 
+def defvjp_symbolic(fun, fwd, bwd):
+  """``fun.defvjp`` with symbolic zero cotangents (``symbolic_zeros=True``).
+
+  ``fwd`` receives plain primal values, as without the option. ``bwd`` receives the output
+  cotangents ``(do, dlse)`` with ``dlse`` None when it is zero (no caller used the lse: the
+  common case), so no backward materializes and reads a zero ``[B, N, T]`` array, and ``do`` as
+  zeros when only the lse was used.
+  """
+  is_primal = lambda x: isinstance(x, custom_derivatives.CustomVJPPrimal)
+
+  def fwd_values(*args):
+    return fwd(*jax.tree.map(lambda x: x.value if is_primal(x) else x, args, is_leaf=is_primal))
+
+  def bwd_cts(*args):
+    *static, res, (do, dlse) = args
+    if isinstance(do, custom_derivatives.SymbolicZero):
+      do = jnp.zeros(do.shape, do.dtype)
+    if isinstance(dlse, custom_derivatives.SymbolicZero):
+      dlse = None
+    return bwd(*static, res, (do, dlse))
+
+  fun.defvjp(fwd_values, bwd_cts, symbolic_zeros=True)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _flash(q, k, v, sinks, ops, cfg, backend):
   return _flash_fwd(q, k, v, sinks, ops, cfg, backend)[0]
@@ -109,7 +134,7 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
 
 def _flash_bwd(cfg, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
-  do, dlse = cts
+  do, dlse = cts  # dlse: None when zero (defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
   if sinks is not None or ops.bias is not None:
@@ -135,7 +160,7 @@ def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelCo
   return grads._replace(bias=dbias.astype(ops.bias.dtype))
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
 _flash_jit = jax.jit(_flash, static_argnums=(5, 6))
 
 

@@ -272,7 +272,7 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
-  do, dlse = cts
+  do, dlse = cts  # dlse: None when zero (attention.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
       q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
@@ -286,7 +286,7 @@ def _ring_bwd(st, res, cts):
           none(kv_info), dfixed)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+attention.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous", segment_ids=None,

@@ -63,6 +63,25 @@ def test_lse_cotangent_reaches_q_k_v_and_sinks(backend):
   assert float(jnp.abs(z_only).max()) > 1e-3
 
 
+def test_unused_lse_passes_no_cotangent_to_the_kernels(monkeypatch):
+  """The lse's cotangent reaches the kernels only when the lse was used: otherwise the
+  backward gets ``RowTerm(o, dlse=None)``, not a materialized zero ``[B, N, T]`` array."""
+  from pallas_ring.kernels import xla as xla_kernels
+  seen = []
+  backward = xla_kernels.backward
+
+  def spy(q, k, v, do, lse, delta, *rest):
+    seen.append(delta.dlse)
+    return backward(q, k, v, do, lse, delta, *rest)
+
+  monkeypatch.setattr(xla_kernels, "backward", spy)
+  q, k, v = _qkv(5, t=24)  # a shape no other test traces, so the spy is traced
+  attend = lambda q, **kw: flash_attention(q, k, v, mask=masks.Causal(), backend="xla", **kw)
+  jax.grad(lambda q: _lse_loss(*attend(q, return_lse=True)))(q)
+  jax.grad(lambda q: jnp.sum(attend(q)))(q)
+  assert len(seen) == 2 and seen[0] is not None and seen[1] is None
+
+
 def test_lse_gradient_matches_finite_differences():
   """An independent check of the lse gradient, in float64 (x64), against central differences."""
   with jax.enable_x64(True):
