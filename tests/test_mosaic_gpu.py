@@ -111,11 +111,16 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("head_dim, dlse", [(128, False), (128, True), (256, True)])
-def test_dq_kernel_computes_a_row_term(head_dim, dlse):
+@pytest.mark.parametrize("head_dim, dlse, in_dq",
+                         [(128, False, True), (128, True, True), (256, True, True),
+                          (128, False, False)])
+def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq, monkeypatch, request):
   """Given delta as a ``common.RowTerm`` the dQ kernel computes it from o (minus dlse when
   given) and hands it to the dK/dV kernel: two Mosaic GPU kernels, no XLA reduction of o * dO
-  (H=256: the wide kernels)."""
+  (H=256: the wide kernels). The experiment switch ``DELTA_IN_DQ=False`` brings XLA's back."""
+  monkeypatch.setattr(pallas_mosaic_gpu, "DELTA_IN_DQ", in_dq)
+  jax.clear_caches()  # the jitted backward traces anew under the switch, and again after
+  request.addfinalizer(jax.clear_caches)
   from pallas_ring import attention, block_sparse
   from pallas_ring.kernels import common, tuning
   b, t, n, kh = 2, 256, 4, 2
@@ -134,8 +139,8 @@ def test_dq_kernel_computes_a_row_term(head_dim, dlse):
   text = _lower(grads, q, k, k, q, sd((b, n, t), jnp.float32), q,
                 *([sd((b, n, t), jnp.float32)] if dlse else []))
   assert text.count(MOSAIC) == 2 and TRITON not in text
-  assert not any(f"tensor<{b}x{t}x{n}x{head_dim}x" in line for line in text.splitlines()
-                 if "stablehlo.reduce" in line)
+  assert any(f"tensor<{b}x{t}x{n}x{head_dim}x" in line for line in text.splitlines()
+             if "stablehlo.reduce" in line) != in_dq
 
 
 def test_backward_tiles_other_than_128_run_the_triton_backward():

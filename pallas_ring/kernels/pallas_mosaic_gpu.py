@@ -443,6 +443,11 @@ DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64 (also in the wide kernel)
 DQ_WALK_ROWS = 128
 # Head dims above which each backward kernel is wide (64 rows per CTA, see above).
 WIDE_DKV_ABOVE = WIDE_DQ_ABOVE = 128
+# Whether the dQ kernel computes delta from a RowTerm (False: XLA's separate pass computes it,
+# as before; a switch for same-run comparisons, ``tools/mosaic_gpu_sweep.py bwd
+# DELTA_IN_DQ=True,False``: the H100 medians of dense and causal came out 2-3% slower with it,
+# the fastest batches equal, not yet settled).
+DELTA_IN_DQ = True
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
@@ -906,6 +911,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # dQ first: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V. Given
   # a RowTerm it computes delta from o and returns it for the dK/dV kernel (H100, 16 causal
   # documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's separate pass).
+  if not DELTA_IN_DQ:
+    delta = common.delta_array(delta, do)
   from_o = isinstance(delta, common.RowTerm)
   row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
   row_in = () if row_in is None else (row_in.astype(f32),)
