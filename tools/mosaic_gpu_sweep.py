@@ -436,9 +436,10 @@ def parts(out_dir="/tmp/trace", *only):
     total = sum(per.values())
     span = (max(e["ts"] + e.get("dur", 0) for e in events) - events[0]["ts"]) / 10
     nk = 1 if fwd_only else 3
-    print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; the "
-          f"last call's Mosaic GPU kernels: {' '.join('%.1f us' % d for d in kernels[-nk:])}",
-          flush=True)
+    means = [statistics.mean(kernels[i::nk]) for i in range(nk)]
+    print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; "
+          f"Mosaic GPU kernels in launch order, mean of 10 calls: "
+          f"{' '.join('%.1f us' % d for d in means)}", flush=True)
     count = collections.Counter(e["name"][:70] for e in events)
     print(f"  {len(events) / 10:.0f} GPU ops per call", flush=True)
     hlo = _hlo_lines(f, args, f"{d}/optimized_hlo.txt")
