@@ -435,7 +435,7 @@ def parts(out_dir="/tmp/trace", *only):
         kernels.append(e.get("dur", 0))
     total = sum(per.values())
     span = (max(e["ts"] + e.get("dur", 0) for e in events) - events[0]["ts"]) / 10
-    nk = 1 if fwd_only else 3
+    nk = len(kernels) // 10  # Mosaic GPU kernels per call
     means = [statistics.mean(kernels[i::nk]) for i in range(nk)]
     print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; "
           f"Mosaic GPU kernels in launch order, mean of 10 calls: "
