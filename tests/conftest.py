@@ -35,6 +35,12 @@ def rng():
 
 # A GPU run (PALLAS_RING_TEST_GPU=1) adds the Mosaic GPU backend to test_pitfalls's backends.
 ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
+if ON_GPU:
+  # On a GPU, JAX's default precision runs float32 matmuls as TF32 (in XLA and in Pallas
+  # Triton kernels alike; README's support matrix). The float32 tolerances here are for float32
+  # arithmetic, which every backend gives under this setting, as any JAX code does.
+  import jax  # noqa: E402
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def small_blocks(backend, head_dim=128):
