@@ -37,8 +37,8 @@ def rng():
 ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
 if ON_GPU:
   # On a GPU, JAX's default precision runs float32 matmuls as TF32 (in XLA and in Pallas
-  # Triton kernels alike; README's support matrix). The float32 tolerances here are for float32
-  # arithmetic, which every backend gives under this setting, as any JAX code does.
+  # Triton kernels alike; README, below the support matrix). The float32 tolerances here are for
+  # float32 arithmetic, which the xla and pallas_triton backends give under this setting.
   import jax  # noqa: E402
   jax.config.update("jax_default_matmul_precision", "highest")
 
