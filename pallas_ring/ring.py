@@ -3,9 +3,10 @@
 ``ring_attention`` is called per shard inside ``shard_map``. Forward: ``lax.scan`` over ring steps;
 each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the segment ids
 and caller-given positions beside it; layout positions are derived from the source rank), then
-builds that step's block plan from *global* positions and runs the kernel on the current K/V; a
-step with no live block is skipped (``lax.cond``); partial ``(o, lse)`` merge in float32 with
-guards for ``-inf``. Sinks enter once, after the last step.
+builds that step's block plan from *global* positions and runs the kernel on the current K/V,
+which merges its ``(o, lse)`` into the running float32 result (``common.merge``, guarded for
+``-inf``; the Mosaic GPU kernel merges in its epilogue); a step with no live block is skipped
+(``lax.cond``). Sinks enter once, after the last step.
 
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse). A second
 scan rotates K/V together with the dK/dV accumulators (one step behind their shard, so every send
@@ -37,24 +38,7 @@ from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
-def merge(o1, lse1, o2, lse2):
-  """Merges two normalised partial results of the same rows over disjoint keys.
-
-  Args:
-    o1, o2: ``[B, T, N, H]`` float32; lse1, lse2: ``[B, N, T]`` float32 (``-inf`` = no keys).
-
-  Returns:
-    ``(o, lse)`` over the union of the keys; rows empty in both stay ``(0, -inf)``, never NaN.
-  """
-  m = jnp.maximum(lse1, lse2)
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
-  total = w1 + w2
-  empty = total == 0.0
-  lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
-  inv = 1.0 / jnp.where(empty, 1.0, total)
-  rows = lambda w: jnp.swapaxes(w * inv, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
-  return o1 * rows(w1) + o2 * rows(w2), lse
+merge = common.merge  # (o, lse) of two partial results over disjoint keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,34 +124,39 @@ def _step_ops(st: _RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: in
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
-def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands):
-  """Kernel forward of one (q shard, kv shard) pair, skipped when its plan has nothing live."""
+def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
+                  acc: Optional[common.Partial] = None) -> common.Partial:
+  """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
+  result, or None), skipped when its plan has nothing live."""
   plan = attention.make_plan(ops, st.cfg)
   b, tp, n, h = q.shape
-  acc = common.acc_dtype(q.dtype)
+  dt = common.acc_dtype(q.dtype)
 
   def run():
-    o, lse = kernels.get(st.backend).forward(q, k, v, ops, plan, st.cfg)
-    return o.astype(acc), lse
+    o, lse = kernels.get(st.backend).forward(q, k, v, ops, plan, st.cfg, acc)
+    return common.Partial(o.astype(dt), lse)
 
   def skip():
-    return jnp.zeros((b, tp, n, h), acc), jnp.full((b, n, tp), -jnp.inf, acc)
+    if acc is not None:
+      return acc
+    return common.Partial(jnp.zeros((b, tp, n, h), dt), jnp.full((b, n, tp), -jnp.inf, dt))
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands):
-  """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None)."""
+def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None):
+  """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
+  its dq added to ``dq`` (the earlier pairs', or None)."""
   plan = attention.make_plan(ops, st.cfg, backward=True)
 
   def run():
-    grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg)
+    grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq)
     return (*grads, attention.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias)
 
   def skip():
     zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
     no_bias = None if ops.bias is None else jnp.zeros(ops.bias.shape, ops.bias.dtype)
-    return zeros(q), zeros(k), zeros(v), no_bias
+    return zeros(q) if dq is None else dq, zeros(k), zeros(v), no_bias
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -198,12 +187,13 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
     return _pair_forward(st, q, _gather(k, st), _gather(v, st), ops)
 
-  def compute(kv, moving, step):
+  def compute(kv, moving, step, acc=None):
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    return _pair_forward(st, q, kv[0], kv[1], ops)
+    return _pair_forward(st, q, kv[0], kv[1], ops, acc)
 
-  # Each step first sends its K/V on, so the send overlaps this step's kernel.
+  # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
+  # result into the running one.
   held = (jnp.stack([k, v]), _moving_info(st, kv_info))  # K/V in one buffer
   nxt = _rotate(held, st)
   acc = compute(*held, 0)
@@ -211,10 +201,10 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
   def body(carry, step):
     acc, held = carry
     nxt = _rotate(held, st)
-    return (merge(*acc, *compute(*held, step)), nxt), None
+    return (compute(*held, step, acc), nxt), None
 
   (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(r), unroll=st.unroll)
-  return merge(*acc, *compute(*held, r - 1))  # the last shard needs no send
+  return tuple(compute(*held, r - 1, acc))  # the last shard needs no send
 
 
 def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fixed: _Fixed):
@@ -229,13 +219,14 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fi
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, step, dbias):
+  def compute(kv, moving, step, dbias, dq=None):
+    """This step's pair: ``dq`` so far plus its own, its ``[dk, dv]``, and ``dbias``."""
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq_s, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops)
+    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq)
     if dbias is not None:  # each step owns the columns of its kv shard
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
-    return dq_s, jnp.stack([dk_s, dv_s]), dbias
+    return dq, jnp.stack([dk_s, dv_s]), dbias
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernel;
@@ -248,15 +239,15 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fi
   def body(carry, step):
     dq, held, dkv, dbias = carry
     nxt, dkv_in = _rotate((held, dkv), st)
-    dq_s, dkv_s, dbias = compute(*held, step, dbias)
-    return (dq + dq_s, nxt, dkv_in + dkv_s, dbias), None
+    dq, dkv_s, dbias = compute(*held, step, dbias, dq)
+    return (dq, nxt, dkv_in + dkv_s, dbias), None
 
   (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(r),
                                        unroll=st.unroll)
   dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
-  dq_s, dkv_s, dbias = compute(*held, r - 1, dbias)
+  dq, dkv_s, dbias = compute(*held, r - 1, dbias, dq)
   dkv = _rotate(dkv_in + dkv_s, st)
-  return dq + dq_s, dkv[0], dkv[1], dbias
+  return dq, dkv[0], dkv[1], dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -475,8 +475,26 @@ def calls(*only):
     print(f"{name}: two forward+backward calls", flush=True)
 
 
+def _set_switches(opts):
+  """Sets the module switches of words ``NAME=value`` (upper case) on ``pallas_mosaic_gpu`` for
+  the checking modes; returns the other words."""
+  from pallas_ring.kernels import pallas_mosaic_gpu
+  rest = []
+  for o in opts:
+    name, _, value = o.partition("=")
+    if value and name.isupper():
+      setattr(pallas_mosaic_gpu, name, _value(value))
+      print(f"{name} = {getattr(pallas_mosaic_gpu, name)}", flush=True)
+    else:
+      rest.append(o)
+  return rest
+
+
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+  mode, opts = sys.argv[1], sys.argv[2:]
+  if mode in ("correct", "grads", "calls", "parts"):  # (variants and bwd compare NAME=v1,v2)
+    opts = _set_switches(opts)
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
-   "bwd": bwd, "parts": parts, "calls": calls}[sys.argv[1]](*sys.argv[2:])
+   "bwd": bwd, "parts": parts, "calls": calls}[mode](*opts)

@@ -2,8 +2,8 @@
 
 Each module in ``pallas_ring.kernels`` provides::
 
-    forward(q, k, v, ops, plan, cfg) -> (o, lse)
-    backward(q, k, v, do, lse, delta, ops, plan, cfg) -> (dq, dk, dv)
+    forward(q, k, v, ops, plan, cfg, acc=None) -> (o, lse)
+    backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None) -> (dq, dk, dv)
 
 over one (q shard, kv shard) pair, with sequences already padded to block multiples:
 
@@ -21,6 +21,13 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
   elsewhere); ``dq`` ``[B, Tp, N, H]``, ``dk, dv`` ``[B, Sp, K, H]``, all in ``cfg.out_dtype``
   (accumulated in ``acc_dtype`` inside the pass; the ring sets ``out_dtype`` to the accumulation
   dtype because it sums several passes, ``flash_attention`` to the inputs' dtype).
+
+The ring sums passes over its kv shards into running results that stay on the device: the
+forward's ``Partial`` ``(o, lse)`` and the backward's dq (dK/dV travel with their shard). Given
+``acc`` a forward returns its result merged into it (``merge``), given ``dq_acc`` a backward
+returns it plus its own dq, both in ``cfg.out_dtype`` (the ring's accumulation dtype). A lowering may do
+this inside its kernels, which hold the rows anyway, instead of another pass over them in
+memory; the others call ``merged`` / ``accumulated`` on their result.
 
 Logits are ``s = softcap(q.k * scale) + bias - slope * |q_pos - k_pos|`` (``score_terms``), then
 the mask. With ``cfg.dropout_rate > 0`` each probability is kept where ``dropout_keep`` says and the
@@ -247,6 +254,57 @@ def finalize(acc, m, l, keep_scale: float = 1.0):
     o = o * keep_scale
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   return o, lse
+
+
+class Partial(NamedTuple):
+  """A normalised result over some of a row's keys (the ring's running accumulator).
+
+  Attributes:
+    o: ``[B, Tp, N, H]`` output in ``acc_dtype``.
+    lse: ``[B, N, Tp]`` its lse (``-inf`` on rows with no key seen yet, whose ``o`` is 0).
+  """
+
+  o: Array
+  lse: Array
+
+
+def merge_weights(lse1, lse2):
+  """``(lse, c1, c2)``: the lse over the union of two disjoint key sets from theirs, and the
+  factors of their normalised outputs in the union's (``o = c1 * o1 + c2 * o2``); rows empty in
+  both give ``(-inf, 0, 0)``, never NaN."""
+  m = jnp.maximum(lse1, lse2)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
+  total = w1 + w2
+  empty = total == 0.0
+  lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+  inv = 1.0 / jnp.where(empty, 1.0, total)
+  return lse, w1 * inv, w2 * inv
+
+
+def merge(o1, lse1, o2, lse2):
+  """Merges two normalised partial results of the same rows over disjoint keys.
+
+  Args:
+    o1, o2: ``[B, T, N, H]`` float32; lse1, lse2: ``[B, N, T]`` float32 (``-inf`` = no keys).
+
+  Returns:
+    ``(o, lse)`` over the union of the keys; rows empty in both stay ``(0, -inf)``, never NaN.
+  """
+  lse, c1, c2 = merge_weights(lse1, lse2)
+  rows = lambda c: jnp.swapaxes(c, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
+  return o1 * rows(c1) + o2.astype(o1.dtype) * rows(c2), lse
+
+
+def merged(acc: Optional[Partial], o, lse):
+  """A forward pass's ``(o, lse)`` merged into ``acc`` (unchanged when ``acc`` is None)."""
+  return (o, lse) if acc is None else merge(acc.o, acc.lse, o, lse)
+
+
+def accumulated(dq, grads):
+  """A backward pass's ``(dq, dk, dv)`` with the earlier passes' ``dq`` added (unchanged when
+  ``dq`` is None)."""
+  return grads if dq is None else (dq + grads[0].astype(dq.dtype), *grads[1:])
 
 
 class RowTerm(NamedTuple):

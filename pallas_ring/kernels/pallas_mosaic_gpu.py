@@ -223,10 +223,12 @@ class _Geometry:
   dtype: object
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   q_blocks: int  # CTAs along the sequence (plan rows)
+  merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
 
 
-def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, o_ref,
-                lse_ref, scoped, *, cfg, g: _Geometry):
+def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, *io,
+                cfg, g: _Geometry):
+  *acc_refs, o_ref, lse_ref, scoped = io  # acc_refs: the earlier passes' (o, lse) when merging
   (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -317,11 +319,22 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
-    q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(g.dtype)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
+    own_o, own_lse = o_ref.at[batch, pl.ds(q0, bq), head], lse_ref.at[batch, head, pl.ds(q0, bq)]
+    if g.merge:  # the earlier passes' rows, read from and written to global memory in float32
+      acc_o, acc_lse = acc_refs
+      lse, c_acc, c_own = common.merge_weights(
+          _load(acc_lse.at[batch, head, pl.ds(q0, bq)], _ROWS, optimized=False), lse)
+      earlier = _load(acc_o.at[batch, pl.ds(q0, bq), head], plgpu.Layout.WGMMA, optimized=False)
+      own_o[...] = earlier * rows(c_acc) + acc * rows(inv * c_own)
+      own_lse[...] = lse
+      return
+    q_smem[...] = (acc * rows(inv)).astype(g.dtype)
+    lse_smem[...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, bq), head])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    plgpu.copy_smem_to_gmem(q_smem, own_o)
+    plgpu.copy_smem_to_gmem(lse_smem, own_lse)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -358,14 +371,18 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``.
 
   ``o`` leaves the kernel in the inputs' 16-bit dtype (it is staged through the q tile's shared
-  memory) and is cast to ``cfg.out_dtype``; the ring merges such outputs by their float32 lse.
+  memory) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
+  merges into it instead: each consumer reads its rows of ``acc`` once it has finished its walk
+  and writes the merged float32 rows (H100, 8k tokens, N=16, H=128: a separate merge pass
+  after the kernel costs about 10% of the kernel's time).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
-    return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None))
+    return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None),
+                                 acc)
   why = unsupported(q.dtype, q.shape[-1], dense=ops.dense is not None, bias=ops.bias is not None,
                     alibi=ops.alibi is not None, dropout=ops.dropout is not None)
   if why is not None:
@@ -376,7 +393,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
-                q_blocks=tp // cfg.block_q)
+                q_blocks=tp // cfg.block_q, merge=acc is not None)
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
@@ -392,15 +409,17 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
     pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, (scoped[:6], scoped[6:]), cfg=cfg, g=g),
                   *scratch, *barriers, collective_axes="wg")
 
+  o_dtype = jnp.float32 if g.merge else q.dtype
   o, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tp),
+      out_type=(jax.ShapeDtypeStruct(q.shape, o_dtype), jax.ShapeDtypeStruct((b, n, tp),
                                                                              jnp.float32)),
       grid=(n, tp // cfg.block_q, b), grid_names=("heads", "q_seq", "batch"),
       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info),
-    token_info(ops.kv_info), q, k, v)
+    token_info(ops.kv_info), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
+                                                                acc.lse.astype(jnp.float32))))
   return o.astype(cfg.out_dtype), lse
 
 
@@ -479,6 +498,7 @@ class _BwdGeometry:
   walk: int  # rows of a walked tile
   wide: bool  # 64 owned rows per CTA (see above): head dims above WIDE_DKV_ABOVE / WIDE_DQ_ABOVE
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
+  add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
 
   rows = BWD_ROWS  # owned rows per warpgroup
 
@@ -743,13 +763,18 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
 def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, *refs, cfg, g: _BwdGeometry):
-  # The row term's refs: delta in, or (``g.delta_from_o``) o and optionally dlse in, delta out.
+  # The row term's refs: delta in, or (``g.delta_from_o``) o and optionally dlse in, delta out;
+  # then dq_acc in (``g.add_dq``).
   *io, owned, walked, out2, bars = refs
+  outs = 2 if g.delta_from_o else 1
+  ins, (dq_ref, *delta_out) = io[:-outs], io[-outs:]
+  acc_ref = ins[-1] if g.add_dq else None
+  ins = ins[:-1] if g.add_dq else ins
   if g.delta_from_o:
-    o_ref, *dlse_ref, dq_ref, delta_out = io
-    row_in = dlse_ref[0] if dlse_ref else None
+    o_ref, *dlse_ref = ins
+    row_in, delta_out = (dlse_ref[0] if dlse_ref else None), delta_out[0]
   else:
-    (row_in, dq_ref), o_ref = io, None
+    (row_in,), o_ref = ins, None
   q_own2, do_own2, lse_own2, delta_own2, qinfo_own2 = owned
   k_smem, v_smem, kinfo_smem = walked
   own_bar, k_bar, v_bar, free, done = bars
@@ -814,7 +839,10 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       return n + 1, dq
 
     _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
-    _finish(done, out2.at[wg], (dq_ref.at[own], dq * cfg.scale))
+    dq = dq * cfg.scale
+    if acc_ref is not None:  # (read once the walk is done: no registers are free before)
+      dq = dq + _load(acc_ref.at[own], plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+    _finish(done, out2.at[wg], (dq_ref.at[own], dq))
 
   @pl.when(wg == consumers)
   def _producer():
@@ -858,8 +886,10 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
-  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``.
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
+             dq_acc=None):
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
+  ``dq_acc``, the ring's running dq, to its rows before writing them).
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
   ``pallas_triton`` backward on the same plan instead (``cfg.num_stages`` means the forward's
@@ -869,7 +899,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   sp, kh = k.shape[1], k.shape[2]
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
     return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
-                                  dataclasses.replace(cfg, num_stages=None))
+                                  dataclasses.replace(cfg, num_stages=None), dq_acc)
   why = unsupported(q.dtype, hp, dense=ops.dense is not None, bias=ops.bias is not None,
                     alibi=ops.alibi is not None, dropout=ops.dropout is not None)
   if why is not None:
@@ -917,7 +947,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   from_o = isinstance(delta, common.RowTerm)
   row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
   row_in = () if row_in is None else (row_in.astype(f32),)
-  g = dataclasses.replace(geometry(False, tp, 1), delta_from_o=from_o)
+  g = dataclasses.replace(geometry(False, tp, 1), delta_from_o=from_o,
+                          add_dq=dq_acc is not None)
   sl, w, owners = g.slots, g.walk, g.owners
   out = _bwd_call(
       _dq_kernel, owners,
@@ -931,7 +962,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                                                 if from_o else [])),
       (n, g.blocks, b), ("heads", "q_seq", "batch"),
       (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2,
-       *([delta.o] if from_o else []), *row_in), cfg=cfg, g=g)
+       *([delta.o] if from_o else []), *row_in,
+       *([] if dq_acc is None else [dq_acc.astype(out_dt)])), cfg=cfg, g=g)
   dq, delta = out if from_o else (out[0], *row_in)
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).

@@ -444,7 +444,7 @@ def _q_row_specs(plan, r0, r1, info, stats, heads, bq, bk):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
   b, tp, n, h = q.shape
   heads = _Heads.of(n, k.shape[2], h)
@@ -473,7 +473,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
       [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype),
        jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
       [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v)], "pallas_ring_fwd", vmem)
-  return heads.q.unview(o), stats.from_kernel(lse)
+  return common.merged(acc, heads.q.unview(o), stats.from_kernel(lse))
 
 
 # ---------------------------------------------------------------------------------- backward --
@@ -571,7 +571,8 @@ def _dkv_step(step, slots: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
+             dq_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
@@ -631,4 +632,4 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                          "pallas_ring_dkv",
                          _vmem_bytes([2 * q_bytes, 4 * kv_bytes], 2 * heads.hk * bk * h * 4, bq,
                                      bk))
-  return heads.q.unview(dq), heads.kv.unview(dk), heads.kv.unview(dv)
+  return common.accumulated(dq_acc, (heads.q.unview(dq), heads.kv.unview(dk), heads.kv.unview(dv)))

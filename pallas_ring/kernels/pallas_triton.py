@@ -287,7 +287,7 @@ def _params(cfg, bwd=False):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``."""
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
@@ -308,7 +308,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
       functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
       interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
-  return o, lse
+  return common.merged(acc, o, lse)
 
 
 # ---------------------------------------------------------------------------------- backward --
@@ -407,7 +407,8 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
+             dq_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   delta = common.delta_array(delta, do)
   b, tp, n, hp = q.shape
@@ -446,4 +447,4 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       out_specs=[kv_block, kv_block], out_shape=[dkv_shape, dkv_shape],
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
-  return dq, dk, dv
+  return common.accumulated(dq_acc, (dq, dk, dv))

@@ -219,7 +219,7 @@ def _q_rows(x, kh):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
+def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp])``."""
   b, tp, n, h = q.shape
   q5, k5, v5, lists, head_args, sizes = _head_major(
@@ -227,11 +227,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig):
   o, lse = _nested_vmap(functools.partial(_fwd_head, cfg=cfg),
                         [q5, k5, v5, *lists, *head_args], sizes)
   o = o.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h)
-  return o, lse.reshape(b, n, tp)
+  return common.merged(acc, o, lse.reshape(b, n, tp))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig):
+def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
+             dq_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
@@ -249,7 +250,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # [B, K, G, Sp, H] -> sum the query heads of each group -> [B, Sp, K, H]
   dk = jnp.sum(dk, axis=2).transpose(0, 2, 1, 3)
   dv = jnp.sum(dv, axis=2).transpose(0, 2, 1, 3)
-  return tuple(x.astype(cfg.out_dtype) for x in (dq, dk, dv))
+  return common.accumulated(dq_acc, tuple(x.astype(cfg.out_dtype) for x in (dq, dk, dv)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -1,0 +1,121 @@
+"""Per-step device work of the ring outside its kernels, on one GPU (no communication).
+
+    python tools/ring_step_cost.py [TOKENS_PER_GPU] [backend]
+
+One ring step of ``ring.py`` on one (q shard, kv shard) pair, N=16, H=128, bf16, dense, timed
+interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 ms):
+
+    fwd kernel          the pair's forward alone (o in float32 and lse)
+    fwd + merge         the same, then ``common.merge`` into a running (o, lse) in XLA
+    fwd merging         the kernel given the running (o, lse) (``acc``): what a ring step runs
+    bwd kernels         the pair's backward alone (float32 dq, dk, dv)
+    bwd + accumulate    the same, then ``dq + dq_s`` and ``dkv_in + stack([dk_s, dv_s])`` in XLA
+    bwd adding dq       the kernels given the running dq (``dq_acc``), then the dK/dV add: what a
+                        ring step runs
+    pack + unpack       the bytes of the step's sends (K/V and dK/dV) packed into one buffer and
+                        unpacked (``ring._rotate`` without its ppermute; GPU rings pack)
+
+The differences are what each step spends around the kernels, which a ring on several GPUs
+cannot hide behind its sends (they run on the same stream as the kernels). It first checks that
+merging in the kernel gives what merging after it does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_ring import attention, bench, block_sparse, masks, ring
+from pallas_ring.kernels import common, tuning
+
+
+def main(tokens=8192, backend="pallas_mosaic_gpu"):
+  tokens = int(tokens)
+  b, n, h, r = 1, 16, 128, 4
+  q, k, v, do = bench._inputs(b, tokens, n, h)
+  tiles = tuning.resolve(backend, None, tokens, tokens, h, dtype=q.dtype, group=1,
+                         mask_class="full")
+  cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
+                                q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
+                                interpret=False)
+  st = ring._RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
+  info = lambda rank: block_sparse.make_token_info(
+      tokens, b, jnp.arange(tokens, dtype=jnp.int32) + rank * tokens, None)
+  ops = common.Operands(info(1), info(0), None, None, None, None)
+  f32 = jnp.float32
+  o_acc = jax.random.normal(jax.random.key(7), q.shape, f32)
+  lse_acc = jax.random.normal(jax.random.key(8), (b, n, tokens), f32) + 10.0
+  _, lse = ring._pair_forward(st, q, k, v, ops)
+  delta = jax.random.normal(jax.random.key(9), (b, n, tokens), f32)
+  dq_acc = jax.random.normal(jax.random.key(10), q.shape, f32)
+  dkv_acc = jax.random.normal(jax.random.key(11), (2, *k.shape), f32)
+
+  def fwd(q, k, v):
+    return tuple(ring._pair_forward(st, q, k, v, ops))
+
+  def fwd_merge(q, k, v, o_acc, lse_acc):
+    return common.merge(o_acc, lse_acc, *ring._pair_forward(st, q, k, v, ops))
+
+  def fwd_merging(q, k, v, o_acc, lse_acc):
+    return tuple(ring._pair_forward(st, q, k, v, ops, common.Partial(o_acc, lse_acc)))
+
+  def bwd(q, k, v, do, lse, delta):
+    return ring._pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
+
+  def bwd_acc(q, k, v, do, lse, delta, dq_acc, dkv_acc):
+    dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
+    return dq_acc + dq, dkv_acc + jnp.stack([dk, dv])
+
+  def bwd_adding(q, k, v, do, lse, delta, dq_acc, dkv_acc):
+    dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
+    return dq, dkv_acc + jnp.stack([dk, dv])
+
+  def pack(k, v, dkv_acc):
+    held = (jnp.stack([k, v]), dkv_acc)
+    leaves, treedef = jax.tree.flatten(held)
+    as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+    buf = lax.optimization_barrier(jnp.concatenate([as_bytes(x) for x in leaves]))
+    out, start = [], 0
+    for x in leaves:
+      size = x.dtype.itemsize
+      piece = buf[start:start + x.size * size].reshape(x.shape + ((size,) if size > 1 else ()))
+      out.append(lax.bitcast_convert_type(piece, x.dtype))
+      start += x.size * size
+    return jax.tree.unflatten(treedef, out)
+
+  bwd_args = (q, k, v, do, lse, delta, dq_acc, dkv_acc)
+  calls = {
+      "fwd kernel": (jax.jit(fwd), (q, k, v)),
+      "fwd + merge": (jax.jit(fwd_merge), (q, k, v, o_acc, lse_acc)),
+      "fwd merging": (jax.jit(fwd_merging), (q, k, v, o_acc, lse_acc)),
+      "bwd kernels": (jax.jit(bwd), (q, k, v, do, lse, delta)),
+      "bwd + accumulate": (jax.jit(bwd_acc), bwd_args),
+      "bwd adding dq": (jax.jit(bwd_adding), bwd_args),
+      "pack + unpack": (jax.jit(pack), (k, v, dkv_acc)),
+  }
+  pairs = [("fwd + merge", "fwd merging"), ("bwd + accumulate", "bwd adding dq")]
+  for after, inside in pairs:
+    (fa, aa), (fi, ai) = calls[after], calls[inside]
+    for x, y in zip(jax.tree.leaves(fa(*aa)), jax.tree.leaves(fi(*ai))):
+      err = float(jnp.linalg.norm((x - y).ravel()) / jnp.linalg.norm(x.ravel()))
+      print(f"  {inside} vs {after}: relative difference {err:.1e}", flush=True)
+      assert err < 1e-5, (inside, err)
+  samples = bench.interleaved_samples(calls, reps=7)
+  print(f"{jax.__version__} {jax.devices()[0].device_kind} {backend} {tokens} tokens/GPU, "
+        f"N={n} H={h} bf16, dense", flush=True)
+  med = {name: statistics.median(ts) * 1e3 for name, ts in samples.items()}
+  for name, ts in samples.items():
+    print(f"  {name:18s} {med[name]:8.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
+  for base, names in (("fwd kernel", ("fwd + merge", "fwd merging")),
+                      ("bwd kernels", ("bwd + accumulate", "bwd adding dq"))):
+    print("  over " + base + ": " + ", ".join(
+        f"{name} +{med[name] - med[base]:.3f} ms ({(med[name] / med[base] - 1) * 100:.1f}%)"
+        for name in names), flush=True)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
