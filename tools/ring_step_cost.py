@@ -103,7 +103,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu"):
     for x, y in zip(jax.tree.leaves(fa(*aa)), jax.tree.leaves(fi(*ai))):
       err = float(jnp.linalg.norm((x - y).ravel()) / jnp.linalg.norm(x.ravel()))
       print(f"  {inside} vs {after}: relative difference {err:.1e}", flush=True)
-      assert err < 1e-5, (inside, err)
+      assert err < 1e-3, (inside, err)  # (merged in the kernel before rounding to 16 bits)
   samples = bench.interleaved_samples(calls, reps=7)
   print(f"{jax.__version__} {jax.devices()[0].device_kind} {backend} {tokens} tokens/GPU, "
         f"N={n} H={h} bf16, dense", flush=True)
