@@ -24,10 +24,10 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
 
 The ring sums passes over its kv shards into running results that stay on the device: the
 forward's ``Partial`` ``(o, lse)`` and the backward's dq (dK/dV travel with their shard). Given
-``acc`` a forward returns its result merged into it (``merge``), given ``dq_acc`` a backward
-returns it plus its own dq, both in ``cfg.out_dtype`` (the ring's accumulation dtype). A lowering may do
-this inside its kernels, which hold the rows anyway, instead of another pass over them in
-memory; the others call ``merged`` / ``accumulated`` on their result.
+``acc`` a forward returns its result merged into it (``merge``); given ``dq_acc`` a backward
+returns it plus its own dq; both in ``cfg.out_dtype`` (the ring's accumulation dtype). A
+lowering may do this inside its kernels, which hold the rows anyway, instead of another pass
+over them in memory; the others call ``merged`` / ``accumulated`` on their result.
 
 Logits are ``s = softcap(q.k * scale) + bias - slope * |q_pos - k_pos|`` (``score_terms``), then
 the mask. With ``cfg.dropout_rate > 0`` each probability is kept where ``dropout_keep`` says and the
