@@ -83,21 +83,29 @@ def _perm(r):
   return [(i, (i + 1) % r) for i in range(r)]
 
 
+def _pack(arrays):
+  """One uint8 buffer holding the bytes of ``arrays``, one after the other."""
+  return jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in arrays])
+
+
+def _unpack(buf, like):
+  """The arrays shaped like ``like`` from ``_pack``'s buffer ``buf``."""
+  out, start = [], 0
+  for x in like:
+    size = x.dtype.itemsize
+    piece = buf[start:start + x.size * size].reshape(x.shape + ((size,) if size > 1 else ()))
+    out.append(lax.bitcast_convert_type(piece, x.dtype))
+    start += x.size * size
+  return out
+
+
 def _rotate(tree, st: _RingStatic):
   """Sends every array of ``tree`` to the next device of the ring (one collective if packed)."""
   send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size))
   leaves, treedef = jax.tree.flatten(tree)
   if not st.pack_sends or len(leaves) < 2:
     return jax.tree.unflatten(treedef, [send(x) for x in leaves])
-  as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-  buf = send(jnp.concatenate([as_bytes(x) for x in leaves]))
-  out, start = [], 0
-  for x in leaves:
-    size = x.dtype.itemsize
-    piece = buf[start:start + x.size * size].reshape(x.shape + ((size,) if size > 1 else ()))
-    out.append(lax.bitcast_convert_type(piece, x.dtype))
-    start += x.size * size
-  return jax.tree.unflatten(treedef, out)
+  return jax.tree.unflatten(treedef, _unpack(send(_pack(leaves)), leaves))
 
 
 def _moving_info(st: _RingStatic, info: block_sparse.TokenInfo):

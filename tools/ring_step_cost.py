@@ -74,18 +74,9 @@ def main(tokens=8192, backend="pallas_mosaic_gpu"):
     dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
     return dq, dkv_acc + jnp.stack([dk, dv])
 
-  def pack(k, v, dkv_acc):
-    held = (jnp.stack([k, v]), dkv_acc)
-    leaves, treedef = jax.tree.flatten(held)
-    as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-    buf = lax.optimization_barrier(jnp.concatenate([as_bytes(x) for x in leaves]))
-    out, start = [], 0
-    for x in leaves:
-      size = x.dtype.itemsize
-      piece = buf[start:start + x.size * size].reshape(x.shape + ((size,) if size > 1 else ()))
-      out.append(lax.bitcast_convert_type(piece, x.dtype))
-      start += x.size * size
-    return jax.tree.unflatten(treedef, out)
+  def pack(k, v, dkv_acc):  # (the barrier stands in for the ppermute between the two)
+    leaves = [jnp.stack([k, v]), dkv_acc]
+    return ring._unpack(lax.optimization_barrier(ring._pack(leaves)), leaves)
 
   bwd_args = (q, k, v, do, lse, delta, dq_acc, dkv_acc)
   calls = {
