@@ -61,3 +61,84 @@ def kernel_dtype(backend, dtype):
   if backend == "pallas_mosaic_gpu" and dtype == jnp.float32:
     return jnp.bfloat16
   return dtype
+
+
+def ring_step(case, backend, interpret):
+  """One ring step's kernel calls on ``backend`` for ``case = (mask, T, S, N, K, H, dtype,
+  segments, softcap)``: the forward given a running ``common.Partial`` and the backward given a
+  running dq (float32 outputs, as the ring runs them), and the same calls without them.
+
+  Returns:
+    ``(step, plain, args)``: ``step(q, k, v, do, seg, o_acc, lse_acc, dq_acc) -> ((o, lse),
+    (dq, dk, dv))``, ``plain(q, k, v, do, seg) -> (o, lse, (dq, dk, dv))`` and their argument
+    shapes (``jax.ShapeDtypeStruct``).
+  """
+  import jax
+  import jax.numpy as jnp
+  from pallas_ring import attention, block_sparse, kernels
+  from pallas_ring.kernels import common, tuning
+  mask, t, s, n, kh, h, dt, segs, cap = case
+  tiles = tuning.resolve(backend, None, t, s, h, dtype=dt, group=n // kh, mask_class="causal")
+  tp, sp = (tuning.padded_len(x, tiles.block_q, tiles.block_kv, tiles.block_q_bwd,
+                              tiles.block_kv_bwd) for x in (t, s))
+  hp = tuning.padded_head_dim(backend, h)
+  cfg = attention.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=cap, q_len=t,
+                                kv_len=s, out_dtype=jnp.float32, interpret=interpret)
+  lowering = kernels.get(backend)
+
+  def ops_of(seg):
+    info = lambda length, padded: block_sparse.pad_token_info(block_sparse.make_token_info(
+        length, 2, None, seg[:, :length] if segs else None), padded)
+    return common.Operands(info(t, tp), info(s, sp))
+
+  def plain(q, k, v, do, seg):
+    ops = ops_of(seg)
+    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    grads = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
+                              attention.make_plan(ops, cfg, backward=True), cfg)
+    return o, lse, grads
+
+  def step(q, k, v, do, seg, o_acc, lse_acc, dq_acc):
+    ops = ops_of(seg)
+    merged = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg,
+                              common.Partial(o_acc, lse_acc))
+    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    added = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
+                              attention.make_plan(ops, cfg, backward=True), cfg, dq_acc)
+    return merged, added
+
+  sd = jax.ShapeDtypeStruct
+  args = (sd((2, tp, n, hp), dt), sd((2, sp, kh, hp), dt), sd((2, sp, kh, hp), dt),
+          sd((2, tp, n, hp), dt), sd((2, max(tp, sp)), jnp.int32), sd((2, tp, n, hp), jnp.float32),
+          sd((2, n, tp), jnp.float32), sd((2, tp, n, hp), jnp.float32))
+  return step, plain, args
+
+
+def check_ring_step(case, backend, interpret):
+  """Checks ``ring_step``: given running results (random, with rows no earlier pass saw: lse
+  -inf, o 0) a lowering's forward and backward equal ``common.merge`` and an add after its plain
+  calls."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_ring.kernels import common
+  step, plain, args = ring_step(case, backend, interpret)
+  rng = np.random.default_rng(11)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in args[:4])
+  seg = jnp.asarray(np.sort(rng.integers(0, 4, args[4].shape), axis=1), jnp.int32)
+  o_acc = jnp.asarray(rng.standard_normal(args[5].shape), jnp.float32)
+  lse_acc = jnp.asarray(rng.standard_normal(args[6].shape) + 3.0, jnp.float32)
+  lse_acc = lse_acc.at[:, :, ::7].set(-jnp.inf)
+  o_acc = o_acc.at[:, ::7].set(0.0)
+  dq_acc = jnp.asarray(rng.standard_normal(args[7].shape), jnp.float32)
+  (o, lse), (dq, dk, dv) = jax.jit(step)(q, k, v, do, seg, o_acc, lse_acc, dq_acc)
+  o1, lse1, (dq1, dk1, dv1) = jax.jit(plain)(q, k, v, do, seg)
+  o_ref, lse_ref = common.merge(o_acc, lse_acc, o1, lse1)
+  # The kernel merges its float32 rows; after the kernel they come rounded to 16 bits (relative
+  # error up to 2^-9), which bounds the difference; a wrong weight would show as O(1).
+  assert rel_err(o, o_ref) < 5e-3 and not np.isnan(np.asarray(o)).any()
+  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(lse_ref)))
+  fin = np.isfinite(np.asarray(lse_ref))
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_ref)[fin], rtol=1e-5)
+  assert rel_err(dq, dq_acc + dq1) < 1e-6
+  np.testing.assert_array_equal(np.asarray(dk), np.asarray(dk1))
+  np.testing.assert_array_equal(np.asarray(dv), np.asarray(dv1))

@@ -14,7 +14,7 @@ import pytest
 
 from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
-from conftest import ON_GPU, rel_err
+from conftest import ON_GPU, check_ring_step, rel_err, ring_step
 
 MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
 TRITON = "__gpu$xla.gpu.triton"
@@ -182,56 +182,12 @@ def test_ring_gradients_lower_to_mosaic_kernels_with_float32_outputs(head_dim):
   assert text.count(MOSAIC) == 6 and TRITON not in text
 
 
-def _ring_step(name, backend="pallas_mosaic_gpu"):
-  """One ring step's kernel calls of CASES[name] given the running results: the forward with a
-  ``common.Partial`` and the backward with a ``dq_acc`` (float32, as the ring runs them), and
-  the same calls without them; returns ``(f(q, k, v, do, o, lse, dq) -> (merged, added),
-  f_plain -> (o, lse, grads), args)``."""
-  from pallas_ring import attention, block_sparse
-  from pallas_ring.kernels import common, tuning
-  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
-  tiles = tuning.resolve(backend, None, t, s, h, dtype=dt, group=n // kh, mask_class="causal")
-  tp, sp = (tuning.padded_len(x, tiles.block_q, tiles.block_kv, tiles.block_q_bwd,
-                              tiles.block_kv_bwd) for x in (t, s))
-  hp = tuning.padded_head_dim(backend, h)
-  cfg = attention.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=cap, q_len=t,
-                                kv_len=s, out_dtype=jnp.float32, interpret=False)
-  lowering = kernels.get(backend)
-
-  def ops_of(seg):
-    info = lambda length, padded: block_sparse.pad_token_info(block_sparse.make_token_info(
-        length, 2, None, seg[:, :length] if segs else None), padded)
-    return common.Operands(info(t, tp), info(s, sp))
-
-  def plain(q, k, v, do, seg):
-    ops = ops_of(seg)
-    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-    grads = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              attention.make_plan(ops, cfg, backward=True), cfg)
-    return o, lse, grads
-
-  def step(q, k, v, do, seg, o_acc, lse_acc, dq_acc):
-    ops = ops_of(seg)
-    merged = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg,
-                              common.Partial(o_acc, lse_acc))
-    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-    added = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              attention.make_plan(ops, cfg, backward=True), cfg, dq_acc)
-    return merged, added
-
-  sd = jax.ShapeDtypeStruct
-  args = (sd((2, tp, n, hp), dt), sd((2, sp, kh, hp), dt), sd((2, sp, kh, hp), dt),
-          sd((2, tp, n, hp), dt), sd((2, max(tp, sp)), jnp.int32), sd((2, tp, n, hp), jnp.float32),
-          sd((2, n, tp), jnp.float32), sd((2, tp, n, hp), jnp.float32))
-  return step, plain, args
-
-
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64"])
 def test_ring_accumulators_merge_inside_the_kernels(name):
   """Given the ring's running (o, lse) the forward kernel merges into it in its epilogue, and the
   dQ kernel adds the running dq: no merge or add is left to XLA (no exponential outside the
   kernels)."""
-  step, _, args = _ring_step(name)
+  step, _, args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   text = _lower(step, *args)
   assert text.count(MOSAIC) == 4 and TRITON not in text  # two forwards, dQ and dK/dV
   rows = "tensor<" + "x".join(map(str, args[7].shape)) + "xf32>"  # dq's shape
@@ -244,30 +200,9 @@ def test_ring_accumulators_merge_inside_the_kernels(name):
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "h256_documents_gqa_softcap",
                                   "full_odd_lengths"])
 def test_native_ring_accumulators_match_merging_after_the_kernels(name):
-  """The kernels' merge and dq sum equal ``common.merge`` and an add after the kernels, on
-  random running results that include rows no earlier pass saw (lse -inf, o 0)."""
-  from pallas_ring.kernels import common
-  step, plain, args = _ring_step(name)
-  rng = np.random.default_rng(11)
-  q, k, v, do = (jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in args[:4])
-  seg = jnp.asarray(np.sort(rng.integers(0, 4, args[4].shape), axis=1), jnp.int32)
-  o_acc = jnp.asarray(rng.standard_normal(args[5].shape), jnp.float32)
-  lse_acc = jnp.asarray(rng.standard_normal(args[6].shape) + 3.0, jnp.float32)
-  lse_acc = lse_acc.at[:, :, ::7].set(-jnp.inf)
-  o_acc = o_acc.at[:, ::7].set(0.0)
-  dq_acc = jnp.asarray(rng.standard_normal(args[7].shape), jnp.float32)
-  (o, lse), (dq, dk, dv) = jax.jit(step)(q, k, v, do, seg, o_acc, lse_acc, dq_acc)
-  o1, lse1, (dq1, dk1, dv1) = jax.jit(plain)(q, k, v, do, seg)
-  o_ref, lse_ref = common.merge(o_acc, lse_acc, o1, lse1)
-  # The kernel merges its float32 rows; after the kernel they come rounded to 16 bits (relative
-  # error up to 2^-9), which bounds the difference; a wrong weight would show as O(1).
-  assert rel_err(o, o_ref) < 5e-3 and not np.isnan(np.asarray(o)).any()
-  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(lse_ref)))
-  fin = np.isfinite(np.asarray(lse_ref))
-  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_ref)[fin], rtol=1e-5)
-  assert rel_err(dq, dq_acc + dq1) < 1e-6
-  np.testing.assert_array_equal(np.asarray(dk), np.asarray(dk1))
-  np.testing.assert_array_equal(np.asarray(dv), np.asarray(dv1))
+  """The kernels' merge and dq sum equal ``common.merge`` and an add after them
+  (``conftest.check_ring_step``)."""
+  check_ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
 
 
 def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):

@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, layouts, masks, reference
 from pallas_ring import sharded_attention
-from conftest import rel_err
+from conftest import check_ring_step, rel_err
 
 MASKS = {
     "causal": (masks.Causal(), False),
@@ -86,6 +86,18 @@ def test_pallas_backends_in_ring(backend):
   t = 512 if backend == "pallas_tpu" else 128
   q, k, v, seg = _problem(4, b=1, t=t, n=2, kh=1, h=64, docs=True)
   _check(mesh, cfg, masks.Causal(), q, k, v, seg, interpret=True, tol=2e-3)
+
+
+@pytest.mark.parametrize("backend, case", [
+    ("pallas_triton", (masks.Causal(), 200, 200, 4, 2, 64, jnp.bfloat16, True, None)),
+    ("pallas_triton", (masks.Full(), 130, 96, 2, 1, 64, jnp.float32, False, 20.0)),
+    ("pallas_tpu", (masks.Causal(), 256, 256, 2, 2, 128, jnp.float32, True, None)),
+    ("xla", (masks.Causal(), 100, 60, 2, 1, 32, jnp.float32, True, 20.0)),
+])
+def test_ring_step_merges_into_the_running_results(backend, case):
+  """A ring step's kernels given the running (o, lse) and dq (Triton: merged in its kernels;
+  the others after them) equal ``common.merge`` and an add after the plain calls."""
+  check_ring_step(case, backend, interpret=True)
 
 
 def test_gpu_schedule_ring_of_two_with_caller_positions():

@@ -154,7 +154,7 @@ def _dropped(x, keep):
 
 def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, o_ref, lse_ref = refs[9:]
+  q_ref, k_ref, v_ref, *acc_refs, o_ref, lse_ref = refs[9:]  # acc_refs: a running (o, lse)
   bq, bk = cfg.block_q, cfg.block_kv
   hp = q_ref.shape[-1]
   q = q_ref[...]
@@ -188,11 +188,16 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   m, l, acc = jax.lax.fori_loop(n_full, n_live, functools.partial(step, masked=True), carry)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l) * (1.0 - cfg.dropout_rate)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  o = acc / l_safe[:, None]
   rows = _alibi_rows(cfg, info, qs.pos, anchor)
   if rows is not None:
     m = m - rows
-  lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+  lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+  if acc_refs:  # merged into the running result of the earlier passes (the ring's)
+    lse, c_acc, c_own = common.merge_weights(acc_refs[1][...], lse)
+    o = acc_refs[0][...] * c_acc[:, None] + o * c_own[:, None]
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
 
 
 def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
@@ -288,34 +293,35 @@ def _params(cfg, bwd=False):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
-  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``."""
+  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``; given
+  ``acc``, each program merges its rows into the running result after its walk."""
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
   bq = cfg.block_q
   list_specs, list_args, _ = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
   info_specs, info_args, _ = _info_specs(ops, bq, sp, True, False)
-  in_specs = list_specs + info_specs + [
-      pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
-      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
-      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
-  ]
-  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
-               pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))]
+  q_block = pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0))
+  row_block = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
+  kv_whole = pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0))
+  in_specs = list_specs + info_specs + [q_block, kv_whole, kv_whole] + (
+      [] if acc is None else [q_block, row_block])
+  out_specs = [q_block, row_block]
   out_shape = [jax.ShapeDtypeStruct((b, tp, n, hp), cfg.out_dtype),
                jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
-      interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
-  return common.merged(acc, o, lse)
+      interpret=cfg.interpret, name="pallas_ring_fwd",
+  )(*list_args, *info_args, q, k, v, *(() if acc is None else (acc.o, acc.lse)))
+  return o, lse
 
 
 # ---------------------------------------------------------------------------------- backward --
 
 def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs[9:]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *acc_ref, dq_ref = refs[9:]  # acc: running dq
   bk = cfg.block_kv_bwd
   q, do = q_ref[...], do_ref[...]
   lse2 = common.safe_lse(lse_ref[...]) * LOG2E
@@ -344,7 +350,10 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
   dq = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), dq)
   dq = jax.lax.fori_loop(nfull_ref[0], cnt_ref[0], functools.partial(step, masked=True), dq)
-  dq_ref[...] = (dq * (cfg.scale * cfg.keep_scale)).astype(dq_ref.dtype)
+  dq = dq * (cfg.scale * cfg.keep_scale)
+  if acc_ref:
+    dq = dq + acc_ref[0][...].astype(jnp.float32)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped_lists):
@@ -409,7 +418,8 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None):
-  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
+  ``dq_acc`` to its rows)."""
   delta = common.delta_array(delta, do)
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
@@ -425,10 +435,10 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg), grid=(tp // bq, b, n),
       in_specs=list_specs + info_specs + [q_block, kv_whole, kv_whole, q_block, row_block,
-                                          row_block],
+                                          row_block] + ([] if dq_acc is None else [q_block]),
       out_specs=q_block, out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), cfg.out_dtype),
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dq",
-  )(*list_args, *info_args, q, k, v, do, lse, delta)
+  )(*list_args, *info_args, q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)))
 
   # dK/dV: one program per (kv block, batch, kv head), looping over the group's query heads.
   list_specs, list_args, grouped_lists = _list_specs(plan.q_index, plan.q_count, plan.q_full,
@@ -447,4 +457,4 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       out_specs=[kv_block, kv_block], out_shape=[dkv_shape, dkv_shape],
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
-  return common.accumulated(dq_acc, (dq, dk, dv))
+  return dq, dk, dv
