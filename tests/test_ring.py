@@ -95,8 +95,9 @@ def test_pallas_backends_in_ring(backend):
     ("xla", (masks.Causal(), 100, 60, 2, 1, 32, jnp.float32, True, 20.0)),
 ])
 def test_ring_step_merges_into_the_running_results(backend, case):
-  """A ring step's kernels given the running (o, lse) and dq (Triton: merged in its kernels;
-  the others after them) equal ``common.merge`` and an add after the plain calls."""
+  """A ring step's kernels given the running (o, lse) and dq (Triton's dQ kernel adds dq
+  itself; the rest merges after the kernels) equal ``common.merge`` and an add after the plain
+  calls."""
   check_ring_step(case, backend, interpret=True)
 
 

@@ -154,7 +154,7 @@ def _dropped(x, keep):
 
 def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   info = _Info(*refs[:9])
-  q_ref, k_ref, v_ref, *acc_refs, o_ref, lse_ref = refs[9:]  # acc_refs: a running (o, lse)
+  q_ref, k_ref, v_ref, o_ref, lse_ref = refs[9:]
   bq, bk = cfg.block_q, cfg.block_kv
   hp = q_ref.shape[-1]
   q = q_ref[...]
@@ -188,16 +188,11 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   m, l, acc = jax.lax.fori_loop(n_full, n_live, functools.partial(step, masked=True), carry)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l) * (1.0 - cfg.dropout_rate)
-  o = acc / l_safe[:, None]
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   rows = _alibi_rows(cfg, info, qs.pos, anchor)
   if rows is not None:
     m = m - rows
-  lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
-  if acc_refs:  # merged into the running result of the earlier passes (the ring's)
-    lse, c_acc, c_own = common.merge_weights(acc_refs[1][...], lse)
-    o = acc_refs[0][...] * c_acc[:, None] + o * c_own[:, None]
-  o_ref[...] = o.astype(o_ref.dtype)
-  lse_ref[...] = lse
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
@@ -293,28 +288,29 @@ def _params(cfg, bwd=False):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
-  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``; given
-  ``acc``, each program merges its rows into the running result after its walk."""
+  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``."""
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
   bq = cfg.block_q
   list_specs, list_args, _ = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
   info_specs, info_args, _ = _info_specs(ops, bq, sp, True, False)
-  q_block = pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0))
-  row_block = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
-  kv_whole = pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0))
-  in_specs = list_specs + info_specs + [q_block, kv_whole, kv_whole] + (
-      [] if acc is None else [q_block, row_block])
-  out_specs = [q_block, row_block]
+  in_specs = list_specs + info_specs + [
+      pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
+      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
+      pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0)),
+  ]
+  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0)),
+               pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))]
   out_shape = [jax.ShapeDtypeStruct((b, tp, n, hp), cfg.out_dtype),
                jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
-      interpret=cfg.interpret, name="pallas_ring_fwd",
-  )(*list_args, *info_args, q, k, v, *(() if acc is None else (acc.o, acc.lse)))
-  return o, lse
+      interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
+  # (Merging in the kernel's epilogue measured slower on an H100: a ring step at 8k tokens
+  # took 1.339 ms against 1.312 with the merge after it; BENCHMARKS.md.)
+  return common.merged(acc, o, lse)
 
 
 # ---------------------------------------------------------------------------------- backward --
