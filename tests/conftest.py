@@ -133,8 +133,8 @@ def check_ring_step(case, backend, interpret):
   (o, lse), (dq, dk, dv) = jax.jit(step)(q, k, v, do, seg, o_acc, lse_acc, dq_acc)
   o1, lse1, (dq1, dk1, dv1) = jax.jit(plain)(q, k, v, do, seg)
   o_ref, lse_ref = common.merge(o_acc, lse_acc, o1, lse1)
-  # The kernel merges its float32 rows; after the kernel they come rounded to 16 bits (relative
-  # error up to 2^-9), which bounds the difference; a wrong weight would show as O(1).
+  # A kernel merging its float32 rows differs from merging its output rounded to 16 bits (the
+  # Mosaic GPU forward's, relative error up to 2^-9) by that rounding; a wrong weight is O(1).
   assert rel_err(o, o_ref) < 5e-3 and not np.isnan(np.asarray(o)).any()
   np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(lse_ref)))
   fin = np.isfinite(np.asarray(lse_ref))
