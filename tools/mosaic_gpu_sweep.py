@@ -477,7 +477,7 @@ def calls(*only):
 
 def _set_switches(opts):
   """Sets the module switches of words ``NAME=value`` (upper case) on ``pallas_mosaic_gpu`` for
-  the checking modes; returns the other words."""
+  the modes that check or profile one build; returns the other words."""
   from pallas_ring.kernels import pallas_mosaic_gpu
   rest = []
   for o in opts:
