@@ -321,12 +321,13 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     inv = 1.0 / jnp.where(empty, 1.0, l)
     lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
     rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
-    own_o, own_lse = o_ref.at[batch, pl.ds(q0, bq), head], lse_ref.at[batch, head, pl.ds(q0, bq)]
+    seq = pl.ds(q0, bq)
+    own_o, own_lse = o_ref.at[batch, seq, head], lse_ref.at[batch, head, seq]
     if g.merge:  # the earlier passes' rows, read from and written to global memory in float32
       acc_o, acc_lse = acc_refs
       lse, c_acc, c_own = common.merge_weights(
-          _load(acc_lse.at[batch, head, pl.ds(q0, bq)], _ROWS, optimized=False), lse)
-      earlier = _load(acc_o.at[batch, pl.ds(q0, bq), head], plgpu.Layout.WGMMA, optimized=False)
+          _load(acc_lse.at[batch, head, seq], _ROWS, optimized=False), lse)
+      earlier = _load(acc_o.at[batch, seq, head], plgpu.Layout.WGMMA, optimized=False)
       own_o[...] = earlier * rows(c_acc) + acc * rows(inv * c_own)
       own_lse[...] = lse
       return
