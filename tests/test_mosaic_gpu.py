@@ -76,7 +76,7 @@ def test_every_configuration_lowers_for_cuda(name):
 @pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])
 def test_lowers_under_x64(name):
   """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels (H=256: the wide
-  backward kernels)."""
+  backward kernels), also where they merge into the ring's running results."""
   args, (qs, _), kw = _structs(name)
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
@@ -84,6 +84,8 @@ def test_lowers_under_x64(name):
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
     assert _kernels_of_gradients(_lower(grad, *args, qs))
+    step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
+    assert _lower(step, *step_args).count(MOSAIC) == 4  # merging into the ring's results
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -93,7 +95,8 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
   by ir.Values, got: TypedInt(0)"). Lowering every configuration with those semantics on 0.10
   catches some of these without a GPU: a constant plan index closed over by ``pl.run_state``
   fails here as on 0.11.2; a static shared-memory slot index inside a loop, which 0.11.2 also
-  rejects, lowers here either way."""
+  rejects, lowers here either way. The kernels that merge into the ring's running results
+  lower too."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic import gpu as mgpu
   monkeypatch.setattr(plgpu, "CompilerParams", functools.partial(
@@ -104,9 +107,11 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
       q, k, v, backend="pallas_mosaic_gpu", interpret=False,
       **(dict(segment_ids=s[0], kv_segment_ids=s[1]) if s else {}), **kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
   try:
     assert _kernels_of_gradients(_lower(grad, *args, *seg))
+    assert _lower(step, *step_args).count(MOSAIC) == 4  # merging into the ring's results
   finally:
     jax.clear_caches()
 
@@ -182,7 +187,7 @@ def test_ring_gradients_lower_to_mosaic_kernels_with_float32_outputs(head_dim):
   assert text.count(MOSAIC) == 6 and TRITON not in text
 
 
-@pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_ring_accumulators_merge_inside_the_kernels(name):
   """Given the ring's running (o, lse) the forward kernel merges into it in its epilogue, and the
   dQ kernel adds the running dq: no merge or add is left to XLA (no exponential outside the
