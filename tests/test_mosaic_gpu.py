@@ -116,6 +116,35 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
     jax.clear_caches()
 
 
+def test_forward_overlaps_where_its_registers_fit():
+  """FlashAttention-3's intra-warpgroup overlap holds a second p tile and the logits beside the
+  output accumulator; documents keep the serial walk (short rows)."""
+  fits = pallas_mosaic_gpu.overlaps
+  assert fits(128, 128, False) and fits(64, 256, False) and fits(128, 64, False)
+  assert not fits(256, 64, False)  # head dim 64 walks 256-key tiles
+  assert not fits(128, 128, True)
+
+
+@pytest.mark.parametrize("name, overlap", [("causal_gqa", False), ("documents", True),
+                                           ("full_odd_lengths", True), ("one_token", True)])
+def test_both_forward_walks_lower(name, overlap, monkeypatch):
+  """The walk ``overlaps`` does not pick lowers too, and only the overlapped one keeps its p.v
+  operand live past the wgmma wait (without that, ptxas serializes every wgmma: C7513)."""
+  monkeypatch.setattr(pallas_mosaic_gpu, "OVERLAP_PV", overlap)
+  args, (qs, ks), kw = _structs(name)
+  structs = (*args, *((qs, ks) if qs is not None else ()))
+  f = lambda q, k, v, *s: flash_attention(
+      q, k, v, backend="pallas_mosaic_gpu", interpret=False,
+      **(dict(segment_ids=s[0], kv_segment_ids=s[1]) if s else {}), **kw)
+  jax.clear_caches()  # (the switch is read while tracing)
+  try:
+    text = _lower(f, *structs)
+  finally:
+    jax.clear_caches()
+  assert text.count(MOSAIC) == 1
+  assert (pallas_mosaic_gpu.KEEP_ALIVE in text) == overlap
+
+
 @pytest.mark.parametrize("head_dim, dlse, in_dq",
                          [(128, False, True), (128, True, True), (256, True, True),
                           (128, False, False)])

@@ -5,7 +5,9 @@ two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup
 tiles of the CTA's plan row by TMA into a ring of ``num_stages`` shared-memory slots guarded by
 barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
 (base 2, scale folded) in registers; two hardware barriers order the consumers' matmuls so that
-one's softmax overlaps the other's matmuls.
+one's softmax overlaps the other's matmuls. Where the registers allow (``overlaps``), each
+consumer also issues tile j's ``q.k^T`` together with tile j-1's ``p.v`` and runs tile j's
+softmax while that ``p.v`` runs (FlashAttention-3's intra-warpgroup overlap).
 
 Both consumers walk the same plan row (the plan's query block is the CTA's rows), so the producer
 loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
@@ -36,6 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax.experimental.pallas.mosaic_gpu as plgpu
+# An accumulator read that waits for all but the last ``wait_n`` wgmmas (plgpu's indexing waits
+# for all); not exported by plgpu in JAX 0.10 and 0.11.
+from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_load
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
@@ -149,6 +154,47 @@ def token_info(info) -> jax.Array:
   return jnp.stack([pos, info.segment_ids], axis=1)
 
 
+# FlashAttention-3's intra-warpgroup overlap: each step issues tile j's q.k^T and tile j-1's
+# p.v together, waits for q.k^T only and runs tile j's softmax while p.v runs, then rescales the
+# accumulator. It keeps a second 16-bit p tile and the q.k^T accumulator live beside the output
+# accumulator, so it runs where those fit the registers (``overlaps``). None: that rule;
+# True/False force it (same-run comparisons, ``tools/mosaic_gpu_sweep.py variants
+# OVERLAP_PV=False,True``).
+OVERLAP_PV = None
+
+
+def overlaps(block_kv: int, head_dim: int, segments: bool) -> bool:
+  """Whether the forward overlaps each tile's softmax with the previous tile's p.v.
+
+  A consumer thread then holds the float32 output (head_dim / 2 registers), the float32 logits
+  (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must fit beside the
+  rest. Calls with segment ids (documents) keep the serial walk: their rows are short, and the
+  overlapped walk's unpaired first and last tiles cost more than the overlap saves (H100, 16
+  causal documents of 1024: 0.227 against 0.207 ms).
+  """
+  if OVERLAP_PV is not None:
+    return OVERLAP_PV
+  return not segments and head_dim // 2 + block_kv <= 192
+
+
+KEEP_ALIVE = "// p.v's A operand stays live until here"  # (a PTX comment)
+
+
+def _keep_alive(x):
+  """Keeps the registers of ``x`` (a 16-bit wgmma A operand) live until this point, so that
+  the compiler does not reuse them while an asynchronous wgmma still reads them (ptxas would
+  then serialize every wgmma of the kernel, C7513)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,))
+  def emit(_, arr):
+    i32 = ir.IntegerType.get_signless(32)
+    regs = [llvm.bitcast(i32, r) for r in arr.registers.flat]
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), regs, KEEP_ALIVE, ",".join(["r"] * len(regs)),
+                    has_side_effects=True)
+
+  emit(x)
+
+
 def _logits(qk, cfg):
   """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
   raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
@@ -184,13 +230,14 @@ def _bar(op: str, whose: str):
 
 
 def _issued():
-  """A forward consumer has issued its step's first matmul: the other may issue its second."""
+  """A forward consumer has issued its step's first matmul (in the overlapped walk: both): the
+  other may issue its next."""
   _bar("arrive", "other")
 
 
 def _may_issue():
-  """Waits until the other forward consumer has issued its step's first matmul (``_issued``),
-  so that this one's second matmul follows it on the tensor cores."""
+  """Waits until the other forward consumer has issued its matmuls (``_issued``), so that this
+  one's follow them on the tensor cores."""
   _bar("sync", "own")
 
 
@@ -224,6 +271,7 @@ class _Geometry:
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   q_blocks: int  # CTAs along the sequence (plan rows)
   merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
+  overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
 
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, *io,
@@ -276,7 +324,10 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         p = jnp.where(vis, p, 0.0)
       return p.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
-    def step(j, carry, masked):
+    m0, l0 = _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq)
+
+    def serial_step(j, carry, masked):
+      """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
       acc, m, l = carry
       slot = _slot(j, g.slots)
 
@@ -304,18 +355,72 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
-    carry = (acc, _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq))
+    def serial_walk():
+      acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+      full = lax.fori_loop(0, n_full, functools.partial(serial_step, masked=False), (acc, m0, l0))
+      return lax.fori_loop(n_full, count, functools.partial(serial_step, masked=True), full)
 
-    @pl.when(count > 0)
-    def _():
-      plgpu.barrier_wait(k_bar.at[0])
+    def overlapped_step(o_ref, j, p16_prev, m, l, masked):
+      """Issues tile j's q.k^T and (unless ``p16_prev`` is None) tile j-1's p.v into ``o_ref``,
+      and returns tile j's ``(p16, m, l)`` from its softmax, run while p.v runs; then waits
+      for p.v and rescales ``o_ref``."""
+      slot = _slot(j, g.slots)
+      prev = _slot(j + g.slots - 1, g.slots)
+      plgpu.barrier_wait(k_bar.at[slot])
+      _may_issue()
 
-    acc, m, l = _pingpong(
-        lambda: lax.fori_loop(n_full, count, functools.partial(step, masked=True),
-                              lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                                            carry)),
-        _may_issue, _issued)
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        if p16_prev is not None:
+          plgpu.barrier_wait(v_bar.at[prev])
+          plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
+        _issued()
+        # q.k^T was issued first, so it is done once at most p.v is in flight.
+        return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
+
+      p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
+                                     idx_row[j] * bk if masked else None, slot, m, l, masked)
+      if p16_prev is not None:
+        plgpu.wgmma_wait(0)
+        _keep_alive(p16_prev)
+        plgpu.barrier_arrive(v_free.at[prev])
+        o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (bq, h), [0])
+      return p16, m_new, l
+
+    def overlapped_walk(o_ref):
+      step = lambda masked: lambda j, carry: overlapped_step(o_ref, j, *carry, masked=masked)
+      # The first tile is always masked (its token info is loaded for that), as only it has no
+      # p.v to overlap.
+      first = lambda: overlapped_step(o_ref, jnp.int32(0), None, m0, l0, masked=True)
+      p16 = plgpu.layout_cast(jnp.zeros((bq, bk), g.dtype), plgpu.Layout.WGMMA)
+      carry = lax.cond(count > 0, first, lambda: (p16, m0, l0))
+      carry = lax.fori_loop(1, n_full, step(False), carry)
+      p16, m, l = lax.fori_loop(jnp.maximum(n_full, 1), count, step(True), carry)
+
+      @pl.when(count > 0)
+      def _():  # the last tile's p.v
+        last = _slot(count - 1, g.slots)
+        _may_issue()
+        plgpu.barrier_wait(v_bar.at[last])
+        plgpu.wgmma(o_ref, p16, v_smem.at[last])
+        _issued()
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(v_free.at[last])
+
+      return o_ref[...], m, l
+
+    if g.overlap:
+      # One issue phase per step: warpgroup 1 lets warpgroup 0 issue first, and warpgroup 0
+      # takes that extra arrival last.
+      acc, m, l = _pingpong(
+          lambda: pl.run_scoped(overlapped_walk, plgpu.ACC((bq, h), jnp.float32)),
+          _issued, _may_issue)
+    else:
+      @pl.when(count > 0)
+      def _():
+        plgpu.barrier_wait(k_bar.at[0])
+
+      acc, m, l = _pingpong(serial_walk, _may_issue, _issued)
 
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
@@ -355,12 +460,16 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
-      @pl.when(j >= n_full)  # only masked tiles read the keys' token info
+      # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
+      # which it always masks).
+      with_info = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
+
+      @pl.when(with_info)
       def _():
         plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
                                 k_bar.at[slot])
 
-      @pl.when(j < n_full)
+      @pl.when(jnp.logical_not(with_info))
       def _():
         plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
 
@@ -395,7 +504,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
-                q_blocks=tp // cfg.block_q, merge=acc is not None)
+                q_blocks=tp // cfg.block_q, merge=acc is not None,
+                overlap=overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None))
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
