@@ -45,6 +45,16 @@ def _structs(name):
   return args, seg, dict(mask=mask, softcap=cap)
 
 
+def _attention(kw):
+  """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels with options ``kw``."""
+
+  def f(q, k, v, *seg):
+    extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
+    return flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False, **extra, **kw)
+
+  return f
+
+
 def _lower(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -58,11 +68,7 @@ def _kernels_of_gradients(text):
 def test_every_configuration_lowers_for_cuda(name):
   """Forward: one Mosaic GPU kernel; gradients: it plus the two backward kernels."""
   args, (qs, ks), kw = _structs(name)
-
-  def f(q, k, v, *seg):
-    extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
-    return flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False, **extra, **kw)
-
+  f = _attention(kw)
   seg_args = (qs, ks) if qs is not None else ()
   text = _lower(f, *args, *seg_args)
   assert text.count(MOSAIC) == 1 and TRITON not in text
@@ -103,9 +109,7 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
       plgpu.CompilerParams, lowering_semantics=mgpu.LoweringSemantics.Warpgroup))
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f = lambda q, k, v, *s: flash_attention(
-      q, k, v, backend="pallas_mosaic_gpu", interpret=False,
-      **(dict(segment_ids=s[0], kv_segment_ids=s[1]) if s else {}), **kw)
+  f = _attention(kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
@@ -132,13 +136,10 @@ def test_both_forward_walks_lower(name, overlap, monkeypatch):
   operand live past the wgmma wait (without that, ptxas serializes every wgmma: C7513)."""
   monkeypatch.setattr(pallas_mosaic_gpu, "OVERLAP_PV", overlap)
   args, (qs, ks), kw = _structs(name)
-  structs = (*args, *((qs, ks) if qs is not None else ()))
-  f = lambda q, k, v, *s: flash_attention(
-      q, k, v, backend="pallas_mosaic_gpu", interpret=False,
-      **(dict(segment_ids=s[0], kv_segment_ids=s[1]) if s else {}), **kw)
+  seg = (qs, ks) if qs is not None else ()
   jax.clear_caches()  # (the switch is read while tracing)
   try:
-    text = _lower(f, *structs)
+    text = _lower(_attention(kw), *args, *seg)
   finally:
     jax.clear_caches()
   assert text.count(MOSAIC) == 1

@@ -14,6 +14,9 @@ import gzip
 import sys
 
 
+SAMPLES = "Warp Stall Sampling (All Samples)"  # the column of an instruction's samples
+
+
 def read(path):
   with gzip.open(path, "rt") as fh:
     lines = fh.read().splitlines()
@@ -31,7 +34,7 @@ def _num(x):
 def main(path, top="40", context=None):
   rows = read(path)
   reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
-  total = sum(_num(r["Warp Stall Sampling (All Samples)"]) for r in rows)
+  total = sum(_num(r[SAMPLES]) for r in rows)
   per = collections.Counter()
   for r in rows:
     for c in reasons:
@@ -40,11 +43,11 @@ def main(path, top="40", context=None):
   for c, n in per.most_common():
     if n:
       print(f"  {c[6:]:18s} {n:8.0f}  {100 * n / total:5.1f}%")
-  order = sorted(range(len(rows)), key=lambda i: -_num(rows[i]["Warp Stall Sampling (All Samples)"]))
+  order = sorted(range(len(rows)), key=lambda i: -_num(rows[i][SAMPLES]))
   print("\nmost sampled instructions (index, samples, share, executed, main reasons):")
   for i in order[:int(top)]:
     r = rows[i]
-    n = _num(r["Warp Stall Sampling (All Samples)"])
+    n = _num(r[SAMPLES])
     main_ = sorted(((_num(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
     why = ", ".join(f"{c} {v:.0f}" for v, c in main_ if v)
     if context:
