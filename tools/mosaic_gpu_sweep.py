@@ -184,9 +184,9 @@ def _switches(opts):
 
 
 def _value(word: str):
-  """A switch's value from its word: an int, a bool (``True``/``False``) or the string."""
-  return int(word) if word.lstrip("-").isdigit() else {"True": True, "False": False}.get(
-      word, word)
+  """A switch's value from its word: an int, ``True``/``False``/``None``, or the string."""
+  return int(word) if word.lstrip("-").isdigit() else {
+      "True": True, "False": False, "None": None}.get(word, word)
 
 
 def _ours_each(settings, compile_fn):
