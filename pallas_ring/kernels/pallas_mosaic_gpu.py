@@ -38,9 +38,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax.experimental.pallas.mosaic_gpu as plgpu
-# An accumulator read that waits for all but the last ``wait_n`` wgmmas (plgpu's indexing waits
-# for all); not exported by plgpu in JAX 0.10 and 0.11.
-from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_load
+try:  # an accumulator read that waits for all but the last ``wait_n`` wgmmas (plgpu's indexing
+  # waits for all); not exported by plgpu in JAX 0.10 and 0.11
+  from jax._src.pallas.mosaic_gpu.primitives import wgmma_accumulator_load
+except ImportError:  # a JAX without it: the forward keeps the serial walk (``overlaps``)
+  wgmma_accumulator_load = None
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
@@ -174,7 +176,8 @@ def overlaps(block_kv: int, head_dim: int, segments: bool) -> bool:
   """
   if OVERLAP_PV is not None:
     return OVERLAP_PV
-  return not segments and head_dim // 2 + block_kv <= 192
+  return (wgmma_accumulator_load is not None and not segments
+          and head_dim // 2 + block_kv <= 192)
 
 
 KEEP_ALIVE = "// p.v's A operand stays live until here"  # (a PTX comment)
