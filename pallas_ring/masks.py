@@ -334,7 +334,18 @@ def is_causal(spec: MaskSpec) -> bool:
   return False
 
 
+def window_width(spec: MaskSpec) -> Optional[int]:
+  """``left + right`` of the narrowest sliding window that statically bounds every query's keys
+  (so every row sees at most that many keys besides its own), or None when none does."""
+  if isinstance(spec, SlidingWindow):
+    return spec.left + spec.right
+  if isinstance(spec, And):
+    widths = [w for w in (window_width(spec.a), window_width(spec.b)) if w is not None]
+    return min(widths, default=None)
+  return None
+
+
 __all__ = [
     "MaskSpec", "BlockBounds", "Full", "Causal", "SlidingWindow", "ChunkedCausal", "PrefixLM",
-    "Custom", "And", "Or", "as_spec", "is_full", "is_causal",
+    "Custom", "And", "Or", "as_spec", "is_full", "is_causal", "window_width",
 ]

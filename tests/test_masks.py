@@ -113,3 +113,16 @@ def test_anonymous_custom_function_warns_once():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     masks.Custom(lambda q, k: k <= q)  # once per process
+
+
+def test_window_width_bounds_every_row():
+  """``window_width``: the narrowest sliding window bounding every query's keys (a bound: the
+  widest row of the elementwise mask sees at most that many keys besides its own)."""
+  cases = [(masks.SlidingWindow(5), 5), (masks.Causal() & masks.SlidingWindow(7, 2), 9),
+           (masks.SlidingWindow(3) & masks.SlidingWindow(9, 1), 3), (masks.Causal(), None),
+           (masks.ChunkedCausal(4), None), (masks.SlidingWindow(2) | masks.Causal(), None)]
+  pos = jnp.arange(40)
+  for spec, width in cases:
+    assert masks.window_width(spec) == width
+    widest = int(spec.visible(pos[:, None], pos[None, :]).sum(axis=1).max())
+    assert width is None or widest <= width + 1

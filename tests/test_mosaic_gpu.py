@@ -146,6 +146,49 @@ def test_both_forward_walks_lower(name, overlap, monkeypatch):
   assert (pallas_mosaic_gpu.KEEP_ALIVE in text) == overlap
 
 
+def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
+  """Rows of a sliding window are short and alike: one CTA per SM walks several of them (132
+  SMs when cross-lowering); other masks, and the serial walk, launch one CTA per item."""
+  assert pallas_mosaic_gpu.sm_count() == 132
+  ctas = pallas_mosaic_gpu.persistent_ctas
+  window = masks.Causal() & masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW)
+  assert ctas(2048, window, True) == 132 and ctas(100, window, True) == 100
+  assert ctas(2048, window, False) == 2048  # the serial walk (segment ids)
+  assert ctas(2048, masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW, 1), True) == 2048
+  for mask in (masks.Causal(), masks.Full(), masks.ChunkedCausal(1024)):
+    assert ctas(2048, mask, True) == 2048
+  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", 7)
+  assert ctas(2048, masks.Causal(), True) == 7 and ctas(5, masks.Causal(), True) == 5
+
+  grids = []  # the forward's launch, as the kernel call sees it
+  kernel = pallas_mosaic_gpu.plgpu.kernel
+  monkeypatch.setattr(pallas_mosaic_gpu.plgpu, "kernel",
+                      lambda *a, grid, **kw: grids.append(grid) or kernel(*a, grid=grid, **kw))
+  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", None)
+  x = jax.ShapeDtypeStruct((1, 2048, 16, 128), jnp.bfloat16)  # 16 q blocks x 16 heads
+  for mask in (masks.Causal() & masks.SlidingWindow(1024), masks.Causal()):
+    jax.clear_caches()
+    _lower(_attention(dict(mask=mask)), x, x, x)
+  jax.clear_caches()
+  assert grids == [(132,), (256,)]
+
+
+@pytest.mark.parametrize("name", ["documents", "window_mqa", "h96_padded_fp16", "one_token"])
+def test_forward_lowers_with_several_items_per_cta(name, monkeypatch):
+  """Persistent CTAs (here 3, each walking several items) in both walks (documents: serial),
+  alone and merging into the ring's running results."""
+  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", 3)
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+  step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
+  jax.clear_caches()  # (the switch is read while tracing)
+  try:
+    assert _lower(_attention(kw), *args, *seg).count(MOSAIC) == 1
+    assert _lower(step, *step_args).count(MOSAIC) == 4
+  finally:
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("head_dim, dlse, in_dq",
                          [(128, False, True), (128, True, True), (256, True, True),
                           (128, False, False)])
@@ -311,6 +354,31 @@ def test_interpret_on_cpu_emulates_the_plan_walk():
   out = flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_mosaic_gpu")
   ref = reference.attention(q, k, v, mask=masks.Causal())[0]
   assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name", ["causal_gqa", "documents", "window_mqa", "h256"])
+def test_native_persistent_forward_matches_one_cta_per_item(name, monkeypatch):
+  """3 persistent CTAs, each walking several items (both walks; documents: serial), give the
+  same bits as one CTA per item, alone and merging into the ring's running results."""
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
+  kw = dict(mask=mask, softcap=cap, return_lse=True)
+  if segs:
+    kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
+  step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
+  runs = []
+  for ctas in (False, 3):
+    monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", ctas)
+    jax.clear_caches()
+    runs.append((flash_attention(q, k, v, backend="pallas_mosaic_gpu", **kw),
+                 jax.jit(step)(*step_args)))
+  jax.clear_caches()
+  for a, b in zip(*map(jax.tree.leaves, runs)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.skipif(not ON_GPU or not kernels.hopper(),

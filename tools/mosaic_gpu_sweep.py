@@ -209,9 +209,9 @@ def _ours_each(settings, compile_fn):
 
 
 def _time_against_cudnn(name, fns, args, flops):
-  """Times ``fns`` (name -> compiled function of ``args``) interleaved, 7 batches each, and
+  """Times ``fns`` (name -> compiled function of ``args``) interleaved, 8 batches each, and
   prints each one's median (min-max), TFLOP/s and ratio to cuDNN's time where it ran."""
-  samples = bench.interleaved_samples({impl: (f, args) for impl, f in fns.items()}, reps=7)
+  samples = bench.interleaved_samples({impl: (f, args) for impl, f in fns.items()}, reps=8)
   res = {impl: (statistics.median(ts), min(ts), max(ts)) for impl, ts in samples.items()}
   for impl, (med, lo, hi) in res.items():
     vs = f"vs cudnn {res['cudnn'][0] / med:.3f}x" if "cudnn" in res else ""
@@ -231,8 +231,8 @@ def variants(*opts):
             ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
             ("dense T=16k fp16", 16384, 16, 16, 128, None, "full", jnp.float16),
             ("causal T=16k fp16", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.float16),
-            ("window 1024", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(1024),
-             "window", jnp.bfloat16),
+            *((f"window {w}", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(w),
+               "window", jnp.bfloat16) for w in (1024, 2048, 4096)),
             ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
             ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
             ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
@@ -241,16 +241,17 @@ def variants(*opts):
       continue
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
-    pairs = visible_pairs(t, kind)
+    window = mask.b.left if kind == "window" else None  # (Causal() & SlidingWindow(w))
+    pairs = visible_pairs(t, kind, window=window or 0)
     comp = lambda f: _compiled(jax.jit(f), q, k, v)
     ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend=be)
     fns = _ours_each(switches, lambda: comp(ours))
     fns["ours pallas_triton"] = comp(functools.partial(ours, be="pallas_triton"))
-    window = (1024, 0) if kind == "window" else None
     if kind != "documents":  # (cuDNN takes documents only as a dense mask: 30x slower)
       fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=kind != "full", local_window_size=window, implementation="cudnn"))
+          q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
+          implementation="cudnn"))
     if dt == jnp.float16:
       cfg = up.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                             causal=kind == "causal")

@@ -46,6 +46,7 @@ except ImportError:  # a JAX without it: the forward keeps the serial walk (``ov
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
+from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
 from pallas_ring.kernels import pallas_triton
 
@@ -262,6 +263,43 @@ def _pingpong(loop, before, after):
   return out
 
 
+# Persistent forward: at most one CTA per SM, each walking work items (a q block of one head) in
+# turn, so the producer streams the next item's first K/V tiles while the consumers finish the
+# current one, and a CTA starts once per SM instead of once per item. It pays where rows are
+# short and alike: sliding windows of at most PERSISTENT_WINDOW keys, in the overlapped walk.
+# H100, T=16k, bf16, same run: causal window 1024 0.333 against 0.352 ms (cuDNN 0.354), window
+# 2048 0.540 against 0.558, window 4096 0.919 against 0.924-0.938; dense 3.57 against
+# 3.65-3.70. It loses where rows differ (causal 1.98 against 1.89-1.93 ms; 16 causal documents
+# of 1024, serial walk, 0.252-0.267 against 0.212 ms): items go to CTAs round-robin, while one
+# CTA per item lets the hardware hand the next item to whichever SM is free. None: that rule;
+# True/False force it; an int sets the CTA count (tests: several items per CTA at small sizes).
+# ``tools/mosaic_gpu_sweep.py variants PERSISTENT=False,True``.
+PERSISTENT = None
+PERSISTENT_WINDOW = 2048
+
+
+def persistent_ctas(items: int, mask, overlap: bool) -> int:
+  """CTAs of a forward of ``items`` work items under ``mask``: ``items`` (one each) unless
+  persistent (above)."""
+  on = PERSISTENT
+  if on is None:
+    width = masks_lib.window_width(mask)
+    on = overlap and width is not None and width <= PERSISTENT_WINDOW
+  if on is False:
+    return items
+  return min(items, sm_count() if on is True else on)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+  """Streaming multiprocessors of the first GPU; 132 (an H100 SXM's) where there is none (when
+  cross-lowering on a CPU)."""
+  try:
+    return int(getattr(jax.devices("gpu")[0], "core_count", 132))
+  except RuntimeError:
+    return 132
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
   """Static sizes of one forward call."""
@@ -273,9 +311,33 @@ class _Geometry:
   head_dim: int
   dtype: object
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
-  q_blocks: int  # CTAs along the sequence (plan rows)
+  q_blocks: int  # q blocks (plan rows) along the sequence
+  heads: int  # query heads
+  batch: int
+  ctas: int  # CTAs launched; each walks work items ctas apart (``_each_item``)
   merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
+
+  @property
+  def items(self) -> int:
+    """Work items: one q block (``2 * bq`` rows) of one head."""
+    return self.heads * self.q_blocks * self.batch
+
+
+def _item(g: _Geometry, i):
+  """``(batch, head, qi)`` of work item ``i``: heads vary fastest, then the q blocks from the
+  last, so the longest rows of causal-type masks start first and the short ones fill the tail
+  (H100: causal 1.73 vs 1.98 ms), then the batch."""
+  head, rest = lax.rem(i, g.heads), lax.div(i, g.heads)
+  return lax.div(rest, g.q_blocks), head, g.q_blocks - 1 - lax.rem(rest, g.q_blocks)
+
+
+def _each_item(g: _Geometry, body, carry):
+  """``carry = body(i, carry)`` for each work item ``i`` of this CTA: ``cta``, ``cta + g.ctas``,
+  ... (one item, ``cta``, unless persistent)."""
+  cta = lax.axis_index("cta")
+  return lax.fori_loop(0, lax.div(g.items - 1 - cta, g.ctas) + 1,
+                       lambda t, carry: body(cta + t * g.ctas, carry), carry)
 
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, *io,
@@ -283,205 +345,236 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   *acc_refs, o_ref, lse_ref, scoped = io  # acc_refs: the earlier passes' (o, lse) when merging
   (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  # CTAs launch in grid order: walking the q blocks from the last starts the longest rows of
-  # causal-type masks first, and the short ones fill the tail (H100: causal 1.73 vs 1.98 ms).
-  qi = g.q_blocks - 1 - lax.axis_index("q_seq")
   wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
-  lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
-  idx_row = lists(idx_ref).at[qi]
-  q_info_b, k_info_b = common.sel(qinfo_ref.shape[0], batch), common.sel(kinfo_ref.shape[0], batch)
-  count = lists(cnt_ref)[qi]
-  n_full = lists(full_ref)[qi]
+
+  def plan_row(batch, head, qi):
+    """``(kv index row, count, n_full)`` of an item's plan row."""
+    lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
+    return lists(idx_ref).at[qi], lists(cnt_ref)[qi], lists(full_ref)[qi]
 
   @pl.when(wg < _COMPUTE_WGS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
-    q0 = qi * (_COMPUTE_WGS * bq) + wg * bq
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
-    plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
-    plgpu.barrier_wait(q_bar.at[wg])
-    # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
-    q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
-
-    def visible(k0, slot):
-      k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
-      k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
-
-    def softmax(s_raw, k0, slot, m, l, masked):
-      """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
-      the tile's K slot."""
-      s, c = _logits(s_raw, cfg)
-      # The slot's key info is read before the slot is released to the producer (which then
-      # overwrites it with a later tile's).
-      vis = visible(k0, slot) if masked else None
-      plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        s = jnp.where(vis, s, common.NEG_INF)
-      m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      if masked:
-        p = jnp.where(vis, p, 0.0)
-      return p.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
-
     m0, l0 = _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq)
 
-    def serial_step(j, carry, masked):
-      """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
-      acc, m, l = carry
-      slot = _slot(j, g.slots)
+    def rows_of(i):
+      """``(batch, head, q0)``: this consumer's rows of item ``i`` start at ``q0``."""
+      batch, head, qi = _item(g, i)
+      return batch, head, qi * (_COMPUTE_WGS * bq) + wg * bq
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        _issued()
-        return acc_ref[...]
+    def load_q(i):
+      """Issues the loads of this consumer's q rows of item ``i`` and their token info."""
+      batch, head, q0 = rows_of(i)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qinfo_ref.at[common.sel(qinfo_ref.shape[0], batch), :,
+                                           pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
 
-      p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                     idx_row[j] * bk if masked else None, slot, m, l, masked)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_wait(v_bar.at[slot])
-      _may_issue()
+    def item(i, base):
+      """This consumer's rows of item ``i``; ``base`` counts the CTA's earlier tiles (the slot
+      ring runs on across items). Returns it with this item's tiles added."""
+      batch, head, q0 = rows_of(i)
+      idx_row, count, n_full = plan_row(*_item(g, i))
+      at = lambda j: _slot(base + j, g.slots)  # the slot of the item's tile j
+      plgpu.barrier_wait(q_bar.at[wg])
+      # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
+      q_info = _info_rows(qinfo_smem, _ROWS, (bq, bk), 0, g.info_rows)
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        nxt = j + 1
+      def visible(k0, slot):
+        k_info = _info_rows(kinfo_smem.at[slot], _COLS, (bq, bk), 1, g.info_rows)
+        k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
 
-        @pl.when(nxt < count)
-        def _():
-          plgpu.barrier_wait(k_bar.at[_slot(nxt, g.slots)])
+      def softmax(s_raw, k0, slot, m, l, masked):
+        """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
+        the tile's K slot."""
+        s, c = _logits(s_raw, cfg)
+        # The slot's key info is read before the slot is released to the producer (which then
+        # overwrites it with a later tile's).
+        vis = visible(k0, slot) if masked else None
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+          s = jnp.where(vis, s, common.NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        if masked:
+          p = jnp.where(vis, p, 0.0)
+        return p.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+      def serial_step(j, carry, masked):
+        """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
+        acc, m, l = carry
+        slot = at(j)
 
-    def serial_walk():
-      acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
-      full = lax.fori_loop(0, n_full, functools.partial(serial_step, masked=False), (acc, m0, l0))
-      return lax.fori_loop(n_full, count, functools.partial(serial_step, masked=True), full)
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          _issued()
+          return acc_ref[...]
 
-    def overlapped_step(o_ref, j, p16_prev, m, l, masked):
-      """Issues tile j's q.k^T and (unless ``p16_prev`` is None) tile j-1's p.v into ``o_ref``,
-      and returns tile j's ``(p16, m, l)`` from its softmax, run while p.v runs; then waits
-      for p.v and rescales ``o_ref``."""
-      slot = _slot(j, g.slots)
-      prev = _slot(j + g.slots - 1, g.slots)
-      plgpu.barrier_wait(k_bar.at[slot])
-      _may_issue()
-
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        if p16_prev is not None:
-          plgpu.barrier_wait(v_bar.at[prev])
-          plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
-        _issued()
-        # q.k^T was issued first, so it is done once at most p.v is in flight.
-        return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
-
-      p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                     idx_row[j] * bk if masked else None, slot, m, l, masked)
-      if p16_prev is not None:
-        plgpu.wgmma_wait(0)
-        _keep_alive(p16_prev)
-        plgpu.barrier_arrive(v_free.at[prev])
-        o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (bq, h), [0])
-      return p16, m_new, l
-
-    def overlapped_walk(o_ref):
-      step = lambda masked: lambda j, carry: overlapped_step(o_ref, j, *carry, masked=masked)
-      # The first tile is always masked (its token info is loaded for that), as only it has no
-      # p.v to overlap.
-      first = lambda: overlapped_step(o_ref, jnp.int32(0), None, m0, l0, masked=True)
-      p16 = plgpu.layout_cast(jnp.zeros((bq, bk), g.dtype), plgpu.Layout.WGMMA)
-      carry = lax.cond(count > 0, first, lambda: (p16, m0, l0))
-      carry = lax.fori_loop(1, n_full, step(False), carry)
-      p16, m, l = lax.fori_loop(jnp.maximum(n_full, 1), count, step(True), carry)
-
-      @pl.when(count > 0)
-      def _():  # the last tile's p.v
-        last = _slot(count - 1, g.slots)
+        p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
+                                       idx_row[j] * bk if masked else None, slot, m, l, masked)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_wait(v_bar.at[slot])
         _may_issue()
-        plgpu.barrier_wait(v_bar.at[last])
-        plgpu.wgmma(o_ref, p16, v_smem.at[last])
-        _issued()
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(v_free.at[last])
 
-      return o_ref[...], m, l
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          nxt = j + 1
 
-    if g.overlap:
-      # One issue phase per step: warpgroup 1 lets warpgroup 0 issue first, and warpgroup 0
-      # takes that extra arrival last.
-      acc, m, l = _pingpong(
-          lambda: pl.run_scoped(overlapped_walk, plgpu.ACC((bq, h), jnp.float32)),
-          _issued, _may_issue)
-    else:
-      @pl.when(count > 0)
-      def _():
-        plgpu.barrier_wait(k_bar.at[0])
+          @pl.when(nxt < count)
+          def _():
+            plgpu.barrier_wait(k_bar.at[at(nxt)])
 
-      acc, m, l = _pingpong(serial_walk, _may_issue, _issued)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
 
-    empty = l == 0.0
-    inv = 1.0 / jnp.where(empty, 1.0, l)
-    lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
-    rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
-    seq = pl.ds(q0, bq)
-    own_o, own_lse = o_ref.at[batch, seq, head], lse_ref.at[batch, head, seq]
-    if g.merge:  # the earlier passes' rows, read from and written to global memory in float32
-      acc_o, acc_lse = acc_refs
-      lse, c_acc, c_own = common.merge_weights(
-          _load(acc_lse.at[batch, head, seq], _ROWS, optimized=False), lse)
-      earlier = _load(acc_o.at[batch, seq, head], plgpu.Layout.WGMMA, optimized=False)
-      own_o[...] = earlier * rows(c_acc) + acc * rows(inv * c_own)
-      own_lse[...] = lse
-      return
-    q_smem[...] = (acc * rows(inv)).astype(g.dtype)
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, own_o)
-    plgpu.copy_smem_to_gmem(lse_smem, own_lse)
+      def serial_walk():
+        @pl.when(count > 0)
+        def _():
+          plgpu.barrier_wait(k_bar.at[at(0)])
+
+        acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+        full = lax.fori_loop(0, n_full, functools.partial(serial_step, masked=False),
+                             (acc, m0, l0))
+        return lax.fori_loop(n_full, count, functools.partial(serial_step, masked=True), full)
+
+      def overlapped_step(o_ref, j, p16_prev, m, l, masked):
+        """Issues tile j's q.k^T and (unless ``p16_prev`` is None) tile j-1's p.v into
+        ``o_ref``, and returns tile j's ``(p16, m, l)`` from its softmax, run while p.v runs;
+        then waits for p.v and rescales ``o_ref``."""
+        slot, prev = at(j), at(j + g.slots - 1)
+        plgpu.barrier_wait(k_bar.at[slot])
+        _may_issue()
+
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          if p16_prev is not None:
+            plgpu.barrier_wait(v_bar.at[prev])
+            plgpu.wgmma(o_ref, p16_prev, v_smem.at[prev])
+          _issued()
+          # q.k^T was issued first, so it is done once at most p.v is in flight.
+          return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
+
+        p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
+                                       idx_row[j] * bk if masked else None, slot, m, l, masked)
+        if p16_prev is not None:
+          plgpu.wgmma_wait(0)
+          _keep_alive(p16_prev)
+          plgpu.barrier_arrive(v_free.at[prev])
+          o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (bq, h), [0])
+        return p16, m_new, l
+
+      def overlapped_walk(o_ref):
+        step = lambda masked: lambda j, carry: overlapped_step(o_ref, j, *carry, masked=masked)
+        # The first tile is always masked (its token info is loaded for that), as only it has
+        # no p.v to overlap.
+        first = lambda: overlapped_step(o_ref, jnp.int32(0), None, m0, l0, masked=True)
+        p16 = plgpu.layout_cast(jnp.zeros((bq, bk), g.dtype), plgpu.Layout.WGMMA)
+        carry = lax.cond(count > 0, first, lambda: (p16, m0, l0))
+        carry = lax.fori_loop(1, n_full, step(False), carry)
+        p16, m, l = lax.fori_loop(jnp.maximum(n_full, 1), count, step(True), carry)
+
+        @pl.when(count > 0)
+        def _():  # the last tile's p.v
+          last = at(count - 1)
+          _may_issue()
+          plgpu.barrier_wait(v_bar.at[last])
+          plgpu.wgmma(o_ref, p16, v_smem.at[last])
+          _issued()
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(v_free.at[last])
+
+        return o_ref[...], m, l
+
+      if g.overlap:
+        acc, m, l = pl.run_scoped(overlapped_walk, plgpu.ACC((bq, h), jnp.float32))
+      else:
+        acc, m, l = serial_walk()
+
+      nxt = i + g.ctas
+      if g.merge:  # (the q tile is free: the next item's q loads while these rows merge)
+        pl.when(nxt < g.items)(lambda: load_q(nxt))
+      empty = l == 0.0
+      inv = 1.0 / jnp.where(empty, 1.0, l)
+      lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+      rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
+      seq = pl.ds(q0, bq)
+      own_o, own_lse = o_ref.at[batch, seq, head], lse_ref.at[batch, head, seq]
+      if g.merge:  # the earlier passes' rows, read from and written to global memory in float32
+        acc_o, acc_lse = acc_refs
+        lse, c_acc, c_own = common.merge_weights(
+            _load(acc_lse.at[batch, head, seq], _ROWS, optimized=False), lse)
+        earlier = _load(acc_o.at[batch, seq, head], plgpu.Layout.WGMMA, optimized=False)
+        own_o[...] = earlier * rows(c_acc) + acc * rows(inv * c_own)
+        own_lse[...] = lse
+      else:  # through the q tile's shared memory, which the next item's q then overwrites
+        q_smem[...] = (acc * rows(inv)).astype(g.dtype)
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, own_o)
+        plgpu.copy_smem_to_gmem(lse_smem, own_lse)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        pl.when(nxt < g.items)(lambda: load_q(nxt))
+      return base + count
+
+    load_q(lax.axis_index("cta"))
+    # The consumers' schedule runs on across items, as one walk. Overlapped: one issue phase
+    # per step, warpgroup 1 lets warpgroup 0 issue first and warpgroup 0 takes that extra
+    # arrival last; serial: warpgroup 1 waits for warpgroup 0's first issue.
+    _pingpong(lambda: _each_item(g, item, jnp.int32(0)),
+              *((_issued, _may_issue) if g.overlap else (_may_issue, _issued)))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-    kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
 
-    @pl.loop(0, count)
-    def _(j):
-      slot = _slot(j, g.slots)
-      keys = pl.ds(idx_row[j] * bk, bk)
-      src = (batch, keys, kv_head)
+    def item(i, base):
+      """Streams item ``i``'s K/V tiles into the slot ring, which runs on from ``base``."""
+      batch, head, qi = _item(g, i)
+      idx_row, count, n_full = plan_row(batch, head, qi)
+      kv_head = lax.div(head, jnp.asarray(g.group, head.dtype))
+      k_info_b = common.sel(kinfo_ref.shape[0], batch)
 
-      @pl.when(j >= g.slots)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
+      @pl.loop(0, count)
+      def _(j):
+        n = base + j  # the CTA's tile count
+        slot = _slot(n, g.slots)
+        keys = pl.ds(idx_row[j] * bk, bk)
+        src = (batch, keys, kv_head)
 
-      plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+        @pl.when(n >= g.slots)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
 
-      # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
-      # which it always masks).
-      with_info = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
+        plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
-      @pl.when(with_info)
-      def _():
-        plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
-                                k_bar.at[slot])
+        # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
+        # which it always masks).
+        with_info = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
 
-      @pl.when(jnp.logical_not(with_info))
-      def _():
-        plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
+        @pl.when(with_info)
+        def _():
+          plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
+                                  k_bar.at[slot])
 
-      @pl.when(j >= g.slots)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
+        @pl.when(jnp.logical_not(with_info))
+        def _():
+          plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
 
-      plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+        @pl.when(n >= g.slots)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+      return base + count
+
+    _each_item(g, item, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -508,8 +601,9 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
-                q_blocks=tp // cfg.block_q, merge=acc is not None,
+                q_blocks=tp // cfg.block_q, heads=n, batch=b, ctas=0, merge=acc is not None,
                 overlap=overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None))
+  g = dataclasses.replace(g, ctas=persistent_ctas(g.items, cfg.mask, g.overlap))
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
@@ -530,8 +624,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
       entry,
       out_type=(jax.ShapeDtypeStruct(q.shape, o_dtype), jax.ShapeDtypeStruct((b, n, tp),
                                                                              jnp.float32)),
-      grid=(n, tp // cfg.block_q, b), grid_names=("heads", "q_seq", "batch"),
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      grid=(g.ctas,), grid_names=("cta",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info),
     token_info(ops.kv_info), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
