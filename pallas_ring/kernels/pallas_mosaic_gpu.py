@@ -267,15 +267,16 @@ def _pingpong(loop, before, after):
 # turn, so the producer streams the next item's first K/V tiles while the consumers finish the
 # current one, and a CTA starts once per SM instead of once per item. It pays where rows are
 # short and alike: sliding windows of at most PERSISTENT_WINDOW keys, in the overlapped walk.
-# H100, T=16k, bf16, same run: causal window 1024 0.333 against 0.352 ms (cuDNN 0.354), window
-# 2048 0.540 against 0.558, window 4096 0.919 against 0.924-0.938; dense 3.57 against
-# 3.65-3.70. It loses where rows differ (causal 1.98 against 1.89-1.93 ms; 16 causal documents
-# of 1024, serial walk, 0.252-0.267 against 0.212 ms): items go to CTAs round-robin, while one
-# CTA per item lets the hardware hand the next item to whichever SM is free. None: that rule;
-# True/False force it; an int sets the CTA count (tests: several items per CTA at small sizes).
-# ``tools/mosaic_gpu_sweep.py variants PERSISTENT=False,True``.
+# H100, T=16k, bf16, causal window 1024: 0.325-0.340 ms against 0.352-0.357 in five runs (cuDNN
+# 0.332-0.354), 0.339 against 0.340 in a sixth; window 2048: 0.528-0.548 against 0.538-0.560
+# (a wash); window 4096: 0.914-0.933 against 0.872-0.938 (slower). Where rows differ it loses:
+# items go to CTAs round-robin, while one CTA per item lets the hardware hand the next item to
+# whichever SM is free (causal 1.98 against 1.89-1.93 ms; 16 causal documents of 1024, serial
+# walk, 0.252-0.267 against 0.212 ms). None: that rule; True/False force it; an int sets the
+# CTA count (tests: several items per CTA at small sizes). ``tools/mosaic_gpu_sweep.py variants
+# window PERSISTENT=None,False``.
 PERSISTENT = None
-PERSISTENT_WINDOW = 2048
+PERSISTENT_WINDOW = 1024
 
 
 def persistent_ctas(items: int, mask, overlap: bool) -> int:
