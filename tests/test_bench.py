@@ -20,10 +20,10 @@ def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
   res = bench.timeit_interleaved({"a": (make("a"), (jnp.ones(3),)),
                                   "b": (make("b"), (jnp.ones(3),))}, iters=3, reps=4)
   assert set(res) == {"a", "b"} and all(t > 0 for t in res.values())
-  # Two warm-up calls and one sizing batch each, then the repetitions alternate:
-  # a a a b b b a a a b b b ...
+  # Two warm-up calls and one sizing batch each, then the repetitions alternate, every other
+  # one in reverse order (the place in the order matters too): a a a b b b b b b a a a ...
   assert calls[:10] == ["a"] * 5 + ["b"] * 5
-  assert calls[10:] == (["a"] * 3 + ["b"] * 3) * 4
+  assert calls[10:] == (["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3) * 2
 
 
 def test_short_calls_are_timed_in_longer_batches(monkeypatch):
