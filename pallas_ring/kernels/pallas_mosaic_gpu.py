@@ -1,15 +1,16 @@
 """Pallas kernels lowered through Mosaic GPU (Hopper, sm_90+), implementing ``kernels.common``.
 
-The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows, split between
-two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams the K/V
-tiles of the CTA's plan row by TMA into a ring of ``num_stages`` shared-memory slots guarded by
-barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
+The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows of one head at a
+time (a work item; persistent CTAs, one per SM, walk several for narrow sliding windows), split
+between two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams
+the K/V tiles of the item's plan row by TMA into a ring of ``num_stages`` shared-memory slots
+guarded by barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
 (base 2, scale folded) in registers; two hardware barriers order the consumers' matmuls so that
 one's softmax overlaps the other's matmuls. Where the registers allow (``overlaps``), each
 consumer also issues tile j's ``q.k^T`` together with tile j-1's ``p.v`` and runs tile j's
 softmax while that ``p.v`` runs (FlashAttention-3's intra-warpgroup overlap).
 
-Both consumers walk the same plan row (the plan's query block is the CTA's rows), so the producer
+Both consumers walk the same plan row (the plan's query block is the item's rows), so the producer
 loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
 through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
 K/V are read per kv head (GQA is never repeated).
@@ -362,14 +363,12 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
     m0, l0 = _row_vector(common.NEG_INF, bq), _row_vector(0.0, bq)
 
-    def rows_of(i):
-      """``(batch, head, q0)``: this consumer's rows of item ``i`` start at ``q0``."""
-      batch, head, qi = _item(g, i)
-      return batch, head, qi * (_COMPUTE_WGS * bq) + wg * bq
+    first_row = lambda qi: qi * (_COMPUTE_WGS * bq) + wg * bq  # this consumer's, in q block qi
 
     def load_q(i):
       """Issues the loads of this consumer's q rows of item ``i`` and their token info."""
-      batch, head, q0 = rows_of(i)
+      batch, head, qi = _item(g, i)
+      q0 = first_row(qi)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qinfo_ref.at[common.sel(qinfo_ref.shape[0], batch), :,
                                            pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
@@ -377,8 +376,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     def item(i, base):
       """This consumer's rows of item ``i``; ``base`` counts the CTA's earlier tiles (the slot
       ring runs on across items). Returns it with this item's tiles added."""
-      batch, head, q0 = rows_of(i)
-      idx_row, count, n_full = plan_row(*_item(g, i))
+      batch, head, qi = _item(g, i)
+      q0 = first_row(qi)
+      idx_row, count, n_full = plan_row(batch, head, qi)
       at = lambda j: _slot(base + j, g.slots)  # the slot of the item's tile j
       plgpu.barrier_wait(q_bar.at[wg])
       # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
@@ -601,12 +601,13 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   check_tiles(cfg, hp, itemsize)
+  overlap = overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None)
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
-                q_blocks=tp // cfg.block_q, heads=n, batch=b, ctas=0, merge=acc is not None,
-                overlap=overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None))
-  g = dataclasses.replace(g, ctas=persistent_ctas(g.items, cfg.mask, g.overlap))
+                q_blocks=tp // cfg.block_q, heads=n, batch=b,
+                ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap),
+                merge=acc is not None, overlap=overlap)
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
