@@ -147,12 +147,13 @@ def test_both_forward_walks_lower(name, overlap, monkeypatch):
 
 
 def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
-  """Rows of a sliding window are short and alike: one CTA per SM walks several of them (132
-  SMs when cross-lowering); other masks, and the serial walk, launch one CTA per item."""
-  assert pallas_mosaic_gpu.sm_count() == 132
+  """Rows of a sliding window are short and alike: one CTA per SM walks several of them; other
+  masks, and the serial walk, launch one CTA per item."""
+  sms = pallas_mosaic_gpu.sm_count()
+  assert sms == 132 or ON_GPU  # (an H100's, when there is no GPU to ask)
   ctas = pallas_mosaic_gpu.persistent_ctas
   window = masks.Causal() & masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW)
-  assert ctas(2048, window, True) == 132 and ctas(100, window, True) == 100
+  assert ctas(2048, window, True) == sms and ctas(100, window, True) == 100
   assert ctas(2048, window, False) == 2048  # the serial walk (segment ids)
   assert ctas(2048, masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW, 1), True) == 2048
   for mask in (masks.Causal(), masks.Full(), masks.ChunkedCausal(1024)):
@@ -170,7 +171,7 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
     jax.clear_caches()
     _lower(_attention(dict(mask=mask)), x, x, x)
   jax.clear_caches()
-  assert grids == [(132,), (256,)]
+  assert grids == [(min(sms, 256),), (256,)]
 
 
 @pytest.mark.parametrize("name", ["documents", "window_mqa", "h96_padded_fp16", "one_token"])
