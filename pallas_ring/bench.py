@@ -130,6 +130,31 @@ class Row:
   ratio: str = ""  # ours vs the baseline, when both exist
 
 
+def plot(rows, path: str, title: str = "") -> None:
+  """Saves a horizontal bar chart of ``rows`` (``Row``) to ``path``: one group of bars per case
+  and pass, one bar (and legend entry) per implementation, TFLOP/s on visible pairs."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups = list(dict.fromkeys((r.case, r.pass_) for r in rows))
+  impls = list(dict.fromkeys(r.impl for r in rows))
+  height = 0.8 / len(impls)
+  fig, ax = plt.subplots(figsize=(9, 1.0 + 0.3 * len(groups) * max(len(impls), 2) / 2))
+  for k, impl in enumerate(impls):
+    at = {(r.case, r.pass_): r.tflops for r in rows if r.impl == impl}
+    ys = [g for g, key in enumerate(groups) if key in at]
+    ax.barh([y + (k - (len(impls) - 1) / 2) * height for y in ys],
+            [at[groups[y]] for y in ys], height, label=impl)
+  ax.set_yticks(range(len(groups)), [f"{case}, {pass_}" for case, pass_ in groups], fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlabel("TFLOP/s (visible pairs)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def _tflops(pairs, b, n, h, secs, pass_):
   f = 4 * b * n * pairs * h * (3.5 if pass_ == "fwd+bwd" else 1.0)
   return f / secs / 1e12
@@ -442,15 +467,7 @@ def main(args) -> None:
   for r in rows:
     print(f"| {r.case} | {r.impl} | {r.pass_} | {r.ms:.3f} | {r.tflops:.1f} | {r.ratio} |")
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(10, 5))
-    labels = [f"{r.case}\n{r.pass_}" for r in rows]
-    ax.barh(range(len(rows)), [r.tflops for r in rows])
-    ax.set_yticks(range(len(rows)), [f"{l} {r.impl}" for l, r in zip(labels, rows)], fontsize=5)
-    ax.set_xlabel("TFLOP/s (visible pairs)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
+    plot(rows, os.path.join(out_dir, f"{name}.png"),
+         f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")
   except ImportError:
     log("matplotlib not installed: no plot")

@@ -1,8 +1,10 @@
-"""The benchmark's timing helpers (the GPU benchmarks themselves run on GPUs only)."""
+"""The benchmark's timing and plotting helpers (the GPU benchmarks themselves run on GPUs
+only)."""
 
 import time
 
 import jax.numpy as jnp
+import pytest
 
 from pallas_ring import bench
 
@@ -46,3 +48,28 @@ def test_visible_pairs_of_each_mask_kind():
   assert bench.visible_pairs(8, "causal") == 36
   assert bench.visible_pairs(8, "window", window=2) == 1 + 2 + 3 * 6
   assert bench.visible_pairs(8, "documents", doc=4) == 2 * 10
+
+
+def test_plot_groups_each_case_and_pass(tmp_path, monkeypatch):
+  """``bench.plot``: one bar group per (case, pass), one labelled bar per implementation."""
+  pytest.importorskip("matplotlib")
+  import matplotlib.pyplot as plt
+  rows = [bench.Row(case, impl, pass_, 1.0, tflops)
+          for case, pass_, tflops in (("dense", "fwd", 600.0), ("dense", "fwd+bwd", 500.0),
+                                      ("causal", "fwd", 550.0))
+          for impl in ("ours", "cuDNN")]
+  seen = {}
+  real_savefig = plt.Figure.savefig
+
+  def savefig(fig, path, **kw):
+    ax = fig.axes[0]
+    seen["ticks"] = [t.get_text() for t in ax.get_yticklabels()]
+    seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+    seen["bars"] = len(ax.patches)
+    return real_savefig(fig, path, **kw)
+
+  monkeypatch.setattr(plt.Figure, "savefig", savefig)
+  bench.plot(rows, str(tmp_path / "p.png"), "title")
+  assert (tmp_path / "p.png").stat().st_size > 0
+  assert seen == {"ticks": ["dense, fwd", "dense, fwd+bwd", "causal, fwd"],
+                  "legend": ["ours", "cuDNN"], "bars": 6}

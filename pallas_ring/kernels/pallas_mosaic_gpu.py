@@ -4,10 +4,10 @@ The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows 
 time (a work item; persistent CTAs, one per SM, walk several for narrow sliding windows), split
 between two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams
 the K/V tiles of the item's plan row by TMA into a ring of ``num_stages`` shared-memory slots
-guarded by barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online softmax
-(base 2, scale folded) in registers; two hardware barriers order the consumers' matmuls so that
-one's softmax overlaps the other's matmuls. Where the registers allow (``overlaps``), each
-consumer also issues tile j's ``q.k^T`` together with tile j-1's ``p.v`` and runs tile j's
+guarded by barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online
+softmax (base 2, scale folded) in registers; two hardware barriers order the consumers' matmuls
+so that one's softmax overlaps the other's matmuls. Where the registers allow (``overlaps``),
+each consumer also issues tile j's ``q.k^T`` together with tile j-1's ``p.v`` and runs tile j's
 softmax while that ``p.v`` runs (FlashAttention-3's intra-warpgroup overlap).
 
 Both consumers walk the same plan row (the plan's query block is the item's rows), so the producer
@@ -269,8 +269,8 @@ def _pingpong(loop, before, after):
 # current one, and a CTA starts once per SM instead of once per item. It pays where rows are
 # short and alike: sliding windows of at most PERSISTENT_WINDOW keys, in the overlapped walk.
 # H100, T=16k, bf16, causal window 1024: 0.325-0.340 ms against 0.352-0.357 in five runs (cuDNN
-# 0.332-0.354), 0.339 against 0.340 in a sixth; window 2048: 0.528-0.548 against 0.538-0.560
-# (a wash); window 4096: 0.914-0.933 against 0.872-0.938 (slower). Where rows differ it loses:
+# 0.332-0.354), 0.339 against 0.340 in a sixth; windows of 2048 and 4096 keys: a wash
+# (0.528-0.548 against 0.538-0.560 ms; 0.914-0.933 against 0.886-0.938). Where rows differ it loses:
 # items go to CTAs round-robin, while one CTA per item lets the hardware hand the next item to
 # whichever SM is free (causal 1.98 against 1.89-1.93 ms; 16 causal documents of 1024, serial
 # walk, 0.252-0.267 against 0.212 ms). None: that rule; True/False force it; an int sets the
