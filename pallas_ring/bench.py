@@ -63,10 +63,11 @@ def interleaved_samples(calls, iters=10, reps=5) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
   repetitions interleaved across the calls, so that clock and thermal drift during a run
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
-  implementation alike. Every other repetition runs the calls in reverse order: the place in
-  the order matters too (H100, two builds of one kernel, first and second of four in every
-  repetition: 3.54 against 3.77 ms). Each sample is a batch of at least ``iters`` calls
-  (``_batch``)."""
+  implementation alike. Every other repetition runs the calls in reverse order, so that no
+  implementation always takes the same place (H100, one run with two builds of one kernel
+  first and second of four in every repetition: 3.54 against 3.77 ms; identical builds also
+  differed by 6% in an alternating-order run, so part of that may be noise). Each sample is a
+  batch of at least ``iters`` calls (``_batch``)."""
   batch = {}
   for name, (fn, args) in calls.items():
     jax.block_until_ready(fn(*args))

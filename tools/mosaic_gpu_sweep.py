@@ -241,7 +241,7 @@ def variants(*opts):
       continue
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
-    window = mask.b.left if kind == "window" else None  # (Causal() & SlidingWindow(w))
+    window = masks.window_width(mask) if kind == "window" else None
     pairs = visible_pairs(t, kind, window=window or 0)
     comp = lambda f: _compiled(jax.jit(f), q, k, v)
     ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
