@@ -381,6 +381,29 @@ def test_native_persistent_forward_matches_one_cta_per_item(name, monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name,ctas", [("documents", False), ("window_mqa", 3),
+                                       ("h256_documents_gqa_softcap", False)])
+def test_native_x64_gives_the_same_bits(name, ctas, monkeypatch):
+  """x64 mode changes no result of a ring step (both forwards and the backward; window_mqa: 3
+  persistent CTAs walking several items, whose item arithmetic must stay int32)."""
+  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", ctas)
+  rng = np.random.default_rng(4)
+  runs = []
+  for x64 in (False, True):
+    with jax.enable_x64(x64):
+      step, _, structs = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
+      if not runs:
+        args = [np.sort(rng.integers(0, 4, a.shape), axis=1).astype(np.int32)
+                if a.dtype == jnp.int32 else rng.standard_normal(a.shape).astype(a.dtype)
+                for a in structs]
+      runs.append([np.asarray(x, np.float32)
+                   for x in jax.tree.leaves(jax.jit(step)(*map(jnp.asarray, args)))])
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
                                   "h256_documents_gqa_softcap", "h192_padded_fp16"])
 def test_native_gradients_match_and_are_bitwise_reproducible(name):
