@@ -11,6 +11,8 @@ which merges its ``(o, lse)`` into the running float32 result (``common.merge``,
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse). A second
 scan rotates K/V together with the dK/dV accumulators (one step behind their shard, so every send
 overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``; dQ accumulates locally.
+The local pair runs its dQ first and its dK/dV last, so the accumulated dK/dV's hop home overlaps
+that kernel instead of ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions.
 
@@ -169,9 +171,9 @@ def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operand
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _middle_steps(r):
-  """Ring steps ``1 .. R-2`` (int32, also under x64): the scanned ones between first and last."""
-  return jnp.arange(1, r - 1, dtype=jnp.int32)
+def _middle_steps(first, r):
+  """Ring steps ``first .. R-2`` (int32, also under x64): the scanned ones before the last."""
+  return jnp.arange(first, r - 1, dtype=jnp.int32)
 
 
 def _gather(x, st):
@@ -211,7 +213,7 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
     nxt = _rotate(held, st)
     return (compute(*held, step, acc), nxt), None
 
-  (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(r), unroll=st.unroll)
+  (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(1, r), unroll=st.unroll)
   return tuple(compute(*held, r - 1, acc))  # the last shard needs no send
 
 
@@ -237,12 +239,18 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fi
     return dq, jnp.stack([dk_s, dv_s]), dbias
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
-  # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernel;
-  # after the last step one more hop brings every dK/dV home.
-  held = (jnp.stack([k, v]), _moving_info(st, kv_info))
-  nxt = _rotate(held, st)
+  # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
+  # The local pair runs in two halves: its dQ at step 0, while the first K/V travel, and its
+  # dK/dV last, while the other devices' sum of this shard's dK/dV makes its last hop home (so
+  # that hop overlaps a kernel too). Each half uses only some of the pair's outputs, so the other
+  # half's kernels are dropped from the program (dead code).
+  local = (jnp.stack([k, v]), _moving_info(st, kv_info))
+  held = _rotate(local, st)
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
-  dq, dkv, dbias = compute(*held, 0, dbias)
+  dq, _, dbias = compute(*local, 0, dbias)
+  last = r - 1
+  nxt = _rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
+  dq, dkv, dbias = compute(*held, 1, dbias, dq)
 
   def body(carry, step):
     dq, held, dkv, dbias = carry
@@ -250,11 +258,15 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fi
     dq, dkv_s, dbias = compute(*held, step, dbias, dq)
     return (dq, nxt, dkv_in + dkv_s, dbias), None
 
-  (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(r),
-                                       unroll=st.unroll)
-  dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
-  dq, dkv_s, dbias = compute(*held, r - 1, dbias, dq)
-  dkv = _rotate(dkv_in + dkv_s, st)
+  if last > 1:
+    (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(2, r),
+                                         unroll=st.unroll)
+    dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
+    dq, dkv_s, dbias = compute(*held, last, dbias, dq)
+    dkv = dkv_in + dkv_s
+  dkv = _rotate(dkv, st)  # home, while the local pair's dK/dV run:
+  _, dkv_local, _ = compute(*local, 0, None)
+  dkv = dkv + dkv_local
   return dq, dkv[0], dkv[1], dbias
 
 

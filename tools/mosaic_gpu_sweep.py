@@ -414,40 +414,47 @@ def parts(out_dir="/tmp/trace", *only):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                            backend="pallas_mosaic_gpu")
     f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench._fwd_bwd(attn), (q, k, v, do))
-    jax.block_until_ready(f(*args))
-    d = f"{out_dir}/{name.split()[0]}"
-    with jax.profiler.trace(d):
-      for _ in range(10):
-        r = f(*args)
-      jax.block_until_ready(r)
-    path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-    trace = json.load(gzip.open(path))
-    gpu_pids = {p["pid"] for p in trace["traceEvents"] if p.get("ph") == "M" and
-                p.get("name") == "process_name" and "GPU" in str(p.get("args", {}).get("name"))}
-    per, kernels = collections.Counter(), []
-    events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
-                     e.get("pid") in gpu_pids), key=lambda e: e["ts"])
-    if not events:
-      print(f"{name}: the trace holds no GPU events", flush=True)
-      continue
-    for e in events:
-      per[e["name"][:70]] += e.get("dur", 0) / 10
-      if "mosaic" in e["name"]:
-        kernels.append(e.get("dur", 0))
-    total = sum(per.values())
-    span = (max(e["ts"] + e.get("dur", 0) for e in events) - events[0]["ts"]) / 10
-    nk = len(kernels) // 10  # Mosaic GPU kernels per call
-    means = [statistics.mean(kernels[i::nk]) for i in range(nk)]
-    print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call; "
-          f"Mosaic GPU kernels in launch order, mean of 10 calls: "
-          f"{' '.join('%.1f us' % d for d in means)}", flush=True)
-    count = collections.Counter(e["name"][:70] for e in events)
-    print(f"  {len(events) / 10:.0f} GPU ops per call", flush=True)
-    hlo = _hlo_lines(f, args, f"{d}/optimized_hlo.txt")
-    for kname, us in per.most_common(40):
-      print(f"  {us:9.1f} us  {count[kname] / 10:4.0f}x  {kname}", flush=True)
-      if "mosaic" not in kname and kname in hlo:
-        print(f"      {hlo[kname][:150]}", flush=True)
+    profile(name, f, args, f"{out_dir}/{name.split()[0]}")
+
+
+def profile(name, f, args, d, calls=10):
+  """Prints the device time per kernel of ``f(*args)`` (jitted) on the first GPU, from a
+  profiler trace of ``calls`` calls written under ``d``: each op's mean time per call with its
+  HLO instruction, the Mosaic GPU kernels in launch order, and the span per call."""
+  jax.block_until_ready(f(*args))
+  with jax.profiler.trace(d):
+    for _ in range(calls):
+      r = f(*args)
+    jax.block_until_ready(r)
+  path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
+  trace = json.load(gzip.open(path))
+  gpu_pids = sorted(p["pid"] for p in trace["traceEvents"] if p.get("ph") == "M" and
+                    p.get("name") == "process_name" and
+                    "GPU" in str(p.get("args", {}).get("name")))
+  per, kernels = collections.Counter(), []
+  events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
+                   gpu_pids and e.get("pid") == gpu_pids[0]), key=lambda e: e["ts"])
+  if not events:
+    print(f"{name}: the trace holds no GPU events", flush=True)
+    return
+  for e in events:
+    per[e["name"][:70]] += e.get("dur", 0) / calls
+    if "mosaic" in e["name"]:
+      kernels.append(e.get("dur", 0))
+  total = sum(per.values())
+  span = (max(e["ts"] + e.get("dur", 0) for e in events) - events[0]["ts"]) / calls
+  nk = len(kernels) // calls  # Mosaic GPU kernels per call
+  means = [statistics.mean(kernels[i::nk]) for i in range(nk)]
+  print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call "
+        f"(first of {len(gpu_pids)} GPUs); Mosaic GPU kernels in launch order, mean of {calls} "
+        f"calls: {' '.join('%.1f us' % d for d in means)}", flush=True)
+  count = collections.Counter(e["name"][:70] for e in events)
+  print(f"  {len(events) / calls:.0f} GPU ops per call", flush=True)
+  hlo = _hlo_lines(f, args, f"{d}/optimized_hlo.txt")
+  for kname, us in per.most_common(40):
+    print(f"  {us:9.1f} us  {count[kname] / calls:4.0f}x  {kname}", flush=True)
+    if "mosaic" not in kname and kname in hlo:
+      print(f"      {hlo[kname][:150]}", flush=True)
 
 
 def _hlo_lines(f, args, path):
