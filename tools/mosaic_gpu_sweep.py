@@ -14,6 +14,7 @@
                                                # per kernel and span per call (profiler trace),
                                                # each XLA op with its HLO instruction
     python tools/mosaic_gpu_sweep.py calls     # two forward+backward calls, to run under ncu
+    python tools/mosaic_gpu_sweep.py step      # a ring step's forward at 8k: alone, merging
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -262,6 +263,33 @@ def variants(*opts):
     _time_against_cudnn(name, fns, (q, k, v), 4 * n * pairs * h)
 
 
+def step(*opts):
+  """A ring step's forward at 8k tokens per GPU (N=16, H=128, bf16, dense, float32 outputs, as
+  the ring runs it): the kernel alone and merging into a running (o, lse), against the forward
+  of one GPU doing the step's work as one call (``flash_attention``); ``NAME=v1,v2`` compiles
+  our kernel once per switch value; all timed interleaved."""
+  from pallas_ring import attention, block_sparse
+  from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
+  b, t, n, h = 1, 8192, 16, 128
+  q, k, v, _ = _inputs(b, t, n, h)
+  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
+  cfg = attention.kernel_config(tiles, mask=None, scale=h ** -0.5, softcap=None, q_len=t,
+                                kv_len=t, out_dtype=jnp.float32, interpret=False)
+  info = block_sparse.make_token_info(t, b)
+  ops = common.Operands(info, info)
+  plan = attention.make_plan(ops, cfg)
+  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)
+  acc = common.Partial(o, lse)
+  alone = lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)
+  merging = lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg, acc)
+  fns = {}
+  for name, f in (("alone", alone), ("merging", merging)):
+    for label, fn in _ours_each(_switches(opts), lambda: _compiled(jax.jit(f), q, k, v)).items():
+      fns[f"{name} {label.removeprefix('ours pallas_mosaic_gpu')}".strip()] = fn
+  fns["flash_attention 8k x 8k"] = _compiled(jax.jit(flash_attention), q, k, v)
+  _time_against_cudnn("ring step 8k", fns, (q, k, v), 4 * n * t * t * h)
+
+
 def _gradients_ok(q, k, v, kw, key):
   do = jax.random.normal(key, q.shape, jnp.float32)
 
@@ -505,4 +533,4 @@ if __name__ == "__main__":
     opts = _set_switches(opts)
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
-   "bwd": bwd, "parts": parts, "calls": calls}[mode](*opts)
+   "bwd": bwd, "parts": parts, "calls": calls, "step": step}[mode](*opts)
