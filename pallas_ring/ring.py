@@ -188,14 +188,22 @@ def _gather_info(info, st):
   return block_sparse.TokenInfo(_gather(info.positions, st), _gather(info.segment_ids, st))
 
 
-def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
-  """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks)."""
+def _local_kv(st: _RingStatic, k, v):
+  """This shard's K/V as the ring holds them: one stacked ``[2, B, Sp, K, H]`` buffer, so each
+  step sends both in one collective (``all_gather``: the pair ``(k, v)``). The backward reuses
+  the forward's buffer."""
+  return (k, v) if st.strategy == "all_gather" else jnp.stack([k, v])
+
+
+def _ring_forward(st: _RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
+  """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks); ``kv``
+  from ``_local_kv``."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
-  sp = k.shape[1]
+  sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    return _pair_forward(st, q, _gather(k, st), _gather(v, st), ops)
+    return _pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops)
 
   def compute(kv, moving, step, acc=None):
     src = (rank - step) % r
@@ -204,7 +212,7 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
 
   # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
   # result into the running one.
-  held = (jnp.stack([k, v]), _moving_info(st, kv_info))  # K/V in one buffer
+  held = (kv, _moving_info(st, kv_info))
   nxt = _rotate(held, st)
   acc = compute(*held, 0)
 
@@ -217,14 +225,15 @@ def _ring_forward(st: _RingStatic, q, k, v, q_info, kv_info, fixed: _Fixed):
   return tuple(compute(*held, r - 1, acc))  # the last shard needs no send
 
 
-def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fixed: _Fixed):
+def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
   """``(dq, dk, dv, dbias)``; dbias (or None) has the full-width layout of ``fixed.bias``."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
-  sp = k.shape[1]
+  sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    dq, dk, dv, dbias = _pair_backward(st, q, _gather(k, st), _gather(v, st), do, lse, delta, ops)
+    dq, dk, dv, dbias = _pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
+                                       delta, ops)
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
@@ -244,7 +253,7 @@ def _ring_backward(st: _RingStatic, q, k, v, do, lse, delta, q_info, kv_info, fi
   # dK/dV last, while the other devices' sum of this shard's dK/dV makes its last hop home (so
   # that hop overlaps a kernel too). Each half uses only some of the pair's outputs, so the other
   # half's kernels are dropped from the program (dead code).
-  local = (jnp.stack([k, v]), _moving_info(st, kv_info))
+  local = (kv, _moving_info(st, kv_info))
   held = _rotate(local, st)
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
   dq, _, dbias = compute(*local, 0, dbias)
@@ -276,24 +285,25 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
-  o, lse = attention.finish_forward(*_ring_forward(st, q, k, v, q_info, kv_info, fixed), sinks,
+  kv = _local_kv(st, k, v)
+  o, lse = attention.finish_forward(*_ring_forward(st, q, kv, q_info, kv_info, fixed), sinks,
                                     q.dtype)
-  return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
+  return (o, lse), (q, kv, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
-  q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
+  q, kv, sinks, q_info, kv_info, fixed, o, lse = res
   do, dlse = cts  # dlse: None when zero (attention.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
-      q, k, v, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
+      q, kv, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
     dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(bias=None if dbias is None else dbias.astype(fixed.bias.dtype))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
+  return (dq.astype(q.dtype), dk.astype(kv[0].dtype), dv.astype(kv[1].dtype), dsinks, none(q_info),
           none(kv_info), dfixed)
 
 

@@ -273,7 +273,7 @@ def step(*opts):
   b, t, n, h = 1, 8192, 16, 128
   q, k, v, _ = _inputs(b, t, n, h)
   tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
-  cfg = attention.kernel_config(tiles, mask=None, scale=h ** -0.5, softcap=None, q_len=t,
+  cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None, q_len=t,
                                 kv_len=t, out_dtype=jnp.float32, interpret=False)
   info = block_sparse.make_token_info(t, b)
   ops = common.Operands(info, info)
