@@ -59,24 +59,43 @@ def timeit(fn, *args, iters=10, reps=5) -> float:
   return statistics.median(interleaved_samples({"fn": (fn, args)}, iters, reps)["fn"])
 
 
+def balanced_orders(n: int) -> list:
+  """Orders of ``n`` implementations (a Williams design: a balanced Latin square) in which each
+  takes every place equally often and follows every other one equally often: ``n`` orders for
+  even ``n`` (and one), ``2 n`` (the orders and their reverses) for odd ``n``."""
+  first, lo, hi = [0], 1, n - 1
+  while lo <= hi:  # 0, 1, n-1, 2, n-2, ...
+    first.append(lo)
+    lo += 1
+    if lo <= hi:
+      first.append(hi)
+      hi -= 1
+  orders = [[(i + r) % n for i in first[:n]] for r in range(n)]
+  return orders if n % 2 == 0 or n == 1 else orders + [o[::-1] for o in orders]
+
+
 def interleaved_samples(calls, iters=10, reps=5) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
   repetitions interleaved across the calls, so that clock and thermal drift during a run
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
-  implementation alike. Every other repetition runs the calls in reverse order, so that no
-  implementation always takes the same place (H100, one run with two builds of one kernel
-  first and second of four in every repetition: 3.54 against 3.77 ms; identical builds also
-  differed by 6% in an alternating-order run, so part of that may be noise). Each sample is a
-  batch of at least ``iters`` calls (``_batch``)."""
+  implementation alike. The repetitions run the calls in ``balanced_orders``, ``reps`` rounded
+  up to whole rounds of them, so that no implementation takes one place more often than
+  another: on an H100 two builds of one kernel timed first and second of four in every
+  repetition read 3.54 and 3.77 ms, and identical builds in the middle and at the ends of five
+  differed by 5% even with every other repetition reversed. Each sample is a batch of at least
+  ``iters`` calls (``_batch``)."""
   batch = {}
   for name, (fn, args) in calls.items():
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
     batch[name] = _batch(fn, args, iters)
+  names = list(calls)
+  orders = balanced_orders(len(names))
   times = {name: [] for name in calls}
-  for rep in range(reps):
-    for name, (fn, args) in list(calls.items())[::1 if rep % 2 == 0 else -1]:
-      times[name].append(_batch_seconds(fn, args, batch[name]))
+  for rep in range(-(-reps // len(orders)) * len(orders)):
+    for i in orders[rep % len(orders)]:
+      fn, args = calls[names[i]]
+      times[names[i]].append(_batch_seconds(fn, args, batch[names[i]]))
   return times
 
 

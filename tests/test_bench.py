@@ -28,6 +28,27 @@ def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
   assert calls[10:] == (["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3) * 2
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_give_every_place_and_predecessor_alike(n):
+  orders = bench.balanced_orders(n)
+  assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+  assert all(sorted(o) == list(range(n)) for o in orders)
+  for impl in range(n):  # every place equally often
+    places = [o.index(impl) for o in orders]
+    assert all(places.count(p) == len(orders) // n for p in range(n))
+  pairs = [(a, b) for o in orders for a, b in zip(o, o[1:])]
+  if n > 1:  # every ordered pair of neighbours equally often
+    assert len(set(pairs)) == n * (n - 1)
+    assert all(pairs.count(p) == len(pairs) // (n * (n - 1)) for p in set(pairs))
+
+
+def test_interleaved_timing_rounds_reps_up_to_whole_rounds(monkeypatch):
+  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)
+  calls = {c: (lambda x: x + 1, (jnp.ones(3),)) for c in "abc"}
+  samples = bench.interleaved_samples(calls, iters=1, reps=4)  # 3 implementations: 6 orders
+  assert all(len(ts) == 6 for ts in samples.values())
+
+
 def test_short_calls_are_timed_in_longer_batches(monkeypatch):
   monkeypatch.setattr(bench, "MIN_BATCH_S", 0.05)
   calls = []
