@@ -154,19 +154,26 @@ def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None):
+def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
+                   parts=common.BOTH):
   """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
-  its dq added to ``dq`` (the earlier pairs', or None)."""
+  its dq added to ``dq`` (the earlier pairs', or None). ``parts=common.DQ`` computes only dq
+  and dbias, ``common.DKV`` only dk and dv (the others None)."""
+  want_dq, want_dkv = common.wants(parts)
   plan = attention.make_plan(ops, st.cfg, backward=True)
+  no_bias = ops.bias is None or not want_dq
 
   def run():
-    grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq)
-    return (*grads, attention.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias)
+    grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq,
+                                             parts)
+    dbias = None if no_bias else attention.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias
+    return (*grads, dbias)
 
   def skip():
     zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
-    no_bias = None if ops.bias is None else jnp.zeros(ops.bias.shape, ops.bias.dtype)
-    return zeros(q) if dq is None else dq, zeros(k), zeros(v), no_bias
+    dq_ = (zeros(q) if dq is None else dq) if want_dq else None
+    dk, dv = (zeros(k), zeros(v)) if want_dkv else (None, None)
+    return dq_, dk, dv, None if no_bias else jnp.zeros(ops.bias.shape, ops.bias.dtype)
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -238,25 +245,25 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, step, dbias, dq=None):
-    """This step's pair: ``dq`` so far plus its own, its ``[dk, dv]``, and ``dbias``."""
+  def compute(kv, moving, step, dbias, dq=None, parts=common.BOTH):
+    """This step's pair: ``dq`` so far plus its own, its ``[dk, dv]``, and ``dbias`` (``parts``:
+    only dq and dbias, or only dk and dv)."""
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq)
-    if dbias is not None:  # each step owns the columns of its kv shard
+    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts)
+    if dbias_s is not None:  # each step owns the columns of its kv shard
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
-    return dq, jnp.stack([dk_s, dv_s]), dbias
+    return dq, None if dk_s is None else jnp.stack([dk_s, dv_s]), dbias
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
   # The local pair runs in two halves: its dQ at step 0, while the first K/V travel, and its
   # dK/dV last, while the other devices' sum of this shard's dK/dV makes its last hop home (so
-  # that hop overlaps a kernel too). Each half uses only some of the pair's outputs, so the other
-  # half's kernels are dropped from the program (dead code).
+  # that hop overlaps a kernel too).
   local = (kv, _moving_info(st, kv_info))
   held = _rotate(local, st)
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
-  dq, _, dbias = compute(*local, 0, dbias)
+  dq, _, dbias = compute(*local, 0, dbias, parts=common.DQ)
   last = r - 1
   nxt = _rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
   dq, dkv, dbias = compute(*held, 1, dbias, dq)
@@ -274,7 +281,7 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
     dq, dkv_s, dbias = compute(*held, last, dbias, dq)
     dkv = dkv_in + dkv_s
   dkv = _rotate(dkv, st)  # home, while the local pair's dK/dV run:
-  _, dkv_local, _ = compute(*local, 0, None)
+  _, dkv_local, _ = compute(*local, 0, None, parts=common.DKV)
   dkv = dkv + dkv_local
   return dq, dkv[0], dkv[1], dbias
 

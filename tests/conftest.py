@@ -63,6 +63,22 @@ def kernel_dtype(backend, dtype):
   return dtype
 
 
+def kernel_call_sites(text, marker):
+  """Calls of kernels (custom calls containing ``marker``) in the program of lowered ``text``,
+  each private function counted at every call of it (a scan body once)."""
+  import re
+  funcs = {}
+  for body in re.split(r"\n\s*func\.func ", text)[1:]:
+    name = re.match(r"(?:public|private) @([\w.]+)", body).group(1)
+    funcs[name] = (body.count(marker), re.findall(r"call @([\w.]+)", body))
+
+  def sites(name):
+    own, callees = funcs[name]
+    return own + sum(sites(c) for c in callees if c in funcs)
+
+  return sites("main")
+
+
 def ring_step(case, backend, interpret):
   """One ring step's kernel calls on ``backend`` for ``case = (mask, T, S, N, K, H, dtype,
   segments, softcap)``: the forward given a running ``common.Partial`` and the backward given a

@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, layouts, masks, reference
 from pallas_ring import sharded_attention
-from conftest import check_ring_step, rel_err
+from conftest import check_ring_step, kernel_call_sites, rel_err
 
 MASKS = {
     "causal": (masks.Causal(), False),
@@ -172,6 +172,36 @@ def test_empty_steps_and_shards_are_zero_not_nan():
   g = jax.jit(jax.grad(lambda x: jnp.sum(sharded_attention(x, k, v, mesh=mesh, config=cfg,
                                                            mask=mask2))))(q)
   assert np.all(np.asarray(g) == 0)
+
+
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("ring", [2, 4])
+@pytest.mark.parametrize("backend,platform,marker", [
+    ("pallas_tpu", "tpu", "tpu_custom_call"),
+    ("pallas_triton", "cuda", "__gpu$xla.gpu.triton"),
+    ("pallas_mosaic_gpu", "cuda", "@mosaic_gpu")])
+def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker, ring):
+  """The local pair's backward runs in two halves (its dQ kernel at the first step, its dK/dV
+  kernel after the last), each without the other's kernel: forward+backward lowers to one
+  forward kernel and one dQ and one dK/dV kernel per (q shard, kv shard) pair."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pallas_ring import ring_attention
+  mesh = Mesh(jax.devices()[:ring], ("sp",))
+
+  def loss(q, k, v):
+    f = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", mask=masks.Causal(),
+                                       layout="zigzag", backend=backend, interpret=False)
+    o = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
+                      check_vma=False)(q, k, v)
+    return jnp.sum(o.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((1, 512 * ring, 2, 128), jnp.bfloat16)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+      lowering_platforms=(platform,)).as_text()
+  # Call sites (a scan body counted once). Forward: the first step, (R=4: a scan body), the
+  # last. Backward: the local dQ; dQ and dK/dV of step 1, (R=4: a scan body, the last step);
+  # the local dK/dV.
+  assert kernel_call_sites(text, marker) == (2 + 4 if ring == 2 else 3 + 8)
 
 
 def test_ring_jaxpr_has_ppermute_in_scan_and_no_repeated_kv():

@@ -3,7 +3,7 @@
 Each module in ``pallas_ring.kernels`` provides::
 
     forward(q, k, v, ops, plan, cfg, acc=None) -> (o, lse)
-    backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None) -> (dq, dk, dv)
+    backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts=BOTH) -> (dq, dk, dv)
 
 over one (q shard, kv shard) pair, with sequences already padded to block multiples:
 
@@ -27,7 +27,10 @@ forward's ``Partial`` ``(o, lse)`` and the backward's dq (dK/dV travel with thei
 ``acc`` a forward returns its result merged into it (``merge``); given ``dq_acc`` a backward
 returns it plus its own dq; both in ``cfg.out_dtype`` (the ring's accumulation dtype). A
 lowering may do this inside its kernels, which hold the rows anyway, instead of another pass
-over them in memory; the others call ``merged`` / ``accumulated`` on their result.
+over them in memory; the others call ``merged`` / ``accumulated`` on their result. ``parts``
+(``BOTH``, ``DQ`` or ``DKV``) asks a backward for only dq or only dk and dv (the others are
+None), so that the ring can run a pair's two halves at different steps; each lowering then runs
+only the kernels those need.
 
 Logits are ``s = softcap(q.k * scale) + bias - slope * |q_pos - k_pos|`` (``score_terms``), then
 the mask. With ``cfg.dropout_rate > 0`` each probability is kept where ``dropout_keep`` says and the
@@ -301,10 +304,23 @@ def merged(acc: Optional[Partial], o, lse):
   return (o, lse) if acc is None else merge(acc.o, acc.lse, o, lse)
 
 
+# What a backward computes (``parts``): dq and dk/dv, only dq, or only dk and dv.
+BOTH, DQ, DKV = "both", "dq", "dkv"
+
+
+def wants(parts: str) -> tuple[bool, bool]:
+  """``(dq, dkv)``: which of its results a backward asked for ``parts`` computes."""
+  if parts not in (BOTH, DQ, DKV):
+    raise ValueError(f"backward parts={parts!r}: expected {BOTH!r}, {DQ!r} or {DKV!r}.")
+  return parts != DKV, parts != DQ
+
+
 def accumulated(dq, grads):
   """A backward pass's ``(dq, dk, dv)`` with the earlier passes' ``dq`` added (unchanged when
-  ``dq`` is None)."""
-  return grads if dq is None else (dq + grads[0].astype(dq.dtype), *grads[1:])
+  ``dq`` is None, and where the pass computed no dq)."""
+  if dq is None or grads[0] is None:
+    return grads
+  return (dq + grads[0].astype(dq.dtype), *grads[1:])
 
 
 class RowTerm(NamedTuple):

@@ -1098,9 +1098,9 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
       compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None):
+             dq_acc=None, parts=common.BOTH):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
   ``dq_acc``, the ring's running dq, to its rows before writing them).
 
@@ -1112,7 +1112,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   sp, kh = k.shape[1], k.shape[2]
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
     return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
-                                  dataclasses.replace(cfg, num_stages=None), dq_acc)
+                                  dataclasses.replace(cfg, num_stages=None), dq_acc, parts)
+  want_dq, want_dkv = common.wants(parts)
   why = unsupported(q.dtype, hp, dense=ops.dense is not None, bias=ops.bias is not None,
                     alibi=ops.alibi is not None, dropout=ops.dropout is not None)
   if why is not None:
@@ -1155,29 +1156,33 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # dQ first: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V. Given
   # a RowTerm it computes delta from o and returns it for the dK/dV kernel (H100, 16 causal
   # documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's separate pass).
-  if not DELTA_IN_DQ:
+  if not DELTA_IN_DQ or not want_dq:
     delta = common.delta_array(delta, do)
-  from_o = isinstance(delta, common.RowTerm)
-  row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
-  row_in = () if row_in is None else (row_in.astype(f32),)
-  g = dataclasses.replace(geometry(False, tp, 1), delta_from_o=from_o,
-                          add_dq=dq_acc is not None)
-  sl, w, owners = g.slots, g.walk, g.owners
-  out = _bwd_call(
-      _dq_kernel, owners,
-      ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
-        plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32)),
-       (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
-       _smem(out_dt, owners, rows, hp),
-       (barriers(4 + len(row_in), owners), barriers(2, sl), barriers(1, sl),
-        barriers(owners, sl), barriers(owners, 1) if owners > 1 else None)),
-      (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
-                                                if from_o else [])),
-      (n, g.blocks, b), ("heads", "q_seq", "batch"),
-      (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2,
-       *([delta.o] if from_o else []), *row_in,
-       *([] if dq_acc is None else [dq_acc.astype(out_dt)])), cfg=cfg, g=g)
-  dq, delta = out if from_o else (out[0], *row_in)
+  dq = None
+  if want_dq:
+    from_o = isinstance(delta, common.RowTerm)
+    row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
+    row_in = () if row_in is None else (row_in.astype(f32),)
+    g = dataclasses.replace(geometry(False, tp, 1), delta_from_o=from_o,
+                            add_dq=dq_acc is not None)
+    sl, w, owners = g.slots, g.walk, g.owners
+    out = _bwd_call(
+        _dq_kernel, owners,
+        ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
+          plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32)),
+         (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
+         _smem(out_dt, owners, rows, hp),
+         (barriers(4 + len(row_in), owners), barriers(2, sl), barriers(1, sl),
+          barriers(owners, sl), barriers(owners, 1) if owners > 1 else None)),
+        (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
+                                                  if from_o else [])),
+        (n, g.blocks, b), ("heads", "q_seq", "batch"),
+        (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2,
+         *([delta.o] if from_o else []), *row_in,
+         *([] if dq_acc is None else [dq_acc.astype(out_dt)])), cfg=cfg, g=g)
+    dq, delta = out if from_o else (out[0], *row_in)
+  if not want_dkv:
+    return dq, None, None
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
   g = geometry(True, sp, n // kh)

@@ -570,10 +570,11 @@ def _dkv_step(step, slots: int):
   return lax.div(step, c), lax.rem(step, c)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None):
+             dq_acc=None, parts=common.BOTH):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
@@ -597,11 +598,14 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
           *rows]
-  dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, heads=heads, stats=stats),
-                      _row_ranges(plan.kv_index), dq_grid,
-                      [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
-                      "pallas_ring_dq",
-                      _vmem_bytes([3 * q_bytes, 2 * kv_bytes], heads.hb * bq * h * 4, bq, bk))
+  dq = dk = dv = None
+  if want_dq:
+    dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, heads=heads, stats=stats),
+                        _row_ranges(plan.kv_index), dq_grid,
+                        [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
+                        "pallas_ring_dq",
+                        _vmem_bytes([3 * q_bytes, 2 * kv_bytes], heads.hb * bq * h * 4, bq, bk))
+    dq = heads.q.unview(dq)
 
   # dK/dV: one program per (kv head block, kv block); its reduction axis walks the live q blocks
   # of each query head block of the group in turn, so dK/dV accumulate per kv head in VMEM.
@@ -626,10 +630,12 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         out_specs=[kv_spec, kv_spec],
         scratch_shapes=[pltpu.VMEM((heads.hk, bk, h), jnp.float32)] * 2), lists
 
-  dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), cfg.out_dtype)
-  dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, heads=heads, stats=stats),
-                         _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
-                         "pallas_ring_dkv",
-                         _vmem_bytes([2 * q_bytes, 4 * kv_bytes], 2 * heads.hk * bk * h * 4, bq,
-                                     bk))
-  return common.accumulated(dq_acc, (heads.q.unview(dq), heads.kv.unview(dk), heads.kv.unview(dv)))
+  if want_dkv:
+    dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), cfg.out_dtype)
+    dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, heads=heads, stats=stats),
+                           _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
+                           "pallas_ring_dkv",
+                           _vmem_bytes([2 * q_bytes, 4 * kv_bytes], 2 * heads.hk * bk * h * 4,
+                                       bq, bk))
+    dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
+  return common.accumulated(dq_acc, (dq, dk, dv))

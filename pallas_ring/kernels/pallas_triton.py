@@ -411,24 +411,34 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
   dv_ref[...] = (dv * cfg.keep_scale).astype(dv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None):
+             dq_acc=None, parts=common.BOTH):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
   ``dq_acc`` to its rows)."""
+  want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
+  dq = dk = dv = None
+  if want_dq:
+    dq = _dq_call(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc)
+  if want_dkv:
+    dk, dv = _dkv_call(q, k, v, do, lse, delta, ops, plan, cfg)
+  return dq, dk, dv
+
+
+def _dq_call(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc):
+  """The dQ kernel: one program per (q block, batch, head), walking its live kv blocks."""
   b, tp, n, hp = q.shape
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
-  bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+  bq = cfg.block_q_bwd
   params = _params(cfg, bwd=True)
-
   list_specs, list_args, _ = _list_specs(plan.kv_index, plan.kv_count, plan.kv_full)
   info_specs, info_args, _ = _info_specs(ops, bq, sp, True, False)
   q_block = pl.BlockSpec((None, bq, None, hp), lambda i, b_, n_: (b_, i, n_, 0))
   kv_whole = pl.BlockSpec((None, sp, None, hp), lambda i, b_, n_: (b_, 0, n_ // g, 0))
   row_block = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
-  dq = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg), grid=(tp // bq, b, n),
       in_specs=list_specs + info_specs + [q_block, kv_whole, kv_whole, q_block, row_block,
                                           row_block] + ([] if dq_acc is None else [q_block]),
@@ -436,7 +446,15 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dq",
   )(*list_args, *info_args, q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)))
 
-  # dK/dV: one program per (kv block, batch, kv head), looping over the group's query heads.
+
+def _dkv_call(q, k, v, do, lse, delta, ops, plan, cfg):
+  """The dK/dV kernel: one program per (kv block, batch, kv head), looping over the group's
+  query heads."""
+  b, tp, n, hp = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  bk = cfg.block_kv_bwd
+  params = _params(cfg, bwd=True)
   list_specs, list_args, grouped_lists = _list_specs(plan.q_index, plan.q_count, plan.q_full,
                                                      group=g)
   info_specs, info_args, grouped = _info_specs(ops, tp, bk, False, True, group=g)
@@ -453,4 +471,4 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
       out_specs=[kv_block, kv_block], out_shape=[dkv_shape, dkv_shape],
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
-  return dq, dk, dv
+  return dk, dv

@@ -230,10 +230,11 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   return common.merged(acc, o, lse.reshape(b, n, tp))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None):
+             dq_acc=None, parts=common.BOTH):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
   kh = k.shape[2]
@@ -241,16 +242,18 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   rows = [_q_rows(lse, kh), _q_rows(delta, kh)]
   q5, k5, v5, lists, head_args, sizes = _head_major(
       q, k, v, ops, (plan.kv_index, plan.kv_class, plan.kv_count))
-  dq = _nested_vmap(functools.partial(_dq_head, cfg=cfg),
-                    [q5, k5, v5, do5, *rows, *lists, *head_args], sizes)
-  lists = [_split_heads(x, kh) for x in (plan.q_index, plan.q_class, plan.q_count)]
-  dk, dv = _nested_vmap(functools.partial(_dkv_head, cfg=cfg),
-                        [q5, k5, v5, do5, *rows, *lists, *head_args], sizes)
-  dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h)
-  # [B, K, G, Sp, H] -> sum the query heads of each group -> [B, Sp, K, H]
-  dk = jnp.sum(dk, axis=2).transpose(0, 2, 1, 3)
-  dv = jnp.sum(dv, axis=2).transpose(0, 2, 1, 3)
-  return common.accumulated(dq_acc, tuple(x.astype(cfg.out_dtype) for x in (dq, dk, dv)))
+  dq = dk = dv = None
+  if want_dq:
+    dq = _nested_vmap(functools.partial(_dq_head, cfg=cfg),
+                      [q5, k5, v5, do5, *rows, *lists, *head_args], sizes)
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h).astype(cfg.out_dtype)
+  if want_dkv:
+    lists = [_split_heads(x, kh) for x in (plan.q_index, plan.q_class, plan.q_count)]
+    dk, dv = _nested_vmap(functools.partial(_dkv_head, cfg=cfg),
+                          [q5, k5, v5, do5, *rows, *lists, *head_args], sizes)
+    # [B, K, G, Sp, H] -> sum the query heads of each group -> [B, Sp, K, H]
+    dk, dv = (jnp.sum(x, axis=2).transpose(0, 2, 1, 3).astype(cfg.out_dtype) for x in (dk, dv))
+  return common.accumulated(dq_acc, (dq, dk, dv))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
