@@ -8,11 +8,12 @@ which merges its ``(o, lse)`` into the running float32 result (``common.merge``,
 ``-inf``; the Mosaic GPU kernel merges in its epilogue); a step with no live block is skipped
 (``lax.cond``). Sinks enter once, after the last step.
 
-Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse). A second
-scan rotates K/V together with the dK/dV accumulators (one step behind their shard, so every send
-overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``; dQ accumulates locally.
-The local pair runs its dQ first and its dK/dV last, so the accumulated dK/dV's hop home overlaps
-that kernel instead of ending the backward exposed.
+Backward: one ``custom_vjp`` around the whole ring (residuals: local q, the forward's stacked
+K/V, o, lse). A second scan rotates K/V together with the dK/dV accumulators (one step behind
+their shard, so every send overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``;
+dQ accumulates locally. The local pair runs its dQ first and its dK/dV last (the contract's
+``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead of ending the
+backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions.
 
