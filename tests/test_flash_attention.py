@@ -175,7 +175,8 @@ def test_backward_jaxpr_has_no_t_by_s_array():
 def test_backward_takes_delta_as_array_or_row_term(backend):
   """The contract's ``delta`` comes as the ``[B, N, Tp]`` array (the ring) or as a
   ``common.RowTerm`` of o and dlse (flash_attention; ``pallas_mosaic_gpu`` computes it in its dQ
-  kernel): the same gradients either way, with and without an lse cotangent."""
+  kernel): the same gradients either way, with and without an lse cotangent. ``parts`` asks for
+  dq alone or dk and dv alone: the same results as the full call."""
   from pallas_ring import attention, block_sparse, kernels
   from pallas_ring.kernels import common, tuning
   b, t, n, kh, h = 2, 128, 4, 2, 64
@@ -200,3 +201,15 @@ def test_backward_takes_delta_as_array_or_row_term(backend):
     got = lowering.backward(q, k, v, do, lse, common.RowTerm(o, d), ops, plan, cfg)
     for which, a, r in zip(("dq", "dk", "dv"), got, want):
       assert rel_err(a, r) < tol, (which, d is None, rel_err(a, r))
+  # ``parts``: only dq (added to a running dq), or only dk and dv, each as in the full call.
+  dq_acc = jnp.asarray(rng.standard_normal(q.shape), dt)
+  delta = common.RowTerm(o, dlse)
+  full = lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc)
+  dq, none_k, none_v = lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc,
+                                         parts=common.DQ)
+  none_q, dk, dv = lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg, parts=common.DKV)
+  assert none_q is None and none_k is None and none_v is None
+  for a, r in zip((dq, dk, dv), full):  # (Mosaic GPU: delta from XLA instead of its dQ kernel)
+    assert rel_err(a, r) < tol
+  with pytest.raises(ValueError, match="parts='dk'"):
+    lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg, parts="dk")
