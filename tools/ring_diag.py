@@ -50,7 +50,9 @@ def _sharded(mesh, case, unroll=1):
 
 
 def profile(out_dir="/tmp/ring_trace"):
-  from mosaic_gpu_sweep import profile as trace_ops
+  """Device time per op of one GPU doing one device's dense work and of each DIAG_CASES ring,
+  forward and forward+backward (profiler traces under ``out_dir``)."""
+  from mosaic_gpu_sweep import profile as trace_ops  # (tools/ is on the path of a script here)
   cases = os.environ.get("DIAG_CASES", "dense").split(",")
   for tl in (int(x) for x in os.environ.get("DIAG_SIZES", "8192").split(",")):
     mesh, (q, k, v, do), one = _setup(tl)
