@@ -80,9 +80,9 @@ def interleaved_samples(calls, iters=10, reps=5) -> dict:
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
   implementation alike. The repetitions run the calls in ``balanced_orders``, ``reps`` rounded
   up to whole rounds of them, so that no implementation takes one place more often than
-  another: on an H100 two builds of one kernel timed first and second of four in every
-  repetition read 3.54 and 3.77 ms, and identical builds in the middle and at the ends of five
-  differed by 5% even with every other repetition reversed. Each sample is a batch of at least
+  another (on an H100 two builds of one kernel timed first and second of four in every
+  repetition read 3.54 and 3.77 ms). Identical builds still differed by up to 6% within one
+  run in these orders, so that is the noise of a single run. Each sample is a batch of at least
   ``iters`` calls (``_batch``)."""
   batch = {}
   for name, (fn, args) in calls.items():
