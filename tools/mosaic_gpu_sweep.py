@@ -15,6 +15,8 @@
                                                # each XLA op with its HLO instruction
     python tools/mosaic_gpu_sweep.py calls     # two forward+backward calls, to run under ncu
     python tools/mosaic_gpu_sweep.py step      # a ring step's forward at 8k: alone, merging
+    python tools/mosaic_gpu_sweep.py spans DIR # ours vs cuDNN, device time per call from a
+                                               # profiler trace ([fwd|bwd] [shape words])
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -485,6 +487,87 @@ def profile(name, f, args, d, calls=10):
       print(f"      {hlo[kname][:150]}", flush=True)
 
 
+def _trace_events(d):
+  """``(host annotations by name, GPU 0's op events)`` of the newest profiler trace under ``d``."""
+  path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
+  events = json.load(gzip.open(path))["traceEvents"]
+  names = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = sorted(pid for pid, name in names.items() if "GPU" in name)
+  ops = [e for e in events if e.get("ph") == "X" and gpu and e["pid"] == gpu[0]]
+  marks = {e["name"]: e for e in events if e.get("ph") == "X" and e["pid"] not in gpu}
+  return marks, ops
+
+
+def call_spans(marks, ops, calls):
+  """``{call: (span, busy)}`` in microseconds for each annotated call: the GPU ops that start
+  inside the host annotation named ``call`` (the call is synchronized inside it), their span from
+  the first op's start to the last one's end, and the sum of their durations."""
+  out = {}
+  for call in calls:
+    m = marks[call]
+    mine = [e for e in ops if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]]
+    if not mine:
+      raise RuntimeError(f"no GPU op of the trace starts inside the annotation {call!r}")
+    end = max(e["ts"] + e.get("dur", 0) for e in mine)
+    out[call] = (end - min(e["ts"] for e in mine), sum(e.get("dur", 0) for e in mine), len(mine))
+  return out
+
+
+def device_times(fns, args, d, reps=40):
+  """Device time per call of each compiled ``fns[name](*args)``: the calls run one at a time
+  (synchronized) in ``bench.balanced_orders``, ``reps`` of each, under a profiler trace written
+  to ``d``, each inside a host annotation that ``call_spans`` maps its GPU ops to. Returns
+  ``{name: [(span, busy, ops) per call]}``. Unlike the wall-clock batches of
+  ``interleaved_samples``, host dispatch and synchronization stay out of these times."""
+  names = list(fns)
+  for f in fns.values():
+    jax.block_until_ready(f(*args))
+  orders = bench.balanced_orders(len(names))
+  calls = []
+  with jax.profiler.trace(d):
+    for rep in range(-(-reps // len(orders)) * len(orders)):
+      for i in orders[rep % len(orders)]:
+        call = f"call {len(calls)} {names[i]}"
+        with jax.profiler.TraceAnnotation(call):
+          jax.block_until_ready(fns[names[i]](*args))
+        calls.append((call, names[i]))
+  spans = call_spans(*_trace_events(d), [c for c, _ in calls])
+  return {name: [spans[c] for c, n in calls if n == name] for name in names}
+
+
+def spans(out_dir="/tmp/spans", *only):
+  """Ours (Mosaic GPU) against cuDNN: device time per call (``device_times``), median and
+  quartiles of the span and of the summed op time, forward (word ``fwd``, the default) or
+  forward+backward (``bwd``); other words select shapes by their first word."""
+  passes = [p for p in ("fwd", "bwd") if p in only] or ["fwd"]
+  only = [o for o in only if o not in ("fwd", "bwd")] or ["dense", "causal"]
+  for pass_ in passes:
+    for name, (t, n, h, mask, kind), (q, k, v, do), seg in _bwd_cases(only):
+      ours = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                             backend="pallas_mosaic_gpu")
+      impls = {"ours": ours}
+      if kind != "documents":
+        impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=kind != "full", implementation="cudnn")
+      if pass_ == "fwd":
+        args, fns = (q, k, v), {i: _compiled(jax.jit(f), q, k, v) for i, f in impls.items()}
+      else:
+        args = (q, k, v, do)
+        fns = {i: _compiled(bench._fwd_bwd(f), *args) for i, f in impls.items()}
+      times = device_times(fns, args, f"{out_dir}/{pass_}-{name.split()[0]}")
+      flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
+      med = {}
+      for impl, ts in times.items():
+        span, busy = (np.percentile([x[i] for x in ts], (25, 50, 75)) for i in (0, 1))
+        med[impl] = span[1]
+        vs = f"  vs cudnn {med['cudnn'] / span[1]:.3f}x" if "cudnn" in med else ""
+        print(f"{pass_} {name:14s} {impl:6s} span {span[1] / 1e3:.3f} ms "
+              f"({span[0] / 1e3:.3f}-{span[2] / 1e3:.3f}), ops {busy[1] / 1e3:.3f} ms, "
+              f"{ts[0][2]} ops, {flops / span[1] / 1e6:.0f} TFLOP/s, {len(ts)} calls{vs}",
+              flush=True)
+
+
 def _hlo_lines(f, args, path):
   """``{kernel name: its HLO instruction}`` of the jitted ``f``'s optimized module (kernel names
   are instruction names with dots as underscores); the whole text goes to ``path``."""
@@ -533,4 +616,4 @@ if __name__ == "__main__":
     opts = _set_switches(opts)
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
-   "bwd": bwd, "parts": parts, "calls": calls, "step": step}[mode](*opts)
+   "bwd": bwd, "parts": parts, "calls": calls, "step": step, "spans": spans}[mode](*opts)
