@@ -8,16 +8,22 @@ all-gather K/V + cuDNN vs our kernel on one GPU doing the same per-device work.
 Timing: jit, warm up, then ``block_until_ready`` around a batch of calls, median of ``reps`` such
 batches, on random inputs. A batch is ``iters`` calls, or more for short calls: enough to last
 ``MIN_BATCH_S``, so that the fixed cost of starting and synchronizing a batch (tens of
-microseconds) is not counted as kernel time. TFLOP/s count visible (query, key) pairs only:
+microseconds) is not counted as kernel time. ``CLOCK`` (``bench --device-time``) picks how a
+batch is timed: by the host's clock, or on the device (``device_spans``). TFLOP/s count visible (query, key) pairs only:
 ``4 * B * N * pairs * H`` forward, 3.5x that forward+backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
+import gzip
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import statistics
 import time
 
@@ -31,6 +37,10 @@ from pallas_ring.config import BlockSizes, SequenceParallelConfig
 
 
 MIN_BATCH_S = 0.05  # the shortest timed batch of calls, in seconds
+# How a batch is timed: "wall", the host's clock from its first dispatch to its end; "device",
+# the span of the first GPU's ops from a profiler trace (``device_spans``), which leaves out the
+# host's dispatch and synchronization.
+CLOCK = "wall"
 _MAX_BATCH = 2000  # the most calls in one batch
 
 
@@ -91,12 +101,55 @@ def interleaved_samples(calls, iters=10, reps=5) -> dict:
     batch[name] = _batch(fn, args, iters)
   names = list(calls)
   orders = balanced_orders(len(names))
-  times = {name: [] for name in calls}
-  for rep in range(-(-reps // len(orders)) * len(orders)):
-    for i in orders[rep % len(orders)]:
-      fn, args = calls[names[i]]
-      times[names[i]].append(_batch_seconds(fn, args, batch[names[i]]))
-  return times
+  samples = []  # (implementation, seconds per call by the host's clock)
+  trace_dir = tempfile.mkdtemp(prefix="pallas_ring_bench_") if CLOCK == "device" else None
+  try:
+    with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+      for rep in range(-(-reps // len(orders)) * len(orders)):
+        for i in orders[rep % len(orders)]:
+          fn, args = calls[names[i]]
+          with jax.profiler.TraceAnnotation(f"sample {len(samples)}"):
+            samples.append((names[i], _batch_seconds(fn, args, batch[names[i]])))
+    if trace_dir:
+      spans = device_spans(trace_dir, [f"sample {j}" for j in range(len(samples))])
+      samples = [(name, spans[j][0] / batch[name]) for j, (name, _) in enumerate(samples)]
+  finally:
+    if trace_dir:
+      shutil.rmtree(trace_dir, ignore_errors=True)
+  return {name: [secs for n, secs in samples if n == name] for name in names}
+
+
+def device_spans(trace_dir: str, names) -> list:
+  """``[(span, busy, ops)]`` of the profiler trace under ``trace_dir``, one per host annotation
+  in ``names`` (each around calls it synchronized): the first GPU's ops that start inside it,
+  their span in seconds from the first one's start to the last one's end, the sum of their
+  durations, and their count.
+
+  Raises:
+    RuntimeError: an annotation holds no GPU op (no GPU, or a trace without device events).
+  """
+  path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  procs = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpus = sorted(pid for pid, name in procs.items() if "GPU" in name)
+  spans = [e for e in events if e.get("ph") == "X"]
+  ops = sorted((e for e in spans if gpus and e["pid"] == gpus[0]), key=lambda e: e["ts"])
+  marks = {e["name"]: e for e in spans if e["pid"] not in gpus}
+  starts = np.array([e["ts"] for e in ops])
+  out = []
+  for name in names:
+    m = marks[name]
+    mine = ops[np.searchsorted(starts, m["ts"]):np.searchsorted(starts, m["ts"] + m["dur"],
+                                                                "right")]
+    if not mine:
+      raise RuntimeError(f"the profiler trace holds no GPU op inside {name!r}: device timing "
+                         "(bench.CLOCK = 'device') needs a GPU that the profiler traces.")
+    end = max(e["ts"] + e.get("dur", 0) for e in mine)
+    out.append(((end - mine[0]["ts"]) * 1e-6, sum(e.get("dur", 0) for e in mine) * 1e-6,
+                len(mine)))
+  return out
 
 
 def timeit_interleaved(calls, iters=10, reps=5) -> dict:
@@ -468,8 +521,11 @@ def main(args) -> None:
     return
   out_dir = args.out
   os.makedirs(out_dir, exist_ok=True)
+  global CLOCK
+  CLOCK = "device" if args.device_time else "wall"
   log = lambda s: print(s, flush=True)
-  log(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
+  log(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
+      f"{CLOCK} clock")
   if args.long_context:
     rows, name = long_context(args.long_context, log=log), "long_context"
   elif args.ring:
@@ -481,7 +537,7 @@ def main(args) -> None:
   else:
     rows, name = single_device(log=log), "single"
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "clock": CLOCK,
                "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
   for r in rows:

@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="causal model shapes: Llama GQA 32/8, H=256, H=64 (vs cuDNN)")
   p.add_argument("--long-context", type=int, default=0, metavar="TOKENS",
                  help="causal zigzag ring fwd+bwd over TOKENS total tokens (e.g. 1048576)")
+  p.add_argument("--device-time", action="store_true",
+                 help="time each batch of calls by its GPU ops' span in a profiler trace "
+                      "instead of the host's clock")
   p.add_argument("--out", default="bench_out", help="folder for JSON and the PNG plot")
   p = sub.add_parser("compile", formatter_class=fmt,
                      help="compile the ring for a TPU slice on this machine (libtpu)")

@@ -64,6 +64,35 @@ def test_short_calls_are_timed_in_longer_batches(monkeypatch):
   assert secs >= 1e-3
 
 
+def _write_trace(path, events):
+  import gzip
+  import json
+  path.mkdir(parents=True)
+  with gzip.open(path / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+
+
+def test_device_spans_take_the_gpu_ops_inside_each_annotation(tmp_path):
+  meta = lambda pid, name: {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+  op = lambda ts, dur, pid=2: {"ph": "X", "pid": pid, "name": "k", "ts": ts, "dur": dur}
+  _write_trace(tmp_path / "plugins" / "profile" / "run", [
+      meta(1, "/host:CPU"), meta(2, "/device:GPU:0 (pid 2)"), meta(3, "/device:GPU:1"),
+      {"ph": "X", "pid": 1, "name": "sample 0", "ts": 100.0, "dur": 50.0},
+      {"ph": "X", "pid": 1, "name": "sample 1", "ts": 200.0, "dur": 50.0},
+      op(110.0, 10.0), op(125.0, 5.0),  # sample 0: span 20 us, busy 15 us
+      op(210.0, 30.0), op(215.0, 5.0, pid=3),  # sample 1 (GPU 1's op is not counted)
+      op(160.0, 1.0)])  # between the samples
+  spans = bench.device_spans(str(tmp_path), ["sample 0", "sample 1"])
+  assert spans == [pytest.approx((20e-6, 15e-6, 2)), pytest.approx((30e-6, 30e-6, 1))]
+
+
+def test_device_clock_without_gpu_ops_names_the_problem(monkeypatch):
+  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)
+  monkeypatch.setattr(bench, "CLOCK", "device")
+  with pytest.raises(RuntimeError, match="no GPU op inside 'sample 0'"):
+    bench.interleaved_samples({"a": (lambda x: x + 1, (jnp.ones(3),))}, iters=1, reps=1)
+
+
 def test_visible_pairs_of_each_mask_kind():
   assert bench.visible_pairs(8, "full") == 64
   assert bench.visible_pairs(8, "causal") == 36

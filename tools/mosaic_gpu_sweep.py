@@ -15,8 +15,8 @@
                                                # each XLA op with its HLO instruction
     python tools/mosaic_gpu_sweep.py calls     # two forward+backward calls, to run under ncu
     python tools/mosaic_gpu_sweep.py step      # a ring step's forward at 8k: alone, merging
-    python tools/mosaic_gpu_sweep.py spans DIR # ours vs cuDNN, device time per call from a
-                                               # profiler trace ([fwd|bwd] [shape words])
+    python tools/mosaic_gpu_sweep.py spans     # ours vs cuDNN timed on the device: batches
+                                               # and single calls ([fwd] [bwd] [shape words])
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -487,85 +487,57 @@ def profile(name, f, args, d, calls=10):
       print(f"      {hlo[kname][:150]}", flush=True)
 
 
-def _trace_events(d):
-  """``(host annotations by name, GPU 0's op events)`` of the newest profiler trace under ``d``."""
-  path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-  events = json.load(gzip.open(path))["traceEvents"]
-  names = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = sorted(pid for pid, name in names.items() if "GPU" in name)
-  ops = [e for e in events if e.get("ph") == "X" and gpu and e["pid"] == gpu[0]]
-  marks = {e["name"]: e for e in events if e.get("ph") == "X" and e["pid"] not in gpu}
-  return marks, ops
+_FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
+    ("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("fp16 dense T=16k", 16384, 16, 16, 128, None, "full", jnp.float16),
+    ("window 1024", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(1024), "window",
+     jnp.bfloat16),
+    ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
+    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
 
 
-def call_spans(marks, ops, calls):
-  """``{call: (span, busy)}`` in microseconds for each annotated call: the GPU ops that start
-  inside the host annotation named ``call`` (the call is synchronized inside it), their span from
-  the first op's start to the last one's end, and the sum of their durations."""
-  out = {}
-  for call in calls:
-    m = marks[call]
-    mine = [e for e in ops if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]]
-    if not mine:
-      raise RuntimeError(f"no GPU op of the trace starts inside the annotation {call!r}")
-    end = max(e["ts"] + e.get("dur", 0) for e in mine)
-    out[call] = (end - min(e["ts"] for e in mine), sum(e.get("dur", 0) for e in mine), len(mine))
-  return out
-
-
-def device_times(fns, args, d, reps=40):
-  """Device time per call of each compiled ``fns[name](*args)``: the calls run one at a time
-  (synchronized) in ``bench.balanced_orders``, ``reps`` of each, under a profiler trace written
-  to ``d``, each inside a host annotation that ``call_spans`` maps its GPU ops to. Returns
-  ``{name: [(span, busy, ops) per call]}``. Unlike the wall-clock batches of
-  ``interleaved_samples``, host dispatch and synchronization stay out of these times."""
-  names = list(fns)
-  for f in fns.values():
-    jax.block_until_ready(f(*args))
-  orders = bench.balanced_orders(len(names))
-  calls = []
-  with jax.profiler.trace(d):
-    for rep in range(-(-reps // len(orders)) * len(orders)):
-      for i in orders[rep % len(orders)]:
-        call = f"call {len(calls)} {names[i]}"
-        with jax.profiler.TraceAnnotation(call):
-          jax.block_until_ready(fns[names[i]](*args))
-        calls.append((call, names[i]))
-  spans = call_spans(*_trace_events(d), [c for c, _ in calls])
-  return {name: [spans[c] for c, n in calls if n == name] for name in names}
-
-
-def spans(out_dir="/tmp/spans", *only):
-  """Ours (Mosaic GPU) against cuDNN: device time per call (``device_times``), median and
-  quartiles of the span and of the summed op time, forward (word ``fwd``, the default) or
-  forward+backward (``bwd``); other words select shapes by their first word."""
+def spans(*only):
+  """Ours (Mosaic GPU) against cuDNN timed on the device (``bench.CLOCK = "device"``): each
+  shape twice, in batches of at least 50 ms (sustained load, as ``bench``) and as calls
+  synchronized one at a time (40 each); median and quartiles. Words: ``fwd`` (forward, the
+  default) and/or ``bwd`` (forward+backward), and shapes by their first word (default: dense,
+  causal)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["fwd"]
   only = [o for o in only if o not in ("fwd", "bwd")] or ["dense", "causal"]
+  bench.CLOCK = "device"
   for pass_ in passes:
-    for name, (t, n, h, mask, kind), (q, k, v, do), seg in _bwd_cases(only):
-      ours = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                             backend="pallas_mosaic_gpu")
-      impls = {"ours": ours}
+    for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
+      if name.split()[0] not in only:
+        continue
+      q, k, v, do = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+      seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
+      window = masks.window_width(mask) if kind == "window" else None
+      impls = {"ours": lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                                       backend="pallas_mosaic_gpu")}
       if kind != "documents":
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=kind != "full", implementation="cudnn")
-      if pass_ == "fwd":
-        args, fns = (q, k, v), {i: _compiled(jax.jit(f), q, k, v) for i, f in impls.items()}
-      else:
-        args = (q, k, v, do)
-        fns = {i: _compiled(bench._fwd_bwd(f), *args) for i, f in impls.items()}
-      times = device_times(fns, args, f"{out_dir}/{pass_}-{name.split()[0]}")
-      flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
-      med = {}
-      for impl, ts in times.items():
-        span, busy = (np.percentile([x[i] for x in ts], (25, 50, 75)) for i in (0, 1))
-        med[impl] = span[1]
-        vs = f"  vs cudnn {med['cudnn'] / span[1]:.3f}x" if "cudnn" in med else ""
-        print(f"{pass_} {name:14s} {impl:6s} span {span[1] / 1e3:.3f} ms "
-              f"({span[0] / 1e3:.3f}-{span[2] / 1e3:.3f}), ops {busy[1] / 1e3:.3f} ms, "
-              f"{ts[0][2]} ops, {flops / span[1] / 1e6:.0f} TFLOP/s, {len(ts)} calls{vs}",
-              flush=True)
+            q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
+            implementation="cudnn")
+      args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      calls = {i: (_compiled(jax.jit(f) if pass_ == "fwd" else bench._fwd_bwd(f), *args), args)
+               for i, f in impls.items()}
+      flops = 4 * n * visible_pairs(t, kind, window=window or 0) * h * (
+          1 if pass_ == "fwd" else 3.5)
+      for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
+                                        ("one call", 0.0, 1, 40)):
+        saved, bench.MIN_BATCH_S = bench.MIN_BATCH_S, batch_s
+        try:
+          samples = bench.interleaved_samples(calls, iters=iters, reps=reps)
+        finally:
+          bench.MIN_BATCH_S = saved
+        q1q3 = {i: np.percentile(ts, (25, 50, 75)) * 1e3 for i, ts in samples.items()}
+        for impl, (lo, med, hi) in q1q3.items():
+          vs = f"  vs cudnn {q1q3['cudnn'][1] / med:.3f}x" if "cudnn" in q1q3 else ""
+          print(f"{pass_} {name:16s} {how:8s} {impl:5s} {med:.3f} ms ({lo:.3f}-{hi:.3f}) "
+                f"{flops / med / 1e9:5.0f} TFLOP/s, {len(samples[impl])} samples{vs}",
+                flush=True)
 
 
 def _hlo_lines(f, args, path):
