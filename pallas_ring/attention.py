@@ -54,9 +54,27 @@ def pad_tokens(x, length, head_dim):
   return x if not any(p for _, p in pads) else jnp.pad(x, pads)
 
 
+# The most tiles (q blocks x kv blocks) of a plan built ahead of the call (``make_plan``):
+# larger ones would put megabytes of constants into the program, and their device ops cost
+# little next to the kernels of such lengths.
+STATIC_PLAN_TILES = 1 << 16
+
+
 def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = False):
-  """The block plan of one (q, kv) pair for the forward or the backward tile sizes."""
+  """The block plan of one (q, kv) pair for the forward or the backward tile sizes.
+
+  A plan that depends on static sizes only (``cfg.indexed_positions``, no segment ids, no dense
+  mask, at most ``STATIC_PLAN_TILES`` tiles) is built once per configuration
+  (``block_sparse.indexed_plan``) and enters the program as constants, so a call runs no plan
+  ops (H100, T=4096, N=16: a causal forward ran 9 small XLA ops beside its 0.121 ms kernel,
+  spanning 0.163 ms).
+  """
   bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
+  tp, sp = ops.q_info.positions.shape[-1], ops.kv_info.positions.shape[-1]
+  if (cfg.indexed_positions and ops.dense is None and ops.q_info.segment_ids is None
+      and ops.kv_info.segment_ids is None and (tp // bq) * (sp // bk) <= STATIC_PLAN_TILES):
+    plan = block_sparse.indexed_plan(cfg.mask, cfg.q_len, cfg.kv_len, tp, sp, bq, bk)
+    return block_sparse.BlockPlan(*(jnp.asarray(x) for x in plan))
   return block_sparse.make_plan(cfg.mask, ops.q_info, ops.kv_info, block_q=bq, block_kv=bk,
                                 q_len=cfg.q_len, kv_len=cfg.kv_len, dense_mask=ops.dense)
 
@@ -165,14 +183,15 @@ _flash_jit = jax.jit(_flash, static_argnums=(5, 6))
 
 
 def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
-                  out_dtype, interpret, dropout_rate=0.0) -> common.KernelConfig:
+                  out_dtype, interpret, dropout_rate=0.0,
+                  indexed_positions=False) -> common.KernelConfig:
   """The static KernelConfig of one call (shared by flash_attention and the ring)."""
   return common.KernelConfig(
       mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
       q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
       block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
       num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
-      dropout_rate=float(dropout_rate))
+      dropout_rate=float(dropout_rate), indexed_positions=indexed_positions)
 
 
 class Extras(NamedTuple):
@@ -373,7 +392,8 @@ def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positi
   hp = tuning.padded_head_dim(backend, h)
   cfg = kernel_config(tiles, mask=mask, scale=scale, softcap=softcap, q_len=t,
                       kv_len=s, out_dtype=q.dtype, interpret=interpret,
-                      dropout_rate=dropout_rate)
+                      dropout_rate=dropout_rate,
+                      indexed_positions=q_positions is None and kv_positions is None)
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(

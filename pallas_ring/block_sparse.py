@@ -2,7 +2,8 @@
 
 Everything here runs on device under ``jit`` with static shapes, in O(nq * nk) work from per-block
 summaries (min / max position and segment id of every block). Only a dense mask costs O(T * S),
-because it is that large by nature.
+because it is that large by nature. A plan that depends on static sizes only (tokens at their
+indices, no segment ids, no dense mask) is computed once ahead instead (``indexed_plan``).
 
 Block classes (``block_class``):
 
@@ -35,9 +36,13 @@ positions, segment ids or the dense mask vary along it):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_ring import masks as masks_lib
 
@@ -79,6 +84,12 @@ def pad_token_info(info: TokenInfo, padded_len: int) -> TokenInfo:
   return TokenInfo(pad(info.positions), pad(info.segment_ids))
 
 
+def indexed_positions(length: int, padded_len: int) -> np.ndarray:
+  """``[1, padded_len]`` int32 positions of ``length`` tokens at their indices, padded as
+  ``pad_token_info`` pads them (the positions ``flash_attention`` uses by default), in numpy."""
+  return np.pad(np.arange(length, dtype=np.int32), (0, padded_len - length), mode="edge")[None]
+
+
 class BlockBoundsWithSegments(NamedTuple):
   pos: masks_lib.BlockBounds  # [Bp, nblocks] min / max global position over valid tokens
   seg: Optional[masks_lib.BlockBounds]  # [B, nblocks] min / max segment id, or None
@@ -86,22 +97,23 @@ class BlockBoundsWithSegments(NamedTuple):
   all_pad: Array  # [nblocks] bool: the block holds padding only (its bounds are meaningless)
 
 
-def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
-  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens."""
+def summarize(info: TokenInfo, block: int, valid_len: int, xp=jnp) -> BlockBoundsWithSegments:
+  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens
+  (``xp``: ``jax.numpy``, or ``numpy`` for numpy inputs)."""
   length = info.positions.shape[-1]
   assert length % block == 0, (length, block)
   nb = length // block
-  valid = (jnp.arange(length) < valid_len).reshape(nb, block)
+  valid = (xp.arange(length) < valid_len).reshape(nb, block)
 
   def bounds(x):
     x = x.reshape(x.shape[0], nb, block)
-    lo = jnp.min(jnp.where(valid, x, masks_lib.INT32_MAX), axis=-1)
-    hi = jnp.max(jnp.where(valid, x, masks_lib.INT32_MIN), axis=-1)
+    lo = xp.min(xp.where(valid, x, masks_lib.INT32_MAX), axis=-1)
+    hi = xp.max(xp.where(valid, x, masks_lib.INT32_MIN), axis=-1)
     return masks_lib.BlockBounds(lo, hi)
 
   seg = None if info.segment_ids is None else bounds(info.segment_ids)
-  return BlockBoundsWithSegments(bounds(info.positions), seg, ~jnp.all(valid, axis=-1),
-                                 ~jnp.any(valid, axis=-1))
+  return BlockBoundsWithSegments(bounds(info.positions), seg, ~xp.all(valid, axis=-1),
+                                 ~xp.any(valid, axis=-1))
 
 
 class BlockPlan(NamedTuple):
@@ -120,21 +132,37 @@ class BlockPlan(NamedTuple):
   all_full: Array
 
 
-def _compact(cls: Array) -> tuple[Array, Array, Array, Array]:
+@functools.lru_cache(maxsize=256)
+def indexed_plan(mask: masks_lib.MaskSpec, q_len: int, kv_len: int, q_padded: int,
+                 kv_padded: int, block_q: int, block_kv: int) -> BlockPlan:
+  """``make_plan`` of tokens at their indices (``indexed_positions``) without segment ids or a
+  dense mask, in numpy, once per configuration: read-only arrays that a traced call takes as
+  constants."""
+  plan = make_plan(mask, TokenInfo(indexed_positions(q_len, q_padded)),
+                   TokenInfo(indexed_positions(kv_len, kv_padded)), block_q=block_q,
+                   block_kv=block_kv, q_len=q_len, kv_len=kv_len)
+  plan = BlockPlan(*map(np.asarray, plan))  # (the step flags come as numpy scalars)
+  for x in plan:
+    x.flags.writeable = False
+  return plan
+
+
+def _compact(cls: Array, xp=jnp) -> tuple[Array, Array, Array, Array]:
   """Per row of ``cls [..., n]``: live column indices (FULL, then PARTIAL), classes, counts."""
   n = cls.shape[-1]
   live = cls > EMPTY
-  rank = jnp.where(cls == FULL, 0, jnp.where(live, 1, 2))
-  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-  count = jnp.sum(live, axis=-1, dtype=jnp.int32)
-  n_full = jnp.sum(cls == FULL, axis=-1, dtype=jnp.int32)
-  slot = jnp.arange(n, dtype=jnp.int32)
+  rank = xp.where(cls == FULL, 0, xp.where(live, 1, 2))
+  stable = {"kind": "stable"} if xp is np else {"stable": True}
+  order = xp.argsort(rank, axis=-1, **stable).astype(xp.int32)
+  count = xp.sum(live, axis=-1, dtype=xp.int32)
+  n_full = xp.sum(cls == FULL, axis=-1, dtype=xp.int32)
+  slot = xp.arange(n, dtype=xp.int32)
   in_run = (order == order[..., :1] + slot) & (slot < n_full[..., None])
-  full = jnp.sum(jnp.cumprod(in_run.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
-  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-  index = jnp.where(slot < count[..., None], order, last)
-  klass = jnp.where(slot < count[..., None], jnp.take_along_axis(cls, order, axis=-1), EMPTY)
-  return index, klass.astype(jnp.int32), count, full
+  full = xp.sum(xp.cumprod(in_run.astype(xp.int32), axis=-1), axis=-1, dtype=xp.int32)
+  last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
+  index = xp.where(slot < count[..., None], order, last)
+  klass = xp.where(slot < count[..., None], xp.take_along_axis(cls, order, axis=-1), EMPTY)
+  return index, klass.astype(xp.int32), count, full
 
 
 def _dense_block_bounds(dense_mask: Array, bq: int, bk: int, tp: int, sp: int):
@@ -162,12 +190,19 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   Returns:
     A BlockPlan (see the module docstring for shapes).
   """
-  qs = summarize(q_info, block_q, q_len)
-  ks = summarize(kv_info, block_kv, kv_len)
+  # numpy inputs without segment ids or a dense mask: numpy all the way (``indexed_plan``).
+  numpy_only = (isinstance(q_info.positions, np.ndarray) and isinstance(kv_info.positions,
+                                                                        np.ndarray)
+                and q_info.segment_ids is None and kv_info.segment_ids is None
+                and dense_mask is None)
+  xp = np if numpy_only else jnp
+  qs = summarize(q_info, block_q, q_len, xp)
+  ks = summarize(kv_info, block_kv, kv_len, xp)
   # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk].
   qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
   kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
-  any_, all_ = mask.block_test(qb, kb)
+  with jax.ensure_compile_time_eval() if xp is np else contextlib.nullcontext():
+    any_, all_ = (xp.asarray(x) for x in mask.block_test(qb, kb))  # (jnp inside some masks)
   if qs.seg is not None and ks.seg is not None:
     qsl, qsh = qs.seg.lo[:, :, None], qs.seg.hi[:, :, None]
     ksl, ksh = ks.seg.lo[:, None, :], ks.seg.hi[:, None, :]
@@ -180,7 +215,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
     d_any, d_all = _dense_block_bounds(dense_mask, block_q, block_kv,
                                        q_info.positions.shape[-1], kv_info.positions.shape[-1])
     any_, all_ = any_ & d_any, all_ & d_all
-  return _plan_of_classes(jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY))
+  return _plan_of_classes(xp.where(any_, xp.where(all_, FULL, PARTIAL), EMPTY), xp)
 
 
 def merge_heads(plan: BlockPlan, heads_per_block: int) -> BlockPlan:
@@ -201,13 +236,13 @@ def merge_heads(plan: BlockPlan, heads_per_block: int) -> BlockPlan:
   return _plan_of_classes(jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL)))
 
 
-def _plan_of_classes(cls: Array) -> BlockPlan:
+def _plan_of_classes(cls: Array, xp=jnp) -> BlockPlan:
   """The plan (compact lists both ways, step flags) of a class array ``[Bp, Np, nq, nk]``."""
-  cls = cls.astype(jnp.int32)
-  kv_index, kv_class, kv_count, kv_full = _compact(cls)
-  q_index, q_class, q_count, q_full = _compact(jnp.swapaxes(cls, -1, -2))
+  cls = cls.astype(xp.int32)
+  kv_index, kv_class, kv_count, kv_full = _compact(cls, xp)
+  q_index, q_class, q_count, q_full = _compact(xp.swapaxes(cls, -1, -2), xp)
   return BlockPlan(cls, kv_index, kv_class, kv_count, kv_full, q_index, q_class, q_count, q_full,
-                   any_live=jnp.any(cls > EMPTY), all_full=jnp.all(cls == FULL))
+                   any_live=xp.any(cls > EMPTY), all_full=xp.all(cls == FULL))
 
 
 def live_fraction(plan: BlockPlan) -> Array:
@@ -221,5 +256,5 @@ def plan_index(plan_array: Array, b, n):
   return plan_array[b if bp > 1 else 0, n if np_ > 1 else 0]
 
 
-__all__ = ["TokenInfo", "BlockPlan", "make_plan", "merge_heads", "make_token_info", "pad_token_info",
-           "summarize", "live_fraction", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "merge_heads", "make_token_info",
+           "pad_token_info", "indexed_positions", "summarize", "live_fraction", "EMPTY", "PARTIAL", "FULL"]

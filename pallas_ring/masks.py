@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = Any
 
@@ -85,6 +86,8 @@ def as_spec(mask: Optional[MaskSpec], argname: str = "mask") -> MaskSpec:
 
 def _floordiv(x, c: int):
   """Floor division by a positive constant without ``sign`` (which Mosaic cannot lower offline)."""
+  if isinstance(x, np.ndarray):  # (block plans built in numpy: ``block_sparse.indexed_plan``)
+    return x // c
   x = jnp.asarray(x)
   d = jax.lax.div(x, jnp.asarray(c, x.dtype))
   return d - (x - d * c < 0).astype(x.dtype)

@@ -391,7 +391,9 @@ _BWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs)
     ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal"),
     ("h64 T=16k", 16384, 16, 16, 64, masks.Causal(), "causal"),
     ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal"),
-    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents")]
+    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents"),
+    ("dense4k T=4k", 4096, 16, 16, 128, None, "full"),
+    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal")]
 
 
 def _bwd_cases(only):
@@ -495,7 +497,9 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
      jnp.bfloat16),
     ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
-    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
+    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16),
+    ("dense4k T=4k", 4096, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16)]
 
 
 def spans(*only):

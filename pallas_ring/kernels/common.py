@@ -90,6 +90,9 @@ class KernelConfig:
   num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
   interpret: bool = False  # run Pallas kernels in interpret mode
   dropout_rate: float = 0.0  # attention-probability dropout rate in [0, 1)
+  # Positions are the token indices (flash_attention's default), so the block plan's position
+  # part depends on static sizes only and is built at trace time (``attention.make_plan``).
+  indexed_positions: bool = False
 
   @property
   def keep_scale(self) -> float:
