@@ -64,10 +64,12 @@ class TokenInfo(NamedTuple):
 
 
 def make_token_info(length: int, batch: int, positions=None, segment_ids=None) -> TokenInfo:
-  """Builds a TokenInfo, defaulting positions to ``arange(length)``."""
+  """Builds a TokenInfo, defaulting positions to ``arange(length)`` (a numpy array: a constant of
+  the program that takes it, not an op)."""
   if positions is None:
-    positions = jnp.arange(length, dtype=jnp.int32)[None]
-  positions = jnp.asarray(positions, jnp.int32)
+    positions = np.arange(length, dtype=np.int32)[None]
+  else:
+    positions = jnp.asarray(positions, jnp.int32)
   if positions.ndim == 1:
     positions = positions[None]
   if segment_ids is not None:
@@ -80,14 +82,15 @@ def pad_token_info(info: TokenInfo, padded_len: int) -> TokenInfo:
   n = padded_len - info.positions.shape[-1]
   if n == 0:
     return info
-  pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, n)), mode="edge")
+  pad = lambda x: None if x is None else (np if isinstance(x, np.ndarray) else jnp).pad(
+      x, ((0, 0), (0, n)), mode="edge")
   return TokenInfo(pad(info.positions), pad(info.segment_ids))
 
 
 def indexed_positions(length: int, padded_len: int) -> np.ndarray:
-  """``[1, padded_len]`` int32 positions of ``length`` tokens at their indices, padded as
-  ``pad_token_info`` pads them (the positions ``flash_attention`` uses by default), in numpy."""
-  return np.pad(np.arange(length, dtype=np.int32), (0, padded_len - length), mode="edge")[None]
+  """``[1, padded_len]`` int32 numpy positions of ``length`` tokens at their indices, padded (the
+  positions ``flash_attention`` uses by default)."""
+  return pad_token_info(make_token_info(length, 1), padded_len).positions
 
 
 class BlockBoundsWithSegments(NamedTuple):

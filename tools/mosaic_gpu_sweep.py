@@ -176,10 +176,24 @@ def _compiled(f, *args):
   return f.lower(*args).compile()
 
 
+def _is_switch(word: str) -> bool:
+  """``NAME=...`` or ``module.NAME=...`` with an upper-case NAME (see ``_switch_module``)."""
+  name = word.partition("=")[0]
+  return "=" in word and name.rpartition(".")[2].isupper()
+
+
+def _switch_module(name: str):
+  """``(module, attribute)`` of a switch: ``pallas_mosaic_gpu.NAME`` for a bare ``NAME``, else
+  ``pallas_ring.<module>.NAME`` (e.g. ``attention.STATIC_PLAN_TILES``)."""
+  import importlib
+  mod, _, attr = name.rpartition(".")
+  return importlib.import_module(f"pallas_ring.{mod or 'kernels.pallas_mosaic_gpu'}"), attr
+
+
 def _switches(opts):
-  """``(labels, settings)`` from words ``NAME=v1,v2`` (upper case): module switches of
-  ``pallas_mosaic_gpu`` to compare in one run; each setting is a ``{NAME: value}`` dict."""
-  words = [o.split("=") for o in opts if "=" in o and o.split("=")[0].isupper()]
+  """``(labels, settings)`` from words ``NAME=v1,v2`` (``_is_switch``): module switches to
+  compare in one run; each setting is a ``{NAME: value}`` dict."""
+  words = [o.split("=") for o in opts if _is_switch(o)]
   settings = [{}]
   for name, values in words:
     settings = [{**s, name: v} for s in settings for v in values.split(",")]
@@ -193,20 +207,19 @@ def _value(word: str):
 
 
 def _ours_each(settings, compile_fn):
-  """``{label: compile_fn()}`` with each setting of ``_switches`` applied to ``pallas_mosaic_gpu``
-  (``_value``); caches are cleared between settings, so every compiled function traces the
+  """``{label: compile_fn()}`` with each setting of ``_switches`` applied (``_switch_module``,
+  ``_value``); caches are cleared between settings, so every compiled function traces the
   kernels anew."""
-  from pallas_ring.kernels import pallas_mosaic_gpu
   labels, settings = settings
-  saved = {k: getattr(pallas_mosaic_gpu, k) for s in settings for k in s}
+  saved = {k: getattr(*_switch_module(k)) for s in settings for k in s}
   fns = {}
   for label, setting in zip(labels, settings):
     for k, v in setting.items():
-      setattr(pallas_mosaic_gpu, k, _value(v))
+      setattr(*_switch_module(k), _value(v))
     jax.clear_caches()
     fns[f"ours pallas_mosaic_gpu {label}".strip()] = compile_fn()
   for k, v in saved.items():
-    setattr(pallas_mosaic_gpu, k, v)
+    setattr(*_switch_module(k), v)
   jax.clear_caches()
   return fns
 
@@ -509,7 +522,8 @@ def spans(*only):
   default) and/or ``bwd`` (forward+backward), and shapes by their first word (default: dense,
   causal)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["fwd"]
-  only = [o for o in only if o not in ("fwd", "bwd")] or ["dense", "causal"]
+  switches = _switches(only)
+  only = [o for o in only if o not in ("fwd", "bwd") and "=" not in o] or ["dense", "causal"]
   bench.CLOCK = "device"
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
@@ -518,15 +532,17 @@ def spans(*only):
       q, k, v, do = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
       seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
       window = masks.window_width(mask) if kind == "window" else None
-      impls = {"ours": lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                                       backend="pallas_mosaic_gpu")}
-      if kind != "documents":
-        impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
-            implementation="cudnn")
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-      calls = {i: (_compiled(jax.jit(f) if pass_ == "fwd" else bench._fwd_bwd(f), *args), args)
-               for i, f in impls.items()}
+      comp = lambda f: _compiled(jax.jit(f) if pass_ == "fwd" else bench._fwd_bwd(f), *args)
+      ours = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                             backend="pallas_mosaic_gpu")
+      fns = {label.removeprefix("ours pallas_mosaic_gpu").strip() or "ours": f
+             for label, f in _ours_each(switches, lambda: comp(ours)).items()}
+      if kind != "documents":
+        fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
+            implementation="cudnn"))
+      calls = {i: (f, args) for i, f in fns.items()}
       flops = 4 * n * visible_pairs(t, kind, window=window or 0) * h * (
           1 if pass_ == "fwd" else 3.5)
       for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
@@ -571,15 +587,14 @@ def calls(*only):
 
 
 def _set_switches(opts):
-  """Sets the module switches of words ``NAME=value`` (upper case) on ``pallas_mosaic_gpu`` for
-  the modes that check or profile one build; returns the other words."""
-  from pallas_ring.kernels import pallas_mosaic_gpu
+  """Sets the module switches of words ``NAME=value`` (``_is_switch``) for the modes that check
+  or profile one build; returns the other words."""
   rest = []
   for o in opts:
     name, _, value = o.partition("=")
-    if value and name.isupper():
-      setattr(pallas_mosaic_gpu, name, _value(value))
-      print(f"{name} = {getattr(pallas_mosaic_gpu, name)}", flush=True)
+    if _is_switch(o):
+      setattr(*_switch_module(name), _value(value))
+      print(f"{name} = {getattr(*_switch_module(name))}", flush=True)
     else:
       rest.append(o)
   return rest
