@@ -100,23 +100,30 @@ class BlockBoundsWithSegments(NamedTuple):
   all_pad: Array  # [nblocks] bool: the block holds padding only (its bounds are meaningless)
 
 
-def summarize(info: TokenInfo, block: int, valid_len: int, xp=jnp) -> BlockBoundsWithSegments:
-  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens
-  (``xp``: ``jax.numpy``, or ``numpy`` for numpy inputs)."""
+def _xp(x):
+  """``numpy`` for a numpy array (a plan part known ahead, see ``indexed_plan``), else
+  ``jax.numpy``."""
+  return np if isinstance(x, np.ndarray) else jnp
+
+
+def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
+  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens (numpy
+  bounds of numpy inputs; the padding flags always)."""
   length = info.positions.shape[-1]
   assert length % block == 0, (length, block)
   nb = length // block
-  valid = (xp.arange(length) < valid_len).reshape(nb, block)
+  valid = (np.arange(length) < valid_len).reshape(nb, block)
 
   def bounds(x):
+    xp = _xp(x)
     x = x.reshape(x.shape[0], nb, block)
     lo = xp.min(xp.where(valid, x, masks_lib.INT32_MAX), axis=-1)
     hi = xp.max(xp.where(valid, x, masks_lib.INT32_MIN), axis=-1)
     return masks_lib.BlockBounds(lo, hi)
 
   seg = None if info.segment_ids is None else bounds(info.segment_ids)
-  return BlockBoundsWithSegments(bounds(info.positions), seg, ~xp.all(valid, axis=-1),
-                                 ~xp.any(valid, axis=-1))
+  return BlockBoundsWithSegments(bounds(info.positions), seg, ~np.all(valid, axis=-1),
+                                 ~np.any(valid, axis=-1))
 
 
 class BlockPlan(NamedTuple):
@@ -193,31 +200,29 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   Returns:
     A BlockPlan (see the module docstring for shapes).
   """
-  # numpy inputs without segment ids or a dense mask: numpy all the way (``indexed_plan``).
-  numpy_only = (isinstance(q_info.positions, np.ndarray) and isinstance(kv_info.positions,
-                                                                        np.ndarray)
-                and q_info.segment_ids is None and kv_info.segment_ids is None
-                and dense_mask is None)
-  xp = np if numpy_only else jnp
-  qs = summarize(q_info, block_q, q_len, xp)
-  ks = summarize(kv_info, block_kv, kv_len, xp)
-  # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk].
+  qs = summarize(q_info, block_q, q_len)
+  ks = summarize(kv_info, block_kv, kv_len)
+  # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk]. Numpy positions give numpy
+  # classes, built while tracing (``indexed_plan``; flash_attention's default positions).
   qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
   kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
+  xp = np if _xp(qs.pos.lo) is np and _xp(kb.lo) is np else jnp
   with jax.ensure_compile_time_eval() if xp is np else contextlib.nullcontext():
     any_, all_ = (xp.asarray(x) for x in mask.block_test(qb, kb))  # (jnp inside some masks)
+  any_ = any_ & ~qs.all_pad[None, :, None] & ~ks.all_pad[None, None, :]
+  all_ = all_ & ~ks.has_pad[None, None, :]
   if qs.seg is not None and ks.seg is not None:
     qsl, qsh = qs.seg.lo[:, :, None], qs.seg.hi[:, :, None]
     ksl, ksh = ks.seg.lo[:, None, :], ks.seg.hi[:, None, :]
-    any_ = any_ & (qsl <= ksh) & (ksl <= qsh)
-    all_ = all_ & (qsl == qsh) & (ksl == ksh) & (qsl == ksl)
-  any_ = any_ & ~qs.all_pad[None, :, None] & ~ks.all_pad[None, None, :]
-  all_ = all_ & ~ks.has_pad[None, None, :]
+    xp = _xp(qsl) if _xp(qsl) is _xp(ksl) else jnp
+    any_ = xp.asarray(any_) & (qsl <= ksh) & (ksl <= qsh)
+    all_ = xp.asarray(all_) & (qsl == qsh) & (ksl == ksh) & (qsl == ksl)
   any_, all_ = any_[:, None], all_[:, None]  # [Bp, 1, nq, nk]
   if dense_mask is not None:
     d_any, d_all = _dense_block_bounds(dense_mask, block_q, block_kv,
                                        q_info.positions.shape[-1], kv_info.positions.shape[-1])
-    any_, all_ = any_ & d_any, all_ & d_all
+    any_, all_ = jnp.asarray(any_) & d_any, jnp.asarray(all_) & d_all
+    xp = jnp
   return _plan_of_classes(xp.where(any_, xp.where(all_, FULL, PARTIAL), EMPTY), xp)
 
 

@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,15 +204,16 @@ def test_indexed_plan_is_the_device_plan_in_numpy(spec, t, s, bq, bk):
     np.testing.assert_array_equal(a, np.asarray(d), err_msg=name)
 
 
-def _sorts(f, *args):
-  """The sort ops (the device plan's lists) in ``f``'s lowered program."""
-  return jax.jit(f).trace(*args).lower().as_text().count("stablehlo.sort")
+def _sorts(f, *args, op="stablehlo.sort"):
+  """The sort ops (the device plan's lists), or other ``op``, in ``f``'s lowered program."""
+  return jax.jit(f).trace(*args).lower().as_text().count(op)
 
 
 def test_flash_attention_takes_a_static_plan_as_constants(monkeypatch):
   """Default positions, no segment ids: the plan is built ahead (no plan ops in the program,
   forward or backward); explicit positions, segment ids or a plan above the tile limit keep
-  the device plan. Results are the same either way."""
+  the device plan, with segment ids only its segment part (fewer reductions). Results are the
+  same either way."""
   from pallas_ring import attention
   t = 256
   q = jax.random.normal(jax.random.key(0), (1, t, 2, 32), jnp.float32)
@@ -222,7 +225,12 @@ def test_flash_attention_takes_a_static_plan_as_constants(monkeypatch):
   assert _sorts(run, q) == _sorts(grad(), q) == 0
   pos = dict(q_positions=jnp.arange(t), kv_positions=jnp.arange(t))
   assert _sorts(lambda q: run(q, **pos), q) > 0
-  assert _sorts(lambda q, s: run(q, segment_ids=s), q, seg) > 0
+  docs = lambda q, s, **kw: run(q, segment_ids=s, **kw)
+  assert _sorts(docs, q, seg) > 0
+  reductions = lambda f: _sorts(f, q, seg, op="stablehlo.reduce")
+  assert reductions(docs) < reductions(functools.partial(docs, **pos))
+  np.testing.assert_array_equal(jax.jit(docs)(q, seg),
+                                jax.jit(functools.partial(docs, **pos))(q, seg))
   np.testing.assert_array_equal(jax.jit(run)(q), jax.jit(lambda q: run(q, **pos))(q))
   np.testing.assert_array_equal(jax.jit(grad())(q), jax.jit(grad(**pos))(q))
   monkeypatch.setattr(attention, "STATIC_PLAN_TILES", (t // 64) ** 2)
