@@ -9,8 +9,8 @@ Timing: jit, warm up, then ``block_until_ready`` around a batch of calls, median
 batches, on random inputs. A batch is ``iters`` calls, or more for short calls: enough to last
 ``MIN_BATCH_S``, so that the fixed cost of starting and synchronizing a batch (tens of
 microseconds) is not counted as kernel time. ``CLOCK`` (``bench --device-time``) picks how a
-batch is timed: by the host's clock, or on the device (``device_spans``). TFLOP/s count visible (query, key) pairs only:
-``4 * B * N * pairs * H`` forward, 3.5x that forward+backward.
+batch is timed: by the host's clock, or on the device (``device_spans``). TFLOP/s count visible
+(query, key) pairs only: ``4 * B * N * pairs * H`` forward, 3.5x that forward+backward.
 """
 
 from __future__ import annotations

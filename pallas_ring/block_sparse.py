@@ -265,4 +265,5 @@ def plan_index(plan_array: Array, b, n):
 
 
 __all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "merge_heads", "make_token_info",
-           "pad_token_info", "indexed_positions", "summarize", "live_fraction", "EMPTY", "PARTIAL", "FULL"]
+           "pad_token_info", "indexed_positions", "summarize", "live_fraction", "EMPTY", "PARTIAL",
+           "FULL"]
