@@ -23,8 +23,8 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 import statistics
+import tempfile
 import time
 
 import jax

@@ -2,8 +2,9 @@
 
 Everything here runs on device under ``jit`` with static shapes, in O(nq * nk) work from per-block
 summaries (min / max position and segment id of every block). Only a dense mask costs O(T * S),
-because it is that large by nature. A plan that depends on static sizes only (tokens at their
-indices, no segment ids, no dense mask) is computed once ahead instead (``indexed_plan``).
+because it is that large by nature. Numpy positions (``flash_attention``'s default) give the
+position part in numpy, built while tracing; without segment ids or a dense mask that is the whole
+plan, computed once per configuration (``indexed_plan``).
 
 Block classes (``block_class``):
 
@@ -100,10 +101,10 @@ class BlockBoundsWithSegments(NamedTuple):
   all_pad: Array  # [nblocks] bool: the block holds padding only (its bounds are meaningless)
 
 
-def _xp(x):
-  """``numpy`` for a numpy array (a plan part known ahead, see ``indexed_plan``), else
-  ``jax.numpy``."""
-  return np if isinstance(x, np.ndarray) else jnp
+def _xp(*xs):
+  """``numpy`` when every one of ``xs`` is a numpy array (a plan part known while tracing, see
+  ``indexed_plan``), else ``jax.numpy``."""
+  return np if all(isinstance(x, np.ndarray) for x in xs) else jnp
 
 
 def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
@@ -206,7 +207,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   # classes, built while tracing (``indexed_plan``; flash_attention's default positions).
   qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
   kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
-  xp = np if _xp(qs.pos.lo) is np and _xp(kb.lo) is np else jnp
+  xp = _xp(qb.lo, kb.lo)
   with jax.ensure_compile_time_eval() if xp is np else contextlib.nullcontext():
     any_, all_ = (xp.asarray(x) for x in mask.block_test(qb, kb))  # (jnp inside some masks)
   any_ = any_ & ~qs.all_pad[None, :, None] & ~ks.all_pad[None, None, :]
@@ -214,7 +215,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   if qs.seg is not None and ks.seg is not None:
     qsl, qsh = qs.seg.lo[:, :, None], qs.seg.hi[:, :, None]
     ksl, ksh = ks.seg.lo[:, None, :], ks.seg.hi[:, None, :]
-    xp = _xp(qsl) if _xp(qsl) is _xp(ksl) else jnp
+    xp = _xp(any_, qsl, ksl)
     any_ = xp.asarray(any_) & (qsl <= ksh) & (ksl <= qsh)
     all_ = xp.asarray(all_) & (qsl == qsh) & (ksl == ksh) & (qsl == ksl)
   any_, all_ = any_[:, None], all_[:, None]  # [Bp, 1, nq, nk]
