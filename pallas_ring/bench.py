@@ -119,6 +119,20 @@ def interleaved_samples(calls, iters=10, reps=5) -> dict:
   return {name: [secs for n, secs in samples if n == name] for name in names}
 
 
+def trace_events(trace_dir: str) -> tuple[list, list]:
+  """``(GPU ops, host events)`` of the newest profiler trace under ``trace_dir``: the complete
+  events of the first GPU, sorted by start, and those of the host (microsecond ``ts``, ``dur``)."""
+  path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  procs = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpus = sorted(pid for pid, name in procs.items() if "GPU" in name)
+  spans = [e for e in events if e.get("ph") == "X"]
+  ops = sorted((e for e in spans if gpus and e["pid"] == gpus[0]), key=lambda e: e["ts"])
+  return ops, [e for e in spans if e["pid"] not in gpus]
+
+
 def device_spans(trace_dir: str, names) -> list:
   """``[(span, busy, ops)]`` of the profiler trace under ``trace_dir``, one per host annotation
   in ``names`` (each around calls it synchronized): the first GPU's ops that start inside it,
@@ -128,15 +142,8 @@ def device_spans(trace_dir: str, names) -> list:
   Raises:
     RuntimeError: an annotation holds no GPU op (no GPU, or a trace without device events).
   """
-  path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
-  with gzip.open(path) as f:
-    events = json.load(f)["traceEvents"]
-  procs = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpus = sorted(pid for pid, name in procs.items() if "GPU" in name)
-  spans = [e for e in events if e.get("ph") == "X"]
-  ops = sorted((e for e in spans if gpus and e["pid"] == gpus[0]), key=lambda e: e["ts"])
-  marks = {e["name"]: e for e in spans if e["pid"] not in gpus}
+  ops, host = trace_events(trace_dir)
+  marks = {e["name"]: e for e in host}
   starts = np.array([e["ts"] for e in ops])
   out = []
   for name in names:

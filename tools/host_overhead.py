@@ -13,9 +13,6 @@ most time per call (the thread that launches the kernels).
 """
 
 import collections
-import glob
-import gzip
-import json
 import statistics
 import sys
 import time
@@ -31,15 +28,10 @@ from pallas_ring.attention import flash_attention  # noqa: E402
 
 def _host_events(d, calls):
   """The host events of the newest trace under ``d`` by total time per call (top 20)."""
-  path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-  events = json.load(gzip.open(path))["traceEvents"]
-  procs = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
   per, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and "GPU" not in procs.get(e["pid"], ""):
-      per[e["name"][:80]] += e.get("dur", 0) / calls
-      count[e["name"][:80]] += 1
+  for e in bench.trace_events(d)[1]:
+    per[e["name"][:80]] += e.get("dur", 0) / calls
+    count[e["name"][:80]] += 1
   return [(name, us, count[name] / calls) for name, us in per.most_common(20)]
 
 
@@ -89,7 +81,6 @@ def first_ops(d="/tmp/first", *only):
   """Calls synchronized one at a time (forward, both ``attention.STATIC_PLAN_TILES`` settings,
   alternating): each op of the 5th to 8th call with its start after the call's first op and its
   duration, from a profiler trace (does a call's first kernel run slower after the GPU idled?)."""
-  from pallas_ring import attention
   from mosaic_gpu_sweep import _ours_each, _switches
   for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if name.split()[0] not in (only or ("causal4k",)):
@@ -108,16 +99,11 @@ def first_ops(d="/tmp/first", *only):
           with jax.profiler.TraceAnnotation(f"call {len(labels)}"):
             jax.block_until_ready(f(q, k, v))
           labels.append(label)
-    path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = [e for e in events if e.get("ph") == "X" and "GPU" in procs.get(e["pid"], "")]
-    marks = {e["name"]: e for e in events if e.get("ph") == "X" and e["name"].startswith("call ")}
+    gpu, host = bench.trace_events(d)
+    marks = {e["name"]: e for e in host}
     for j in range(8, 16):
       m = marks[f"call {j}"]
-      ops = sorted((e for e in gpu if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]),
-                   key=lambda e: e["ts"])
+      ops = [e for e in gpu if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]]
       t0 = ops[0]["ts"]
       print(f"{name} {labels[j]}: " + ", ".join(
           f"{e['name'][:24]} +{e['ts'] - t0:.1f} {e.get('dur', 0):.1f}us" for e in ops),

@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import glob
-import gzip
-import json
 import statistics
 import sys
 import traceback
@@ -471,14 +468,8 @@ def profile(name, f, args, d, calls=10):
     for _ in range(calls):
       r = f(*args)
     jax.block_until_ready(r)
-  path = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-  trace = json.load(gzip.open(path))
-  gpu_pids = sorted(p["pid"] for p in trace["traceEvents"] if p.get("ph") == "M" and
-                    p.get("name") == "process_name" and
-                    "GPU" in str(p.get("args", {}).get("name")))
   per, kernels = collections.Counter(), []
-  events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and
-                   gpu_pids and e.get("pid") == gpu_pids[0]), key=lambda e: e["ts"])
+  events = bench.trace_events(d)[0]
   if not events:
     print(f"{name}: the trace holds no GPU events", flush=True)
     return
@@ -491,7 +482,7 @@ def profile(name, f, args, d, calls=10):
   nk = len(kernels) // calls  # Mosaic GPU kernels per call
   means = [statistics.mean(kernels[i::nk]) for i in range(nk)]
   print(f"{name}: {total / 1e3:.3f} ms of GPU time, {span / 1e3:.3f} ms span per call "
-        f"(first of {len(gpu_pids)} GPUs); Mosaic GPU kernels in launch order, mean of {calls} "
+        f"(first GPU); Mosaic GPU kernels in launch order, mean of {calls} "
         f"calls: {' '.join('%.1f us' % d for d in means)}", flush=True)
   count = collections.Counter(e["name"][:70] for e in events)
   print(f"  {len(events) / calls:.0f} GPU ops per call", flush=True)
