@@ -376,10 +376,10 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if k.shape[1] != t:
     raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
                      f"one sharded sequence), got q {t} and k/v {k.shape[1]}.")
-  if r == 1:
-    pos = positions if positions is not None else jnp.arange(t, dtype=jnp.int32)
+  if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
     return attention.flash_attention(
-        q, k, v, mask=mask, segment_ids=segment_ids, q_positions=pos, kv_positions=pos,
+        q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions,
+        kv_positions=positions,
         dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
         alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         cu_seqlens=cu_seqlens, block_sizes=block_sizes, backend=backend, interpret=interpret,
