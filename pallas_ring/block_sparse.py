@@ -108,8 +108,9 @@ def _xp(*xs):
 
 
 def summarize(info: TokenInfo, block: int, valid_len: int) -> BlockBoundsWithSegments:
-  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens (numpy
-  bounds of numpy inputs; the padding flags always)."""
+  """Per-block min / max of positions and segment ids over the first ``valid_len`` tokens: numpy
+  bounds for numpy inputs, jax.numpy otherwise; the padding flags are always numpy (they depend
+  on the static lengths only)."""
   length = info.positions.shape[-1]
   assert length % block == 0, (length, block)
   nb = length // block
