@@ -232,6 +232,20 @@ def _time_against_cudnn(name, fns, args, flops):
           f"{flops / med / 1e12:6.1f} TFLOP/s  {vs}", flush=True)
 
 
+_FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
+    ("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("dense T=16k fp16", 16384, 16, 16, 128, None, "full", jnp.float16),
+    ("causal T=16k fp16", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.float16),
+    *((f"window {w}", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(w), "window",
+       jnp.bfloat16) for w in (1024, 2048, 4096)),
+    ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
+    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16),
+    ("dense4k T=4k", 4096, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16)]
+
+
 def variants(*opts):
   """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing; words
   select shapes by their first word (e.g. ``docs window``), and ``NAME=v1,v2`` compiles our
@@ -240,16 +254,7 @@ def variants(*opts):
   switches = _switches(opts)
   only = [o for o in opts if "=" not in o]
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
-  shapes = [("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
-            ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
-            ("dense T=16k fp16", 16384, 16, 16, 128, None, "full", jnp.float16),
-            ("causal T=16k fp16", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.float16),
-            *((f"window {w}", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(w),
-               "window", jnp.bfloat16) for w in (1024, 2048, 4096)),
-            ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
-            ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
-            ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16)]
-  for name, t, n, kh, h, mask, kind, dt in shapes:
+  for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if only and name.split()[0] not in only:
       continue
     q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
@@ -491,19 +496,6 @@ def profile(name, f, args, d, calls=10):
     print(f"  {us:9.1f} us  {count[kname] / calls:4.0f}x  {kname}", flush=True)
     if "mosaic" not in kname and kname in hlo:
       print(f"      {hlo[kname][:150]}", flush=True)
-
-
-_FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
-    ("dense T=16k", 16384, 16, 16, 128, None, "full", jnp.bfloat16),
-    ("causal T=16k", 16384, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
-    ("fp16 dense T=16k", 16384, 16, 16, 128, None, "full", jnp.float16),
-    ("window 1024", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(1024), "window",
-     jnp.bfloat16),
-    ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
-    ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
-    ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16),
-    ("dense4k T=4k", 4096, 16, 16, 128, None, "full", jnp.bfloat16),
-    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16)]
 
 
 def spans(*only):
