@@ -4,7 +4,8 @@ Everything here runs on device under ``jit`` with static shapes, in O(nq * nk) w
 summaries (min / max position and segment id of every block). Only a dense mask costs O(T * S),
 because it is that large by nature. Numpy positions (``flash_attention``'s default) give the
 position part in numpy, built while tracing; without segment ids or a dense mask that is the whole
-plan, computed once per configuration (``indexed_plan``).
+plan, computed once per configuration (``indexed_plan``); a ring whose positions follow its layout
+builds the plans of all its (rank, source) pairs so and selects one per step (``plan_table``).
 
 Block classes (``block_class``):
 
@@ -159,6 +160,49 @@ def indexed_plan(mask: masks_lib.MaskSpec, q_len: int, kv_len: int, q_padded: in
   return plan
 
 
+def plan_table(mask: masks_lib.MaskSpec, q_infos, kv_infos, *, block_q: int, block_kv: int,
+               q_len: int, kv_len: int):
+  """The plans of every (q part ``i``, kv part ``j``) pair, in numpy, each distinct plan once.
+
+  For callers whose positions are known while tracing but chosen at run time (a ring's shards:
+  which pair a device runs depends on its rank), so that a call selects a plan instead of
+  building it.
+
+  Args:
+    mask: the mask spec, in global positions.
+    q_infos, kv_infos: sequences of numpy ``TokenInfo`` without segment ids, padded to multiples
+      of ``block_q`` / ``block_kv``.
+    block_q, block_kv, q_len, kv_len: as ``make_plan``.
+
+  Returns:
+    ``(plans, table)``: a BlockPlan of numpy arrays with a leading ``[U]`` axis over the distinct
+    plans, and ``table [len(q_infos), len(kv_infos)]`` int32, the index of pair ``(i, j)``'s plan
+    (``select_plan``).
+  """
+  plans, index = [], {}
+  table = np.zeros((len(q_infos), len(kv_infos)), np.int32)
+  for i, q_info in enumerate(q_infos):
+    for j, kv_info in enumerate(kv_infos):
+      plan = make_plan(mask, q_info, kv_info, block_q=block_q, block_kv=block_kv, q_len=q_len,
+                       kv_len=kv_len)
+      key = np.asarray(plan.block_class).tobytes()  # (a plan is a function of its classes)
+      if key not in index:
+        index[key] = len(plans)
+        plans.append(plan)
+      table[i, j] = index[key]
+  stacked = BlockPlan(*(np.stack([np.asarray(x) for x in xs]) for xs in zip(*plans)))
+  return stacked, table
+
+
+def select_plan(plans: BlockPlan, table: np.ndarray, i, j) -> BlockPlan:
+  """Pair ``(i, j)``'s plan (traced or static indices) from ``plan_table``'s result: constants
+  when every pair has the same plan, else one small gather per array."""
+  if plans.block_class.shape[0] == 1:
+    return BlockPlan(*(jnp.asarray(x[0]) for x in plans))
+  u = jnp.asarray(table)[i, j]
+  return BlockPlan(*(jnp.asarray(x)[u] for x in plans))
+
+
 def _compact(cls: Array, xp=jnp) -> tuple[Array, Array, Array, Array]:
   """Per row of ``cls [..., n]``: live column indices (FULL, then PARTIAL), classes, counts."""
   n = cls.shape[-1]
@@ -266,6 +310,6 @@ def plan_index(plan_array: Array, b, n):
   return plan_array[b if bp > 1 else 0, n if np_ > 1 else 0]
 
 
-__all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "merge_heads", "make_token_info",
-           "pad_token_info", "indexed_positions", "summarize", "live_fraction", "EMPTY", "PARTIAL",
-           "FULL"]
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "plan_table", "select_plan",
+           "merge_heads", "make_token_info", "pad_token_info", "indexed_positions", "summarize",
+           "live_fraction", "EMPTY", "PARTIAL", "FULL"]

@@ -3,19 +3,22 @@
 ``ring_attention`` is called per shard inside ``shard_map``. Forward: ``lax.scan`` over ring steps;
 each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the segment ids
 and caller-given positions beside it; layout positions are derived from the source rank), then
-builds that step's block plan from *global* positions and runs the kernel on the current K/V,
+takes that step's block plan of *global* positions and runs the kernel on the current K/V,
 which merges its ``(o, lse)`` into the running float32 result (``common.merge``, guarded for
 ``-inf``; the Mosaic GPU kernel merges in its epilogue); a step with no live block is skipped
 (``lax.cond``). Sinks enter once, after the last step.
 
-Backward: one ``custom_vjp`` around the whole ring (residuals: local q, the forward's stacked
-K/V, o, lse). A second scan rotates K/V together with the dK/dV accumulators (one step behind
+Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
+the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2 GPUs,
+``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators (one step behind
 their shard, so every send overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``;
 dQ accumulates locally. The local pair runs its dQ first and its dK/dV last (the contract's
 ``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead of ending the
 backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
-decisions.
+decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
+the plans of every (rank, source) pair are built while tracing (``_plans_ahead``) and a step
+selects its own; otherwise each step builds its plan on device.
 
 On GPU (Triton backend) two measured costs change the schedule: a ``lax.cond`` costs a host round
 trip per step, so empty steps run the kernel, which skips their tiles itself; and XLA:GPU keeps one
@@ -135,11 +138,60 @@ def _step_ops(st: _RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: in
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
+# The most (rank, source) pairs whose plans a ring builds ahead (``_plans_ahead``), each of at most
+# ``attention.STATIC_PLAN_TILES`` tiles: the numpy work of tracing grows with their product.
+PLANS_AHEAD_PAIRS = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_plans(mask, seq_len: int, layout: str, r: int, gathered: bool, q_len: int,
+                  kv_len: int, q_padded: int, kv_padded: int, block_q: int, block_kv: int):
+  """``block_sparse.plan_table`` of a ring whose positions follow ``layout``: rows are the q
+  ranks, columns the kv source ranks (one column when K/V are gathered)."""
+  order = layouts.global_order(seq_len, layout, r)  # [T] int32, layout order
+  info = lambda pos, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos[None]), padded)
+  shard = lambda i: order[i * q_len:(i + 1) * q_len]
+  q_infos = [info(shard(i), q_padded) for i in range(r)]
+  kv_infos = ([info(order, kv_padded)] if gathered else
+              [info(shard(j), kv_padded) for j in range(r)])
+  plans, table = block_sparse.plan_table(mask, q_infos, kv_infos, block_q=block_q,
+                                         block_kv=block_kv, q_len=q_len, kv_len=kv_len)
+  for x in (*plans, table):
+    x.flags.writeable = False
+  return plans, table
+
+
+def _plans_ahead(st: _RingStatic, ops: common.Operands, backward: bool):
+  """``_layout_plans`` for this ring's pass when its plans can be built ahead: positions derived
+  from the layout, no segment ids, no dense mask, and a bounded number of tiles; else None."""
+  if (st.layout_positions is None or ops.dense is not None
+      or ops.q_info.segment_ids is not None or ops.kv_info.segment_ids is not None):
+    return None
+  cfg = st.cfg
+  bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
+  tp, sp = ops.q_info.positions.shape[-1], ops.kv_info.positions.shape[-1]
+  gathered = st.strategy == "all_gather"
+  pairs = st.ring_size * (1 if gathered else st.ring_size)
+  if (tp // bq) * (sp // bk) > attention.STATIC_PLAN_TILES or pairs > PLANS_AHEAD_PAIRS:
+    return None
+  return _layout_plans(cfg.mask, *st.layout_positions, st.ring_size, gathered, cfg.q_len,
+                       cfg.kv_len, tp, sp, bq, bk)
+
+
+def _step_plan(st: _RingStatic, ops: common.Operands, rank, src, backward: bool = False):
+  """The block plan of (q shard ``rank``, kv shard ``src``; 0 when gathered): selected from the
+  plans built ahead, or built on device from ``ops``' positions."""
+  ahead = _plans_ahead(st, ops, backward)
+  if ahead is None:
+    return attention.make_plan(ops, st.cfg, backward)
+  return block_sparse.select_plan(*ahead, rank, src)
+
+
 def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
-                  acc: Optional[common.Partial] = None) -> common.Partial:
+                  acc: Optional[common.Partial] = None, plan=None) -> common.Partial:
   """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
-  result, or None), skipped when its plan has nothing live."""
-  plan = attention.make_plan(ops, st.cfg)
+  result, or None), skipped when its plan (default: built from ``ops``) has nothing live."""
+  plan = attention.make_plan(ops, st.cfg) if plan is None else plan
   b, tp, n, h = q.shape
   dt = common.acc_dtype(q.dtype)
 
@@ -156,12 +208,13 @@ def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
 
 
 def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
-                   parts=common.BOTH):
+                   parts=common.BOTH, plan=None):
   """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
   its dq added to ``dq`` (the earlier pairs', or None). ``parts=common.DQ`` computes only dq
-  and dbias, ``common.DKV`` only dk and dv (the others None)."""
+  and dbias, ``common.DKV`` only dk and dv (the others None). ``plan``: the backward's (default:
+  built from ``ops``)."""
   want_dq, want_dkv = common.wants(parts)
-  plan = attention.make_plan(ops, st.cfg, backward=True)
+  plan = attention.make_plan(ops, st.cfg, backward=True) if plan is None else plan
   no_bias = ops.bias is None or not want_dq
 
   def run():
@@ -198,8 +251,7 @@ def _gather_info(info, st):
 
 def _local_kv(st: _RingStatic, k, v):
   """This shard's K/V as the ring holds them: one stacked ``[2, B, Sp, K, H]`` buffer, so each
-  step sends both in one collective (``all_gather``: the pair ``(k, v)``). The backward reuses
-  the forward's buffer."""
+  step sends both in one collective (``all_gather``: the pair ``(k, v)``)."""
   return (k, v) if st.strategy == "all_gather" else jnp.stack([k, v])
 
 
@@ -211,12 +263,13 @@ def _ring_forward(st: _RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    return _pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops)
+    return _pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
+                         plan=_step_plan(st, ops, rank, 0))
 
   def compute(kv, moving, step, acc=None):
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    return _pair_forward(st, q, kv[0], kv[1], ops, acc)
+    return _pair_forward(st, q, kv[0], kv[1], ops, acc, _step_plan(st, ops, rank, src))
 
   # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
   # result into the running one.
@@ -241,7 +294,7 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
     dq, dk, dv, dbias = _pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
-                                       delta, ops)
+                                       delta, ops, plan=_step_plan(st, ops, rank, 0, True))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
@@ -251,7 +304,8 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
     only dq and dbias, or only dk and dv)."""
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts)
+    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+                                             _step_plan(st, ops, rank, src, True))
     if dbias_s is not None:  # each step owns the columns of its kv shard
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
     return dq, None if dk_s is None else jnp.stack([dk_s, dv_s]), dbias
@@ -293,25 +347,24 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
-  kv = _local_kv(st, k, v)
-  o, lse = attention.finish_forward(*_ring_forward(st, q, kv, q_info, kv_info, fixed), sinks,
-                                    q.dtype)
-  return (o, lse), (q, kv, sinks, q_info, kv_info, fixed, o, lse)
+  o, lse = attention.finish_forward(
+      *_ring_forward(st, q, _local_kv(st, k, v), q_info, kv_info, fixed), sinks, q.dtype)
+  return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
-  q, kv, sinks, q_info, kv_info, fixed, o, lse = res
+  q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
   do, dlse = cts  # dlse: None when zero (attention.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
-      q, kv, do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
+      q, _local_kv(st, k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
     dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(bias=None if dbias is None else dbias.astype(fixed.bias.dtype))
-  return (dq.astype(q.dtype), dk.astype(kv[0].dtype), dv.astype(kv[1].dtype), dsinks, none(q_info),
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
           none(kv_info), dfixed)
 
 

@@ -5,6 +5,7 @@ Natively (PALLAS_RING_TEST_GPU=1 on an H100) the conformance and pitfall suites 
 test_flash_attention.py.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -174,11 +175,34 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
   assert grids == [(min(sms, 256),), (256,)]
 
 
+def test_work_items_cover_every_q_block_once_in_either_order(monkeypatch):
+  """``_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
+  K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
+  g = pallas_mosaic_gpu._Geometry(bq=64, bk=128, slots=2, group=1, head_dim=128,
+                                  dtype=jnp.bfloat16, info_rows=1, q_blocks=5, heads=3, batch=2,
+                                  ctas=30)
+  every = {(b, h, q) for b in range(2) for h in range(3) for q in range(5)}
+  for order in ("heads", "blocks"):
+    items = [tuple(int(x) for x in pallas_mosaic_gpu._item(
+        dataclasses.replace(g, order=order), jnp.int32(i))) for i in range(30)]
+    assert set(items) == every and len(items) == 30, order
+    first = items[:5] if order == "blocks" else items[:3]
+    assert first == ([(0, 0, q) for q in (4, 3, 2, 1, 0)] if order == "blocks" else
+                     [(0, h, 4) for h in range(3)]), order
+  keys = pallas_mosaic_gpu.BLOCKS_FIRST_KEYS
+  order = pallas_mosaic_gpu.item_order
+  assert (order(keys // 2), order(keys)) == ("heads", "blocks")
+  monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", "heads")
+  assert order(keys) == "heads"
+
+
+@pytest.mark.parametrize("order", ["heads", "blocks"])
 @pytest.mark.parametrize("name", ["documents", "window_mqa", "h96_padded_fp16", "one_token"])
-def test_forward_lowers_with_several_items_per_cta(name, monkeypatch):
-  """Persistent CTAs (here 3, each walking several items) in both walks (documents: serial),
-  alone and merging into the ring's running results."""
+def test_forward_lowers_with_several_items_per_cta(name, order, monkeypatch):
+  """Persistent CTAs (here 3, each walking several items) in both walks (documents: serial)
+  and both item orders, alone and merging into the ring's running results."""
   monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", 3)
+  monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", order)
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
   step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
@@ -362,21 +386,23 @@ def test_interpret_on_cpu_emulates_the_plan_walk():
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "window_mqa", "h256"])
 def test_native_persistent_forward_matches_one_cta_per_item(name, monkeypatch):
   """3 persistent CTAs, each walking several items (both walks; documents: serial), give the
-  same bits as one CTA per item, alone and merging into the ring's running results (a ring
-  step: both forwards and the backward after them)."""
+  same bits as one CTA per item, in either item order, alone and merging into the ring's
+  running results (a ring step: both forwards and the backward after them)."""
   step, _, structs = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   rng = np.random.default_rng(3)
   args = [jnp.asarray(np.sort(rng.integers(0, 4, a.shape), axis=1), a.dtype)
           if a.dtype == jnp.int32 else jnp.asarray(rng.standard_normal(a.shape), a.dtype)
           for a in structs]
   runs = []
-  for ctas in (False, 3):
+  for ctas, order in ((False, "heads"), (3, "heads"), (3, "blocks"), (False, "blocks")):
     monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", ctas)
+    monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", order)
     jax.clear_caches()
     runs.append(jax.tree.leaves(jax.jit(step)(*args)))
   jax.clear_caches()
-  for a, b in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for run in runs[1:]:
+    for a, b in zip(runs[0], run):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.skipif(not ON_GPU or not kernels.hopper(),

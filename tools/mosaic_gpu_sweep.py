@@ -243,6 +243,10 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
     ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16),
     ("dense4k T=4k", 4096, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("dense32k T=32k", 32768, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal32k T=32k", 32768, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("dense64k T=64k", 65536, 16, 16, 128, None, "full", jnp.bfloat16),
+    ("causal64k T=64k", 65536, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16)]
 
 

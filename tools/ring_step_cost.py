@@ -1,6 +1,6 @@
 """Per-step device work of the ring outside its kernels, on one GPU (no communication).
 
-    python tools/ring_step_cost.py [TOKENS_PER_GPU] [backend]
+    python tools/ring_step_cost.py [TOKENS_PER_GPU] [backend] [TRACE_DIR]
 
 One ring step of ``ring.py`` on one (q shard, kv shard) pair, N=16, H=128, bf16, dense, timed
 interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 ms):
@@ -14,6 +14,10 @@ interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 m
                         ring step runs
     pack + unpack       the bytes of the step's sends (K/V and dK/dV) packed into one buffer and
                         unpacked (``ring._rotate`` without its ppermute; GPU rings pack)
+    ... plan ahead      the same step with its plan selected from those built while tracing
+                        (``ring._layout_plans``; rank and source are arguments, as under
+                        ``shard_map``) instead of built on device from its positions; also for
+                        a causal zigzag pair (rank 1, source 0 of 4), whose plans differ by pair
 
 The differences are what each step spends around the kernels, which a ring on several GPUs
 cannot hide behind its sends (they run on the same stream as the kernels). It first checks that
@@ -29,11 +33,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, bench, block_sparse, masks, ring
+from pallas_ring import attention, bench, block_sparse, layouts, masks, ring
 from pallas_ring.kernels import common, tuning
 
 
-def main(tokens=8192, backend="pallas_mosaic_gpu"):
+def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
+  """Times the calls above; with ``trace_dir``, first prints the GPU ops of each plan-ahead pair
+  (``mosaic_gpu_sweep.profile``: time per op, ops per call) from profiler traces there."""
   tokens = int(tokens)
   b, n, h, r = 1, 16, 128, 4
   q, k, v, do = bench._inputs(b, tokens, n, h)
@@ -74,6 +80,35 @@ def main(tokens=8192, backend="pallas_mosaic_gpu"):
     dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
     return dq, dkv_acc + jnp.stack([dk, dv])
 
+  def ahead(mask, layout):
+    """``(st, device_ops, plan_of)``: a pair of ``layout`` under ``mask`` (rank and source as
+    traced arguments), its Operands with positions computed on device, and its plan selected
+    from those built ahead (``plan_of(rank, src, backward)``)."""
+    c = attention.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
+                                kv_len=tokens, out_dtype=f32, interpret=False)
+    s = ring._RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
+                         use_cond=False, pack_sends=True)
+    pos = lambda rank: block_sparse.make_token_info(
+        tokens, b, layouts.positions(r * tokens, layout, r, rank))
+    dev = lambda rank, src: common.Operands(pos(rank), pos(src), None, None, None, None)
+    plan = lambda rank, src, bwd=False: ring._step_plan(s, dev(rank, src), rank, src, bwd)
+    return s, dev, plan
+
+  def fwd_ahead(mask, layout, device):
+    s, dev, plan = ahead(mask, layout)
+    return lambda q, k, v, o_acc, lse_acc, rank, src: tuple(ring._pair_forward(
+        s, q, k, v, dev(rank, src), common.Partial(o_acc, lse_acc),
+        None if device else plan(rank, src)))
+
+  def bwd_ahead(mask, layout, device):
+    s, dev, plan = ahead(mask, layout)
+
+    def run(q, k, v, do, lse, delta, dq_acc, dkv_acc, rank, src):
+      dq, dk, dv = ring._pair_backward(s, q, k, v, do, lse, delta, dev(rank, src), dq_acc,
+                                       plan=None if device else plan(rank, src, True))[:3]
+      return dq, dkv_acc + jnp.stack([dk, dv])
+    return run
+
   def pack(k, v, dkv_acc):  # (the barrier stands in for the ppermute between the two)
     leaves = [jnp.stack([k, v]), dkv_acc]
     return ring._unpack(lax.optimization_barrier(ring._pack(leaves)), leaves)
@@ -88,21 +123,39 @@ def main(tokens=8192, backend="pallas_mosaic_gpu"):
       "bwd adding dq": (jax.jit(bwd_adding), bwd_args),
       "pack + unpack": (jax.jit(pack), (k, v, dkv_acc)),
   }
-  pairs = [("fwd + merge", "fwd merging"), ("bwd + accumulate", "bwd adding dq")]
+  ranks = (jnp.int32(1), jnp.int32(0))  # (rank 1's q against rank 0's K/V)
+  for label, mask, layout in (("", masks.Full(), "contiguous"),
+                              ("causal zigzag ", masks.Causal(), "zigzag")):
+    for device, what in ((True, "plan on device"), (False, "plan ahead")):
+      calls[f"{label}fwd merging, {what}"] = (
+          jax.jit(fwd_ahead(mask, layout, device)), (q, k, v, o_acc, lse_acc, *ranks))
+      calls[f"{label}bwd adding dq, {what}"] = (
+          jax.jit(bwd_ahead(mask, layout, device)), (*bwd_args, *ranks))
+  pairs = [("fwd + merge", "fwd merging"), ("bwd + accumulate", "bwd adding dq")] + [
+      (f"{label}{p}, plan on device", f"{label}{p}, plan ahead")
+      for label in ("", "causal zigzag ") for p in ("fwd merging", "bwd adding dq")]
   for after, inside in pairs:
     (fa, aa), (fi, ai) = calls[after], calls[inside]
     for x, y in zip(jax.tree.leaves(fa(*aa)), jax.tree.leaves(fi(*ai))):
       err = float(jnp.linalg.norm((x - y).ravel()) / jnp.linalg.norm(x.ravel()))
       print(f"  {inside} vs {after}: relative difference {err:.1e}", flush=True)
       assert err < 1e-3, (inside, err)  # (merged in the kernel before rounding to 16 bits)
+  if trace_dir:
+    import mosaic_gpu_sweep  # (beside this file)
+    for name, (f, args) in calls.items():
+      if "plan" in name:
+        mosaic_gpu_sweep.profile(name, f, args, f"{trace_dir}/{name.replace(' ', '_')}")
   samples = bench.interleaved_samples(calls, reps=7)
   print(f"{jax.__version__} {jax.devices()[0].device_kind} {backend} {tokens} tokens/GPU, "
         f"N={n} H={h} bf16, dense", flush=True)
   med = {name: statistics.median(ts) * 1e3 for name, ts in samples.items()}
   for name, ts in samples.items():
-    print(f"  {name:18s} {med[name]:8.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
+    print(f"  {name:44s} {med[name]:8.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
   for base, names in (("fwd kernel", ("fwd + merge", "fwd merging")),
-                      ("bwd kernels", ("bwd + accumulate", "bwd adding dq"))):
+                      ("bwd kernels", ("bwd + accumulate", "bwd adding dq")),
+                      *((f"{a}, plan on device", (f"{a}, plan ahead",)) for a in (
+                          "fwd merging", "bwd adding dq", "causal zigzag fwd merging",
+                          "causal zigzag bwd adding dq"))):
     print("  over " + base + ": " + ", ".join(
         f"{name} +{med[name] - med[base]:.3f} ms ({(med[name] / med[base] - 1) * 100:.1f}%)"
         for name in names), flush=True)

@@ -319,6 +319,7 @@ class _Geometry:
   ctas: int  # CTAs launched; each walks work items ctas apart (``_each_item``)
   merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
+  order: str = "heads"  # work items' launch order (``item_order``)
 
   @property
   def items(self) -> int:
@@ -326,11 +327,36 @@ class _Geometry:
     return self.heads * self.q_blocks * self.batch
 
 
+# The forward's work items in launch order (``_item``): q blocks from the last, so the longest
+# rows of causal-type masks start first and the short ones fill the tail, and
+#   "heads": heads vary fastest, then q blocks: the longest rows of all heads start first;
+#   "blocks": q blocks vary fastest, then heads: CTAs that run at the same time read the same
+#     head's K/V, which L2 then serves to all of them.
+# None: "blocks" from BLOCKS_FIRST_KEYS keys on, else "heads". H200, bf16, N=16, H=128
+# (``tools/mosaic_gpu_sweep.py spans ... ITEM_ORDER=heads,blocks``), in batches / one call:
+#   dense T=64k   68.5 / 61.7 ms heads, 55.3 / 53.6 ms blocks (cuDNN 58.4 / 60.9)
+#   causal T=64k  29.3 / 27.4 ms heads, 27.6 / 27.5 ms blocks (cuDNN 29.8 / 31.2)
+#   T=16k dense and causal: the same within the spread; shorter rows lose with "blocks", whose
+#   last heads start their longest rows late: causal T=4k 0.127 / 0.123 ms heads against
+#   0.150 / 0.144, GQA 32/8 and H=256 at T=8k 4-5%, 16 documents of 1024 2.5%.
+ITEM_ORDER = None
+BLOCKS_FIRST_KEYS = 32768
+
+
+def item_order(keys: int) -> str:
+  """``ITEM_ORDER`` of a forward over ``keys`` keys (padded K/V length)."""
+  if ITEM_ORDER is not None:
+    return ITEM_ORDER
+  return "blocks" if keys >= BLOCKS_FIRST_KEYS else "heads"
+
+
 def _item(g: _Geometry, i):
-  """``(batch, head, qi)`` of work item ``i``: heads vary fastest, then the q blocks from the
-  last, so the longest rows of causal-type masks start first and the short ones fill the tail
-  (H100: causal 1.73 vs 1.98 ms), then the batch."""
+  """``(batch, head, qi)`` of work item ``i`` in ``g.order`` (``ITEM_ORDER``); q blocks run from
+  the last (H100: causal 1.73 vs 1.98 ms with heads fastest)."""
   heads, q_blocks = (jnp.asarray(n, i.dtype) for n in (g.heads, g.q_blocks))  # (also under x64)
+  if g.order == "blocks":
+    qi, rest = lax.rem(i, q_blocks), lax.div(i, q_blocks)
+    return lax.div(rest, heads), lax.rem(rest, heads), q_blocks - 1 - qi
   head, rest = lax.rem(i, heads), lax.div(i, heads)
   return lax.div(rest, q_blocks), head, q_blocks - 1 - lax.rem(rest, q_blocks)
 
@@ -607,7 +633,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                 q_blocks=tp // cfg.block_q, heads=n, batch=b,
                 ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap),
-                merge=acc is not None, overlap=overlap)
+                merge=acc is not None, overlap=overlap, order=item_order(k.shape[1]))
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
