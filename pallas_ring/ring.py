@@ -9,12 +9,12 @@ which merges its ``(o, lse)`` into the running float32 result (``common.merge``,
 (``lax.cond``). Sinks enter once, after the last step.
 
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
-the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2 GPUs,
-``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators (one step behind
-their shard, so every send overlaps a kernel), reusing the final lse and ``delta = sum(o * do)``;
-dQ accumulates locally. The local pair runs its dQ first and its dK/dV last (the contract's
-``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead of ending the
-backward exposed.
+the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
+GPUs, ``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators
+(one step behind their shard, so every send overlaps a kernel), reusing the final lse and
+``delta = sum(o * do)``; dQ accumulates locally. The local pair runs its dQ first and its dK/dV
+last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead
+of ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
 the plans of every (rank, source) pair are built while tracing (``_plans_ahead``) and a step

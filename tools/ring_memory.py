@@ -12,7 +12,7 @@ make them), so nothing but the ring needs them after the forward. Variants:
     main          the shipped ring: the backward's residuals are k and v, stacked again for its
                   sends
     kv_stacked    the backward reuses the forward's stacked K/V as its residual (shipped from
-                  the tenth to the thirteenth session)
+                  the tenth to the twelfth session)
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ def main(r, tokens, *variants):
     sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes,
              mem.alias_size_in_bytes)
     arg, out, temp, alias = (n / 2**30 for n in sizes)
-    print(f"{variant:12s} R={r} {tokens} tokens{', k, v intermediate' if inner else ''}, GiB per device: arguments {arg:.2f}, outputs "
-          f"{out:.2f}, temporaries {temp:.2f}, aliased {alias:.2f}, in all "
-          f"{arg + out + temp - alias:.2f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    what = f"{variant:12s} R={r} {tokens} tokens{', k, v intermediate' if inner else ''}"
+    print(f"{what}, GiB per device: arguments {arg:.2f}, outputs {out:.2f}, temporaries "
+          f"{temp:.2f}, aliased {alias:.2f}, in all {arg + out + temp - alias:.2f} "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
