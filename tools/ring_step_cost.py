@@ -131,9 +131,9 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
           jax.jit(fwd_ahead(mask, layout, device)), (q, k, v, o_acc, lse_acc, *ranks))
       calls[f"{label}bwd adding dq, {what}"] = (
           jax.jit(bwd_ahead(mask, layout, device)), (*bwd_args, *ranks))
-  pairs = [("fwd + merge", "fwd merging"), ("bwd + accumulate", "bwd adding dq")] + [
-      (f"{label}{p}, plan on device", f"{label}{p}, plan ahead")
-      for label in ("", "causal zigzag ") for p in ("fwd merging", "bwd adding dq")]
+  ahead_pairs = [(f"{label}{p}, plan on device", f"{label}{p}, plan ahead")
+                 for label in ("", "causal zigzag ") for p in ("fwd merging", "bwd adding dq")]
+  pairs = [("fwd + merge", "fwd merging"), ("bwd + accumulate", "bwd adding dq")] + ahead_pairs
   for after, inside in pairs:
     (fa, aa), (fi, ai) = calls[after], calls[inside]
     for x, y in zip(jax.tree.leaves(fa(*aa)), jax.tree.leaves(fi(*ai))):
@@ -153,9 +153,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     print(f"  {name:44s} {med[name]:8.3f} ms ({min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})")
   for base, names in (("fwd kernel", ("fwd + merge", "fwd merging")),
                       ("bwd kernels", ("bwd + accumulate", "bwd adding dq")),
-                      *((f"{a}, plan on device", (f"{a}, plan ahead",)) for a in (
-                          "fwd merging", "bwd adding dq", "causal zigzag fwd merging",
-                          "causal zigzag bwd adding dq"))):
+                      *((device, (ahead,)) for device, ahead in ahead_pairs)):
     print("  over " + base + ": " + ", ".join(
         f"{name} +{med[name] - med[base]:.3f} ms ({(med[name] / med[base] - 1) * 100:.1f}%)"
         for name in names), flush=True)
