@@ -194,7 +194,8 @@ def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
       q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
       block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
       num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
-      dropout_rate=float(dropout_rate), indexed_positions=indexed_positions)
+      dropout_rate=float(dropout_rate), indexed_positions=indexed_positions,
+      variants=tiles.variants)
 
 
 class Extras(NamedTuple):
@@ -249,15 +250,6 @@ def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
           packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))
 
 
-def _mosaic_gpu_gap(q, dense, extras: Optional[Extras]) -> Optional[str]:
-  """Why the ``pallas_mosaic_gpu`` kernels cannot serve a call, or None."""
-  ex = extras or Extras()
-  from pallas_ring.kernels import pallas_mosaic_gpu  # lazy: imports Mosaic GPU
-  return pallas_mosaic_gpu.unsupported(
-      q.dtype, tuning.padded_head_dim("pallas_mosaic_gpu", q.shape[-1]), dense=dense is not None,
-      bias=ex.bias is not None, alibi=ex.alibi is not None, dropout=ex.seeds is not None)
-
-
 def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
                      extras: Optional[Extras] = None):
   """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
@@ -265,26 +257,14 @@ def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
   ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
   ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
   """
-  validation.check_backend(backend)
   block_sizes = tuning.as_block_sizes(block_sizes)
-  if backend == "pallas_mosaic_gpu":
-    why = _mosaic_gpu_gap(q, dense, extras)
-    if why is None and jax.devices()[0].platform == "gpu" and not kernels.hopper():
-      why = (f"GPU {jax.devices()[0].device_kind} (compute capability "
-             f"{getattr(jax.devices()[0], 'compute_capability', '?')}; it needs sm_90 or newer)")
-    if why is not None:
-      raise ValueError(f"backend='pallas_mosaic_gpu' cannot serve this call: {why}. Use "
-                       "backend='pallas_triton' (or 'auto', which picks the best kernel that can).")
-
-  def accepts(b):
-    if b == "pallas_mosaic_gpu" and _mosaic_gpu_gap(q, dense, extras) is not None:
-      return False
-    return tuning.accepts(b, block_sizes)
-
-  per_platform = kernels.variants(backend, interpret, q.dtype, accepts=accepts)
-  for b, _ in set(per_platform.values()):
-    validation.check_backend_dtype(b, q)  # (each backend's tile rules: tuning.resolve)
-  return block_sizes, per_platform
+  ex = extras or Extras()
+  call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
+                      bias=ex.bias is not None, alibi=ex.alibi is not None,
+                      dropout=ex.seeds is not None, block_sizes=block_sizes)
+  if backend != "auto":
+    kernels.check_explicit(backend, call)
+  return block_sizes, kernels.variants(backend, interpret, call)
 
 
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,

@@ -32,8 +32,8 @@ positions, segment ids or the dense mask vary along it):
   with the mask; FULL blocks outside the run are masked too, which is correct, just slower)
 * ``q_index``, ``q_class`` ``[Bp, Np, nk, nq]``, ``q_count``, ``q_full`` ``[Bp, Np, nk]``: the
   transposed lists, per kv block, for the dK/dV pass
-* ``any_live`` / ``all_full``  ``[]`` bool: step-level flags (a ring step with nothing live is
-  skipped; one where everything is full takes the mask-free path)
+* ``any_live``         ``[]``               bool   whether any tile is live (a ring step with
+  nothing live is skipped)
 """
 
 from __future__ import annotations
@@ -142,7 +142,6 @@ class BlockPlan(NamedTuple):
   q_count: Array
   q_full: Array
   any_live: Array
-  all_full: Array
 
 
 @functools.lru_cache(maxsize=256)
@@ -296,18 +295,12 @@ def _plan_of_classes(cls: Array, xp=jnp) -> BlockPlan:
   kv_index, kv_class, kv_count, kv_full = _compact(cls, xp)
   q_index, q_class, q_count, q_full = _compact(xp.swapaxes(cls, -1, -2), xp)
   return BlockPlan(cls, kv_index, kv_class, kv_count, kv_full, q_index, q_class, q_count, q_full,
-                   any_live=xp.any(cls > EMPTY), all_full=xp.all(cls == FULL))
+                   any_live=xp.any(cls > EMPTY))
 
 
 def live_fraction(plan: BlockPlan) -> Array:
   """Fraction of tiles that are not EMPTY (per batch / head slice)."""
   return jnp.mean((plan.block_class > EMPTY).astype(jnp.float32), axis=(-2, -1))
-
-
-def plan_index(plan_array: Array, b, n):
-  """Indexes a plan array's leading ``[Bp, Np]`` axes for batch ``b`` and head ``n``."""
-  bp, np_ = plan_array.shape[:2]
-  return plan_array[b if bp > 1 else 0, n if np_ > 1 else 0]
 
 
 __all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "plan_table", "select_plan",

@@ -15,7 +15,6 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
 
-BACKENDS = ("auto", "pallas_tpu", "pallas_mosaic_gpu", "pallas_triton", "xla")
 STRATEGIES = ("ring", "all_gather")
 
 
@@ -83,10 +82,20 @@ class BlockSizes:
   block_kv_bwd: Optional[int] = None  # key rows per backward tile
   num_warps: Optional[int] = None  # Triton: warps per program (pallas_mosaic_gpu: its backward's)
   num_stages: Optional[int] = None  # Triton: pipelining depth; pallas_mosaic_gpu: K/V SMEM slots
+  # A backend's kernel-variant config (a frozen dataclass, e.g. ``pallas_mosaic_gpu.Variants``):
+  # part of the jit key, so a changed variant retraces. None: the backend's defaults.
+  variants: Any = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      _positive_or_none("BlockSizes", f.name, getattr(self, f.name))
+      if f.name != "variants":
+        _positive_or_none("BlockSizes", f.name, getattr(self, f.name))
+    v = self.variants
+    if v is not None and not (dataclasses.is_dataclass(v) and not isinstance(v, type)
+                              and v.__dataclass_params__.frozen):
+      raise ValueError(f"BlockSizes.variants={v!r} is invalid: it must be a backend's frozen "
+                       "variant config (e.g. pallas_ring.kernels.pallas_mosaic_gpu.Variants()) "
+                       "or None.")
 
   @classmethod
   def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "BlockSizes":
@@ -121,8 +130,10 @@ class SequenceParallelConfig:
       raise ValueError(f"{name}.layout={self.layout!r} is invalid: use one of {LAYOUTS}.")
     if self.strategy not in STRATEGIES:
       raise ValueError(f"{name}.strategy={self.strategy!r} is invalid: use one of {STRATEGIES}.")
-    if self.backend not in BACKENDS:
-      raise ValueError(f"{name}.backend={self.backend!r} is invalid: use one of {BACKENDS}.")
+    from pallas_ring import kernels  # (the registry imports this module)
+    if self.backend not in kernels.backend_names():
+      raise ValueError(f"{name}.backend={self.backend!r} is invalid: use one of "
+                       f"{kernels.backend_names()}.")
     batch_axes = () if self.batch_axes is None else self.batch_axes
     if isinstance(batch_axes, str):
       batch_axes = (batch_axes,)
@@ -230,4 +241,4 @@ def load_preset(name_or_path) -> Preset:
 
 
 __all__ = ["BlockSizes", "SequenceParallelConfig", "Preset", "load_preset", "preset_names",
-           "BACKENDS", "STRATEGIES"]
+           "STRATEGIES"]

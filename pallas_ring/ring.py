@@ -495,7 +495,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                                 q_len=t, kv_len=t * r if gather else t,
                                 out_dtype=common.acc_dtype(q.dtype),
                                 interpret=interpret, dropout_rate=dropout_rate)
-  gpu = kernels.BACKEND_PLATFORM[backend] == "gpu"
+  gpu = kernels.get(backend).platform == "gpu"
   st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
                    layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
                    pack_sends=gpu, dropout_broadcast=dropout_broadcast)

@@ -11,7 +11,6 @@ tiles (timed as forward+backward with the forward winner) are merged into the ti
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 from typing import Callable, Optional
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import bench, masks
+from pallas_ring import bench, kernels, masks
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import tile_cache, tuning
@@ -66,31 +65,7 @@ def parse_mask(spec: str, seq_len: int):
 
 def candidates(backend: str, head_dim: int, interpret: bool) -> dict[str, list[dict]]:
   """Candidate tiles per pass for a backend (small sets in interpret mode)."""
-  if backend == "pallas_triton":
-    if interpret:
-      return {"fwd": [dict(block_q=16, block_kv=16), dict(block_q=32, block_kv=16)],
-              "bwd": [dict(block_q_bwd=16, block_kv_bwd=16), dict(block_q_bwd=16,
-                                                                  block_kv_bwd=32)]}
-    tiles = [64, 128] if head_dim <= 128 else [32, 64]
-    fwd = [dict(block_q=q, block_kv=k, num_warps=w, num_stages=s)
-           for q, k, w, s in itertools.product(tiles, tiles, (4, 8), (2, 3, 4))]
-    bwd_tiles = sorted({32, *tiles})
-    bwd = [dict(block_q_bwd=q, block_kv_bwd=k)
-           for q, k in itertools.product(bwd_tiles, repeat=2)]
-    return {"fwd": fwd, "bwd": bwd}
-  if backend == "pallas_mosaic_gpu":  # forward tiles and K/V slots; the backward's are fixed
-    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
-           for k, s in itertools.product((64, 128) if interpret else (64, 128, 256), (2, 3))]
-    return {"fwd": fwd, "bwd": [dict(block_q_bwd=128, block_kv_bwd=128)]}
-  if backend == "pallas_tpu":
-    sizes = [128, 256] if interpret else [256, 512, 1024]
-    return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
-            "bwd": [dict(block_q_bwd=q, block_kv_bwd=k)
-                    for q, k in itertools.product(sizes, sizes)]}
-  sizes = [64, 128, 256]
-  return {"fwd": [dict(block_q=q, block_kv=k) for q, k in itertools.product(sizes, sizes)],
-          "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q, k in itertools.product(sizes,
-                                                                                     sizes)]}
+  return kernels.get(backend).tuning_candidates(head_dim, interpret)
 
 
 def _rel_err(got, ref) -> float:

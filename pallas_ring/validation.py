@@ -7,19 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring.config import BACKENDS
-
 
 def _shape(x):
   return tuple(np.shape(x))
-
-
-def check_backend(backend: str) -> str:
-  if backend not in BACKENDS:
-    raise ValueError(f"`backend`={backend!r} is not known; use one of {BACKENDS} "
-                     "('auto' picks pallas_tpu on TPU, pallas_mosaic_gpu or pallas_triton on GPU, "
-                     "xla on CPU).")
-  return backend
 
 
 def _check_float(name, x):
@@ -27,16 +17,6 @@ def _check_float(name, x):
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"`{name}` has dtype {dt}; attention needs a real floating dtype "
                     f"(bfloat16, float16 or float32). Cast it, e.g. `{name}.astype(jnp.bfloat16)`.")
-
-
-def check_backend_dtype(backend: str, q) -> None:
-  """Pallas kernels compute in at most float32: float64 inputs need the ``xla`` backend."""
-  dt = jnp.result_type(q)
-  if dt == jnp.float64 and backend != "xla":
-    raise TypeError(
-        f"`q` has dtype float64 but backend={backend!r} computes in float32 at most (Pallas "
-        "kernels have no float64 matmul). Pass backend=\"xla\" for float64 attention (it computes "
-        "in float64), or cast the inputs to float32.")
 
 
 def check_qkv(q, k, v) -> None:

@@ -79,7 +79,7 @@ def kernel_call_sites(text, marker):
   return sites("main")
 
 
-def ring_step(case, backend, interpret):
+def ring_step(case, backend, interpret, variants=None):
   """One ring step's kernel calls on ``backend`` for ``case = (mask, T, S, N, K, H, dtype,
   segments, softcap)``: the forward given a running ``common.Partial`` and the backward given a
   running dq (float32 outputs, as the ring runs them), and the same calls without them.
@@ -87,14 +87,16 @@ def ring_step(case, backend, interpret):
   Returns:
     ``(step, plain, args)``: ``step(q, k, v, do, seg, o_acc, lse_acc, dq_acc) -> ((o, lse),
     (dq, dk, dv))``, ``plain(q, k, v, do, seg) -> (o, lse, (dq, dk, dv))`` and their argument
-    shapes (``jax.ShapeDtypeStruct``).
+    shapes (``jax.ShapeDtypeStruct``). ``variants``: the backend's kernel variants (None: its
+    defaults).
   """
   import jax
   import jax.numpy as jnp
-  from pallas_ring import attention, block_sparse, kernels
+  from pallas_ring import BlockSizes, attention, block_sparse, kernels
   from pallas_ring.kernels import common, tuning
   mask, t, s, n, kh, h, dt, segs, cap = case
-  tiles = tuning.resolve(backend, None, t, s, h, dtype=dt, group=n // kh, mask_class="causal")
+  tiles = tuning.resolve(backend, BlockSizes(variants=variants), t, s, h, dtype=dt,
+                         group=n // kh, mask_class="causal")
   tp, sp = (tuning.padded_len(x, tiles.block_q, tiles.block_kv, tiles.block_q_bwd,
                               tiles.block_kv_bwd) for x in (t, s))
   hp = tuning.padded_head_dim(backend, h)

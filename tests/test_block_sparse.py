@@ -136,13 +136,13 @@ def test_lists_and_flags():
                                 [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]])
   np.testing.assert_array_equal(np.asarray(plan.q_index)[0, 0],
                                 [[0, 1, 1, 1], [1, 2, 2, 2], [2, 3, 3, 3], [3, 3, 3, 3]])
-  assert bool(plan.any_live) and not bool(plan.all_full)
+  assert bool(plan.any_live) and not np.all(np.asarray(plan.block_class) == bs.FULL)
   # A ring step where keys are all in the future: nothing live.
   none = _plan(masks.Causal(), pos, pos + 100, 4, 4)
   assert not bool(none.any_live)
   # Keys all in the past: everything full.
   past = _plan(masks.Causal(), pos + 100, pos, 4, 4)
-  assert bool(past.all_full)
+  assert np.all(np.asarray(past.block_class) == bs.FULL)
 
 
 def test_padding_makes_blocks_partial_and_dense_mask_blocks():

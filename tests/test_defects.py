@@ -74,7 +74,7 @@ def test_unused_lse_passes_no_cotangent_to_the_kernels(monkeypatch):
     seen.append(delta.dlse)
     return backward(q, k, v, do, lse, delta, *rest)
 
-  monkeypatch.setattr(xla_kernels, "backward", spy)
+  monkeypatch.setattr(xla_kernels.BACKEND, "backward", spy)
   jax.clear_caches()  # so the spy is traced whatever ran before
   q, k, v = _qkv(5, t=24)
   attend = lambda q, **kw: flash_attention(q, k, v, mask=masks.Causal(), backend="xla", **kw)

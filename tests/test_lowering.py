@@ -141,12 +141,12 @@ def test_defaults_cross_lower_triton_kernels_for_cuda_and_xla_for_cpu():
 
 def test_auto_with_block_sizes_a_kernel_cannot_take_falls_back_to_xla_there():
   from pallas_ring import BlockSizes, kernels, reference
-  from pallas_ring.kernels import tuning
   bs = BlockSizes(block_q=16, block_kv=16)  # not a TPU tile (keys need multiples of 128)
-  v = kernels.variants("auto", None, jnp.bfloat16, accepts=lambda b: tuning.accepts(b, bs))
+  v = kernels.variants("auto", None, kernels.Call(jnp.bfloat16, 32, block_sizes=bs))
   assert v["tpu"] == ("xla", False) and v["cuda"] == ("pallas_triton", False)
   assert v["cpu"] == ("xla", False)
-  assert kernels.variants("pallas_tpu", None, jnp.float32)["cpu"] == ("pallas_tpu", True)
+  call = kernels.Call(jnp.float32, 32)
+  assert kernels.variants("pallas_tpu", None, call)["cpu"] == ("pallas_tpu", True)
   q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 32)), jnp.float32)
   out = flash_attention(q, q, q, mask=masks.Causal(), block_sizes=bs)
   np.testing.assert_allclose(out, reference.attention(q, q, q, mask=masks.Causal())[0],

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants
 from conftest import ON_GPU, check_ring_step, kernel_call_sites, rel_err, ring_step
 
 MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
@@ -46,12 +47,15 @@ def _structs(name):
   return args, seg, dict(mask=mask, softcap=cap)
 
 
-def _attention(kw):
-  """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels with options ``kw``."""
+def _attention(kw, **variants):
+  """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels with options ``kw``
+  and kernel ``variants`` (``pallas_mosaic_gpu.Variants`` fields)."""
+  bs = BlockSizes(variants=Variants(**variants))
 
   def f(q, k, v, *seg):
     extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
-    return flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False, **extra, **kw)
+    return flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False, block_sizes=bs,
+                           **extra, **kw)
 
   return f
 
@@ -124,25 +128,21 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
 def test_forward_overlaps_where_its_registers_fit():
   """FlashAttention-3's intra-warpgroup overlap holds a second p tile and the logits beside the
   output accumulator; documents keep the serial walk (short rows)."""
-  fits = pallas_mosaic_gpu.overlaps
+  fits = lambda *a: pallas_mosaic_gpu.overlaps(*a, Variants())
   assert fits(128, 128, False) and fits(64, 256, False) and fits(128, 64, False)
   assert not fits(256, 64, False)  # head dim 64 walks 256-key tiles
   assert not fits(128, 128, True)
+  assert not pallas_mosaic_gpu.overlaps(128, 128, False, Variants(overlap_pv=False))
 
 
 @pytest.mark.parametrize("name, overlap", [("causal_gqa", False), ("documents", True),
                                            ("full_odd_lengths", True), ("one_token", True)])
-def test_both_forward_walks_lower(name, overlap, monkeypatch):
+def test_both_forward_walks_lower(name, overlap):
   """The walk ``overlaps`` does not pick lowers too, and only the overlapped one keeps its p.v
   operand live past the wgmma wait (without that, ptxas serializes every wgmma: C7513)."""
-  monkeypatch.setattr(pallas_mosaic_gpu, "OVERLAP_PV", overlap)
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  jax.clear_caches()  # (the switch is read while tracing)
-  try:
-    text = _lower(_attention(kw), *args, *seg)
-  finally:
-    jax.clear_caches()
+  text = _lower(_attention(kw, overlap_pv=overlap), *args, *seg)
   assert text.count(MOSAIC) == 1
   assert (pallas_mosaic_gpu.KEEP_ALIVE in text) == overlap
 
@@ -152,30 +152,31 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
   masks, and the serial walk, launch one CTA per item."""
   sms = pallas_mosaic_gpu.sm_count()
   assert sms == 132 or ON_GPU  # (an H100's, when there is no GPU to ask)
-  ctas = pallas_mosaic_gpu.persistent_ctas
-  window = masks.Causal() & masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW)
+  ctas = lambda *a, **v: pallas_mosaic_gpu.persistent_ctas(*a, Variants(**v))
+  width = Variants().persistent_window
+  window = masks.Causal() & masks.SlidingWindow(width)
   assert ctas(2048, window, True) == sms and ctas(100, window, True) == 100
   assert ctas(2048, window, False) == 2048  # the serial walk (segment ids)
-  assert ctas(2048, masks.SlidingWindow(pallas_mosaic_gpu.PERSISTENT_WINDOW, 1), True) == 2048
+  assert ctas(2048, masks.SlidingWindow(width, 1), True) == 2048
   for mask in (masks.Causal(), masks.Full(), masks.ChunkedCausal(1024)):
     assert ctas(2048, mask, True) == 2048
-  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", 7)
-  assert ctas(2048, masks.Causal(), True) == 7 and ctas(5, masks.Causal(), True) == 5
+  assert ctas(2048, masks.Causal(), True, persistent=7) == 7
+  assert ctas(5, masks.Causal(), True, persistent=7) == 5
+  assert ctas(2048, window, True, persistent=False) == 2048
 
   grids = []  # the forward's launch, as the kernel call sees it
   kernel = pallas_mosaic_gpu.plgpu.kernel
   monkeypatch.setattr(pallas_mosaic_gpu.plgpu, "kernel",
                       lambda *a, grid, **kw: grids.append(grid) or kernel(*a, grid=grid, **kw))
-  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", None)
   x = jax.ShapeDtypeStruct((1, 2048, 16, 128), jnp.bfloat16)  # 16 q blocks x 16 heads
   for mask in (masks.Causal() & masks.SlidingWindow(1024), masks.Causal()):
-    jax.clear_caches()
+    jax.clear_caches()  # (the kernel call above is patched while tracing)
     _lower(_attention(dict(mask=mask)), x, x, x)
   jax.clear_caches()
   assert grids == [(min(sms, 256),), (256,)]
 
 
-def test_work_items_cover_every_q_block_once_in_either_order(monkeypatch):
+def test_work_items_cover_every_q_block_once_in_either_order():
   """``_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
   K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
   g = pallas_mosaic_gpu._Geometry(bq=64, bk=128, slots=2, group=1, head_dim=128,
@@ -189,47 +190,41 @@ def test_work_items_cover_every_q_block_once_in_either_order(monkeypatch):
     first = items[:5] if order == "blocks" else items[:3]
     assert first == ([(0, 0, q) for q in (4, 3, 2, 1, 0)] if order == "blocks" else
                      [(0, h, 4) for h in range(3)]), order
-  keys = pallas_mosaic_gpu.BLOCKS_FIRST_KEYS
-  order = pallas_mosaic_gpu.item_order
+  keys = Variants().blocks_first_keys
+  order = lambda keys, **v: pallas_mosaic_gpu.item_order(keys, Variants(**v))
   assert (order(keys // 2), order(keys)) == ("heads", "blocks")
-  monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", "heads")
-  assert order(keys) == "heads"
+  assert order(keys, item_order="heads") == "heads"
+  assert order(1024, blocks_first_keys=1024) == "blocks"
 
 
 @pytest.mark.parametrize("order", ["heads", "blocks"])
 @pytest.mark.parametrize("name", ["documents", "window_mqa", "h96_padded_fp16", "one_token"])
-def test_forward_lowers_with_several_items_per_cta(name, order, monkeypatch):
+def test_forward_lowers_with_several_items_per_cta(name, order):
   """Persistent CTAs (here 3, each walking several items) in both walks (documents: serial)
   and both item orders, alone and merging into the ring's running results."""
-  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", 3)
-  monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", order)
+  variants = dict(persistent=3, item_order=order)
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
-  jax.clear_caches()  # (the switch is read while tracing)
-  try:
-    assert _lower(_attention(kw), *args, *seg).count(MOSAIC) == 1
-    assert _lower(step, *step_args).count(MOSAIC) == 4
-  finally:
-    jax.clear_caches()
+  step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False,
+                                 variants=Variants(**variants))
+  assert _lower(_attention(kw, **variants), *args, *seg).count(MOSAIC) == 1
+  assert _lower(step, *step_args).count(MOSAIC) == 4
 
 
 @pytest.mark.parametrize("head_dim, dlse, in_dq",
                          [(128, False, True), (128, True, True), (256, True, True),
                           (128, False, False)])
-def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq, monkeypatch, request):
+def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq):
   """Given delta as a ``common.RowTerm`` the dQ kernel computes it from o (minus dlse when
   given) and hands it to the dK/dV kernel: two Mosaic GPU kernels, no XLA reduction of o * dO
-  (H=256: the wide kernels). The experiment switch ``DELTA_IN_DQ=False`` brings XLA's back."""
-  monkeypatch.setattr(pallas_mosaic_gpu, "DELTA_IN_DQ", in_dq)
-  jax.clear_caches()  # the jitted backward traces anew under the switch, and again after
-  request.addfinalizer(jax.clear_caches)
+  (H=256: the wide kernels). The variant ``delta_in_dq=False`` brings XLA's back."""
   from pallas_ring import attention, block_sparse
   from pallas_ring.kernels import common, tuning
   b, t, n, kh = 2, 256, 4, 2
   sd = jax.ShapeDtypeStruct
   q, k = sd((b, t, n, head_dim), jnp.bfloat16), sd((b, t, kh, head_dim), jnp.bfloat16)
-  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, head_dim)
+  tiles = tuning.resolve("pallas_mosaic_gpu", BlockSizes(variants=Variants(delta_in_dq=in_dq)),
+                         t, t, head_dim)
   cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=0.1, softcap=None, q_len=t,
                                 kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
 
@@ -298,7 +293,7 @@ def test_ring_accumulators_merge_inside_the_kernels(name):
   assert not any("stablehlo.add" in line and rows in line for line in text.splitlines())
 
 
-@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "h256_documents_gqa_softcap",
                                   "full_odd_lengths"])
@@ -309,18 +304,19 @@ def test_native_ring_accumulators_match_merging_after_the_kernels(name):
 
 
 def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
-  monkeypatch.setattr(kernels, "hopper", lambda: True)
-  pick = lambda dt, accepts=lambda b: True: kernels.variants("auto", None, dt, accepts)["cuda"][0]
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: True)
+  pick = lambda dt, **kw: kernels.variants("auto", None, kernels.Call(dt, 128, **kw))["cuda"][0]
   assert pick(jnp.bfloat16) == pick(jnp.float16) == "pallas_mosaic_gpu"
   assert pick(jnp.float32) == "pallas_triton"
-  assert pick(jnp.bfloat16, lambda b: b != "pallas_mosaic_gpu") == "pallas_triton"
-  assert kernels.variants("auto", None, jnp.bfloat16)["tpu"][0] == "pallas_tpu"
-  monkeypatch.setattr(kernels, "hopper", lambda: False)
+  assert pick(jnp.bfloat16, bias=True) == "pallas_triton"
+  assert pick(jnp.bfloat16, block_sizes=BlockSizes(block_q=64)) == "pallas_triton"
+  assert kernels.variants("auto", None, kernels.Call(jnp.bfloat16, 128))["tpu"][0] == "pallas_tpu"
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: False)
   assert pick(jnp.bfloat16) == "pallas_triton"
 
 
 def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
-  monkeypatch.setattr(kernels, "hopper", lambda: True)
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: True)
   args, _, _ = _structs("causal_gqa")
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -381,10 +377,10 @@ def test_interpret_on_cpu_emulates_the_plan_walk():
   assert rel_err(out, ref) < 2e-2
 
 
-@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "window_mqa", "h256"])
-def test_native_persistent_forward_matches_one_cta_per_item(name, monkeypatch):
+def test_native_persistent_forward_matches_one_cta_per_item(name):
   """3 persistent CTAs, each walking several items (both walks; documents: serial), give the
   same bits as one CTA per item, in either item order, alone and merging into the ring's
   running results (a ring step: both forwards and the backward after them)."""
@@ -395,29 +391,27 @@ def test_native_persistent_forward_matches_one_cta_per_item(name, monkeypatch):
           for a in structs]
   runs = []
   for ctas, order in ((False, "heads"), (3, "heads"), (3, "blocks"), (False, "blocks")):
-    monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", ctas)
-    monkeypatch.setattr(pallas_mosaic_gpu, "ITEM_ORDER", order)
-    jax.clear_caches()
+    step, _, _ = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False,
+                           variants=Variants(persistent=ctas, item_order=order))
     runs.append(jax.tree.leaves(jax.jit(step)(*args)))
-  jax.clear_caches()
   for run in runs[1:]:
     for a, b in zip(runs[0], run):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name,ctas", [("documents", False), ("window_mqa", 3),
                                        ("h256_documents_gqa_softcap", False)])
-def test_native_x64_gives_the_same_bits(name, ctas, monkeypatch):
+def test_native_x64_gives_the_same_bits(name, ctas):
   """x64 mode changes no result of a ring step (both forwards and the backward; window_mqa: 3
   persistent CTAs walking several items, whose item arithmetic must stay int32)."""
-  monkeypatch.setattr(pallas_mosaic_gpu, "PERSISTENT", ctas)
   rng = np.random.default_rng(4)
   runs = []
   for x64 in (False, True):
     with jax.enable_x64(x64):
-      step, _, structs = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
+      step, _, structs = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False,
+                                   variants=Variants(persistent=ctas))
       if not runs:
         args = [np.sort(rng.integers(0, 4, a.shape), axis=1).astype(np.int32)
                 if a.dtype == jnp.int32 else rng.standard_normal(a.shape).astype(a.dtype)
@@ -428,7 +422,7 @@ def test_native_x64_gives_the_same_bits(name, ctas, monkeypatch):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not ON_GPU or not kernels.hopper(),
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
                                   "h256_documents_gqa_softcap", "h192_padded_fp16"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_ring import BlockSizes, flash_attention, masks, reference, tuning_cache_path
+from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference, tuning_cache_path
 from pallas_ring.kernels import tile_cache, tuning
 from conftest import rel_err
 
@@ -67,7 +67,7 @@ def test_stale_entry_is_reported_and_ignored(cache_dir):
   k = tile_cache.key("cpu", "pallas_tpu", jnp.float32, 32, 1, "causal", 256, "fwd")
   tile_cache.store({k: {"block_q": 8, "block_kv": 100}})  # 100: not a TPU key tile
   with pytest.warns(UserWarning, match="ignoring the cache entry.*multiples of 128"):
-    out = tuning._tuned("pallas_tpu", BlockSizes(), "cpu",
+    out = tuning._tuned(kernels.get("pallas_tpu"), BlockSizes(), "cpu",
                         dict(dtype=jnp.float32, head_dim=32, group=1, mask_cls="causal",
                              length=256))
   assert out[1] == "heuristic"

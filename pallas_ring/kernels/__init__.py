@@ -1,36 +1,52 @@
-"""Kernel lowerings, one module each, all implementing the contract of ``kernels.common``.
+"""Kernel lowerings, one backend object each (``kernels.backend.Backend``), registered here once.
 
-* ``xla``: blockwise pure jnp (CPU default, and the oracle for the block logic).
+* ``pallas_tpu``: Pallas lowered through Mosaic (TPU).
 * ``pallas_mosaic_gpu``: Pallas lowered through Mosaic GPU (Hopper, sm_90+).
 * ``pallas_triton``: Pallas lowered through Triton (GPU).
-* ``pallas_tpu``: Pallas lowered through Mosaic (TPU).
+* ``xla``: blockwise pure jnp (CPU default, float64, and the oracle for the block logic).
 
-``backend="auto"`` and ``interpret=None`` are resolved for the platform a computation is *lowered*
-for, not for the default device: ``dispatch`` builds one variant per platform and lets
-``lax.platform_dependent`` pick, so compiling for a TPU or GPU from a CPU host (AOT) yields the
-native kernels, and CPU runs interpret mode only where it must.
+The registry's order is ``backend="auto"``'s preference: on each platform family it takes the
+first backend that runs there natively, may be picked in this process and can serve the call
+(``Backend.supports``, the user's tiles), then ``xla``. ``"auto"`` and ``interpret=None`` are
+resolved for the platform a computation is *lowered* for, not for the default device:
+``dispatch`` builds one variant per platform and lets ``lax.platform_dependent`` pick, so
+compiling for a TPU or GPU from a CPU host (AOT) yields the native kernels, and CPU runs
+interpret mode only where it must.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-# The platform family each backend's kernels run on natively (None: everywhere).
-BACKEND_PLATFORM = {"xla": None, "pallas_triton": "gpu", "pallas_mosaic_gpu": "gpu",
-                    "pallas_tpu": "tpu"}
-_MODULES = {"xla": "pallas_ring.kernels.xla",
-            "pallas_triton": "pallas_ring.kernels.pallas_triton",
-            "pallas_mosaic_gpu": "pallas_ring.kernels.pallas_mosaic_gpu",
-            "pallas_tpu": "pallas_ring.kernels.pallas_tpu"}
+from pallas_ring.kernels.backend import Backend, Call
+
+# The registry: backend name -> the module that defines its ``BACKEND`` object (imported on first
+# use), in ``"auto"``'s order of preference. Registering a backend is adding its line here.
+_REGISTRY = {"pallas_tpu": "pallas_ring.kernels.pallas_tpu",
+             "pallas_mosaic_gpu": "pallas_ring.kernels.pallas_mosaic_gpu",
+             "pallas_triton": "pallas_ring.kernels.pallas_triton",
+             "xla": "pallas_ring.kernels.xla"}
 # lax.platform_dependent's platform names.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-# What "auto" tries on each platform family, in order (then xla).
-_NATIVE = {"tpu": ("pallas_tpu",), "gpu": ("pallas_mosaic_gpu", "pallas_triton")}
+
+
+def backend_names() -> tuple[str, ...]:
+  """Every accepted ``backend=`` value: ``"auto"`` and the registered backends."""
+  return ("auto", *_REGISTRY)
+
+
+def get(name: str) -> Backend:
+  """The backend object registered as ``name``."""
+  if name not in _REGISTRY:
+    raise ValueError(f"`backend`={name!r} is not known; use one of {backend_names()} ('auto' "
+                     "picks pallas_tpu on TPU, pallas_mosaic_gpu or pallas_triton on GPU, xla on "
+                     "CPU).")
+  return importlib.import_module(_REGISTRY[name]).BACKEND
 
 
 def family(platform: str) -> str:
@@ -38,54 +54,64 @@ def family(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def hopper() -> bool:
-  """Whether this process's GPUs are Hopper-class or newer (compute capability >= 9.0), the ones
-  the ``pallas_mosaic_gpu`` kernels are written for. False without a local GPU: ``"auto"`` then
-  lowers GPU computations (e.g. AOT from a CPU host) through Triton; ask for
-  ``backend="pallas_mosaic_gpu"`` explicitly to target Hopper from such a host."""
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    return False
-  cc = getattr(devices[0], "compute_capability", "0")
-  return float(cc) >= 9.0
+def _serves(b: Backend, call: Call) -> Optional[str]:
+  """Why ``b`` cannot serve ``call`` (float64 inputs, features, device, the user's tiles), or
+  None."""
+  if jnp.dtype(call.dtype) == jnp.float64 and not b.computes_float64:
+    return "float64"
+  why = b.supports(call)
+  if why is None:
+    try:
+      b.check_block_sizes(call.block_sizes)
+    except ValueError as e:
+      why = str(e)
+  return why
 
 
-def _auto(family_: str, dtype, accepts: Callable[[str], bool] = lambda b: True) -> str:
-  """The backend ``"auto"`` picks on a platform family for inputs of ``dtype``: the first native
-  backend that ``accepts`` the call, else xla."""
-  if jnp.dtype(dtype) == jnp.float64:  # only the xla lowering computes in float64
-    return "xla"
-  for b in _NATIVE.get(family_, ()):
-    if b == "pallas_mosaic_gpu" and not (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and hopper()):
-      continue
-    if accepts(b):
-      return b
-  return "xla"
+def auto(family_: str, call: Call) -> str:
+  """The backend ``"auto"`` picks on a platform family (``family``) for ``call``."""
+  for name in _REGISTRY:
+    b = get(name)
+    if b.platform in (family_, None) and b.auto_eligible() and _serves(b, call) is None:
+      return name
+  raise AssertionError("no registered backend serves the call")  # (xla serves every call)
+
+
+def check_explicit(name: str, call: Call) -> None:
+  """Raises when the backend asked for by name cannot serve ``call``: the reason and the
+  fallback."""
+  b = get(name)
+  if jnp.dtype(call.dtype) == jnp.float64 and not b.computes_float64:
+    raise TypeError(
+        f"`q` has dtype float64 but backend={name!r} computes in float32 at most (Pallas "
+        "kernels have no float64 matmul). Pass backend=\"xla\" for float64 attention (it computes "
+        "in float64), or cast the inputs to float32.")
+  why = b.supports(call)
+  if why is not None:
+    raise ValueError(f"backend={name!r} cannot serve this call: {why}. Use "
+                     f"backend={b.fallback!r} (or 'auto', which picks the best kernel that can).")
+  b.check_block_sizes(call.block_sizes)
 
 
 def native_backend(dtype=jnp.bfloat16) -> str:
   """The backend ``"auto"`` runs on this process's default device."""
-  return _auto(family(jax.default_backend()), dtype)
+  return auto(family(jax.default_backend()), Call(dtype, 128))
 
 
-def variants(backend: str, interpret, dtype, accepts: Callable[[str], bool] = lambda b: True
-             ) -> dict[str, tuple[str, bool]]:
+def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]:
   """``{platform: (backend, interpret)}`` for every platform a computation may be lowered for.
 
   Args:
-    backend: a backend name or ``"auto"``.
+    backend: a backend name or ``"auto"`` (an explicit name must have passed
+      ``check_explicit``).
     interpret: True / False, or None for "interpret exactly where the kernel cannot run".
-    dtype: the inputs' dtype (``"auto"`` keeps float64 on ``xla``).
-    accepts: whether a backend can take the call's arguments (e.g. user block sizes, a feature
-      one kernel lacks); ``"auto"`` takes the next native backend that can, then ``xla``.
+    call: what the backends are asked about (``Backend.supports``).
   """
   out = {}
   for platform in PLATFORMS:
     fam = family(platform)
-    b = _auto(fam, dtype, accepts) if backend == "auto" else backend
-    native = BACKEND_PLATFORM[b]
+    b = auto(fam, call) if backend == "auto" else backend
+    native = get(b).platform
     out[platform] = (b, bool(interpret) if interpret is not None else
                      native is not None and native != fam)
   return out
@@ -99,7 +125,3 @@ def dispatch(fn: Callable, per_platform: dict[str, tuple[str, bool]], *args):
   branches = {p: functools.partial(fn, *v) for p, v in per_platform.items()}
   return jax.lax.platform_dependent(*args, **branches)
 
-
-def get(backend: str):
-  """The kernel module of a resolved backend name."""
-  return importlib.import_module(_MODULES[backend])

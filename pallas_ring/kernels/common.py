@@ -44,6 +44,7 @@ ever added, so rows with no visible key stay finite.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -56,6 +57,8 @@ from pallas_ring import masks as masks_lib
 
 Array = Any
 
+LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
+LN2 = math.log(2.0)  # log(x) == log2(x) * LN2
 # Finite stand-in for -inf in running maxima: exp(NEG_INF - finite) == 0, and it is never added
 # to another mask value.
 NEG_INF = -1e30
@@ -93,6 +96,9 @@ class KernelConfig:
   # Positions are the token indices (flash_attention's default), so the block plan's position
   # part depends on static sizes only and is built at trace time (``attention.make_plan``).
   indexed_positions: bool = False
+  # The backend's kernel-variant config (``Backend.variants``; None for a backend without
+  # variants): a static field, so a changed variant is a new jit key.
+  variants: Any = None
 
   @property
   def keep_scale(self) -> float:

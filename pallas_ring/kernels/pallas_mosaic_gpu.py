@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from typing import Optional
 
 import jax
@@ -48,11 +47,10 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
 from pallas_ring import masks as masks_lib
-from pallas_ring.kernels import common
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import backend, common
 from pallas_ring.kernels import pallas_triton
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 # Rows of one consumer warpgroup's q tile must tile wgmma's M = 64.
 WG_ROWS = 64
 # Shared memory a CTA may use on sm_90 (227 KiB), less room for row statistics and barriers.
@@ -64,23 +62,51 @@ _COMPUTE_WGS = 2
 _CONSUMER_REGS, _PRODUCER_REGS = 232, 40
 
 
-def unsupported(dtype, head_dim: int, *, dense=False, bias=False, alibi=False, dropout=False
-                ) -> Optional[str]:
-  """Why this lowering cannot serve a call (None when it can).
+@dataclasses.dataclass(frozen=True)
+class Variants:
+  """Kernel variants of the Mosaic GPU kernels, passed as ``BlockSizes(variants=Variants(...))``.
 
-  Args:
-    dtype: the inputs' dtype; head_dim: the padded head dim (``tuning.padded_head_dim``).
-    dense, bias, alibi, dropout: whether the call has a dense mask, a bias, ALiBi, dropout.
+  None fields follow the measured rules described at each switch below; the defaults are what
+  ``backend="auto"`` runs. Tools and tests select variants here (a changed field retraces).
   """
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
-    return f"inputs of dtype {jnp.dtype(dtype)} (wgmma takes bfloat16 or float16)"
+
+  overlap_pv: Optional[bool] = None  # forward: softmax of tile j overlaps p.v of j-1 (``overlaps``)
+  persistent: Optional[bool | int] = None  # forward: persistent CTAs; an int sets their count
+  persistent_window: int = 1024  # the rule's widest sliding window run persistent (keys)
+  item_order: Optional[str] = None  # forward launch order "heads" | "blocks" (``item_order``)
+  blocks_first_keys: int = 32768  # the rule's fewest padded keys launched q blocks first
+  dkv_walk_rows: tuple[tuple[int, int], ...] = ((64, 128),)  # dK/dV q tile rows per head dim (64)
+  dq_walk_rows: int = 128  # dQ kernel's K/V tile rows (64 in the wide kernel)
+  wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
+  wide_dq_above: int = 128  # head dims above which dQ owns 64 rows per CTA
+  delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
+
+  def __post_init__(self):
+    if self.item_order not in (None, "heads", "blocks"):
+      raise ValueError(f"Variants.item_order={self.item_order!r} is invalid: use 'heads', "
+                       "'blocks' or None (the rule).")
+    if isinstance(self.dkv_walk_rows, dict):  # (a mapping is accepted, stored hashable)
+      object.__setattr__(self, "dkv_walk_rows", tuple(sorted(self.dkv_walk_rows.items())))
+
+
+def unsupported(call: backend.Call) -> Optional[str]:
+  """Why this lowering cannot serve a call (None when it can): dtype, head dim, features."""
+  if jnp.dtype(call.dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return f"inputs of dtype {jnp.dtype(call.dtype)} (wgmma takes bfloat16 or float16)"
+  head_dim = BACKEND.padded_head_dim(call.head_dim)
   if head_dim % 64 or head_dim > 256:
     return f"head dim {head_dim} (the kernel takes 64, 128 or 256 after padding)"
-  for what, used in (("a dense mask", dense), ("a bias", bias), ("ALiBi slopes", alibi),
-                     ("dropout", dropout)):
+  for what, used in call.features:
     if used:
       return f"{what} (not implemented in the Mosaic GPU forward yet)"
   return None
+
+
+def _ops_call(q, ops: common.Operands) -> backend.Call:
+  """The ``Call`` of kernel operands (to refuse what ``unsupported`` names)."""
+  return backend.Call(q.dtype, q.shape[-1], dense=ops.dense is not None,
+                      bias=ops.bias is not None, alibi=ops.alibi is not None,
+                      dropout=ops.dropout is not None)
 
 
 def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> int:
@@ -163,12 +189,12 @@ def token_info(info) -> jax.Array:
 # accumulator. It keeps a second 16-bit p tile and the q.k^T accumulator live beside the output
 # accumulator, so it runs where those fit the registers (``overlaps``). H100, bf16, same runs:
 # dense T=16k 0.977x and 1.031x cuDNN against 0.893x and 0.904x serial, causal 1.009x and
-# 1.061x against 0.988x and 1.013x, H=256 T=8k 1.023x against 0.929x. None: that rule;
-# True/False force it (``tools/mosaic_gpu_sweep.py variants OVERLAP_PV=False,True``).
-OVERLAP_PV = None
+# 1.061x against 0.988x and 1.013x, H=256 T=8k 1.023x against 0.929x. ``Variants.overlap_pv``:
+# None: that rule; True/False force it (``tools/mosaic_gpu_sweep.py variants
+# overlap_pv=False,True``).
 
 
-def overlaps(block_kv: int, head_dim: int, segments: bool) -> bool:
+def overlaps(block_kv: int, head_dim: int, segments: bool, variants: Variants) -> bool:
   """Whether the forward overlaps each tile's softmax with the previous tile's p.v.
 
   A consumer thread then holds the float32 output (head_dim / 2 registers), the float32 logits
@@ -177,8 +203,8 @@ def overlaps(block_kv: int, head_dim: int, segments: bool) -> bool:
   overlapped walk's unpaired first and last tiles cost more than the overlap saves (H100, 16
   causal documents of 1024: 0.227 against 0.207 ms).
   """
-  if OVERLAP_PV is not None:
-    return OVERLAP_PV
+  if variants.overlap_pv is not None:
+    return variants.overlap_pv
   return (wgmma_accumulator_load is not None and not segments
           and head_dim // 2 + block_kv <= 192)
 
@@ -206,8 +232,8 @@ def _logits(qk, cfg):
   raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
   fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
   if cfg.softcap is None:
-    return qk, cfg.scale * LOG2E
-  return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
+    return qk, cfg.scale * common.LOG2E
+  return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
 
 
 # The forward's consumers schedule their matmuls on two hardware ("named") barriers, id
@@ -267,26 +293,25 @@ def _pingpong(loop, before, after):
 # Persistent forward: at most one CTA per SM, each walking work items (a q block of one head) in
 # turn, so the producer streams the next item's first K/V tiles while the consumers finish the
 # current one, and a CTA starts once per SM instead of once per item. It pays where rows are
-# short and alike: sliding windows of at most PERSISTENT_WINDOW keys, in the overlapped walk.
+# short and alike: sliding windows of at most ``Variants.persistent_window`` keys, in the
+# overlapped walk.
 # H100, T=16k, bf16, causal window 1024: 0.325-0.340 ms against 0.352-0.357 in five runs (cuDNN
 # 0.332-0.354), 0.339 against 0.340 in a sixth; windows of 2048 and 4096 keys: a wash
 # (0.528-0.548 against 0.538-0.560 ms; 0.914-0.933 against 0.886-0.938). Where rows differ it loses:
 # items go to CTAs round-robin, while one CTA per item lets the hardware hand the next item to
 # whichever SM is free (causal 1.98 against 1.89-1.93 ms; 16 causal documents of 1024, serial
-# walk, 0.252-0.267 against 0.212 ms). None: that rule; True/False force it; an int sets the
-# CTA count (tests: several items per CTA at small sizes). ``tools/mosaic_gpu_sweep.py variants
-# window PERSISTENT=None,False``.
-PERSISTENT = None
-PERSISTENT_WINDOW = 1024
+# walk, 0.252-0.267 against 0.212 ms). ``Variants.persistent``: None: that rule; True/False force
+# it; an int sets the CTA count (tests: several items per CTA at small sizes).
+# ``tools/mosaic_gpu_sweep.py variants window persistent=None,False``.
 
 
-def persistent_ctas(items: int, mask, overlap: bool) -> int:
+def persistent_ctas(items: int, mask, overlap: bool, variants: Variants) -> int:
   """CTAs of a forward of ``items`` work items under ``mask``: ``items`` (one each) unless
   persistent (above)."""
-  on = PERSISTENT
+  on = variants.persistent
   if on is None:
     width = masks_lib.window_width(mask)
-    on = overlap and width is not None and width <= PERSISTENT_WINDOW
+    on = overlap and width is not None and width <= variants.persistent_window
   if on is False:
     return items
   return min(items, sm_count() if on is True else on)
@@ -332,26 +357,25 @@ class _Geometry:
 #   "heads": heads vary fastest, then q blocks: the longest rows of all heads start first;
 #   "blocks": q blocks vary fastest, then heads: CTAs that run at the same time read the same
 #     head's K/V, which L2 then serves to all of them.
-# None: "blocks" from BLOCKS_FIRST_KEYS keys on, else "heads". H200, bf16, N=16, H=128
-# (``tools/mosaic_gpu_sweep.py spans ... ITEM_ORDER=heads,blocks``), in batches / one call:
+# ``Variants.item_order``; None: "blocks" from ``Variants.blocks_first_keys`` keys on, else
+# "heads". H200, bf16, N=16, H=128 (``tools/mosaic_gpu_sweep.py spans ... item_order=heads,
+# blocks``), in batches / one call:
 #   dense T=64k   68.5 / 61.7 ms heads, 55.3 / 53.6 ms blocks (cuDNN 58.4 / 60.9)
 #   causal T=64k  29.3 / 27.4 ms heads, 27.6 / 27.5 ms blocks (cuDNN 29.8 / 31.2)
 #   T=16k dense and causal: the same within the spread; shorter rows lose with "blocks", whose
 #   last heads start their longest rows late: causal T=4k 0.127 / 0.123 ms heads against
 #   0.150 / 0.144, GQA 32/8 and H=256 at T=8k 4-5%, 16 documents of 1024 2.5%.
-ITEM_ORDER = None
-BLOCKS_FIRST_KEYS = 32768
 
 
-def item_order(keys: int) -> str:
-  """``ITEM_ORDER`` of a forward over ``keys`` keys (padded K/V length)."""
-  if ITEM_ORDER is not None:
-    return ITEM_ORDER
-  return "blocks" if keys >= BLOCKS_FIRST_KEYS else "heads"
+def item_order(keys: int, variants: Variants) -> str:
+  """The launch order of a forward over ``keys`` keys (padded K/V length)."""
+  if variants.item_order is not None:
+    return variants.item_order
+  return "blocks" if keys >= variants.blocks_first_keys else "heads"
 
 
 def _item(g: _Geometry, i):
-  """``(batch, head, qi)`` of work item ``i`` in ``g.order`` (``ITEM_ORDER``); q blocks run from
+  """``(batch, head, qi)`` of work item ``i`` in ``g.order`` (``item_order``); q blocks run from
   the last (H100: causal 1.73 vs 1.98 ms with heads fastest)."""
   heads, q_blocks = (jnp.asarray(n, i.dtype) for n in (g.heads, g.q_blocks))  # (also under x64)
   if g.order == "blocks":
@@ -529,7 +553,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         pl.when(nxt < g.items)(lambda: load_q(nxt))
       empty = l == 0.0
       inv = 1.0 / jnp.where(empty, 1.0, l)
-      lse = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+      lse = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
       rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
       seq = pl.ds(q0, bq)
       own_o, own_lse = o_ref.at[batch, seq, head], lse_ref.at[batch, head, seq]
@@ -620,20 +644,20 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
     return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None),
                                  acc)
-  why = unsupported(q.dtype, q.shape[-1], dense=ops.dense is not None, bias=ops.bias is not None,
-                    alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+  why = unsupported(_ops_call(q, ops))
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   check_tiles(cfg, hp, itemsize)
-  overlap = overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None)
+  variants = cfg.variants or Variants()
+  overlap = overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None, variants)
   g = _Geometry(bq=cfg.block_q // _COMPUTE_WGS, bk=cfg.block_kv,
                 slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                 q_blocks=tp // cfg.block_q, heads=n, batch=b,
-                ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap),
-                merge=acc is not None, overlap=overlap, order=item_order(k.shape[1]))
+                ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
+                merge=acc is not None, overlap=overlap, order=item_order(k.shape[1], variants))
   smem = functools.partial(_smem, q.dtype)
   scratch = (smem(_COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((_COMPUTE_WGS, g.bq), jnp.float32),
@@ -669,13 +693,13 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
 # accumulates across CTAs, so results are bitwise reproducible:
 #   dK/dV: a CTA owns 128 keys of one kv head (two consumers of 64) and walks, for each query head
 #     of the group, the transposed plan row of its kv block (q_index): q, dO, lse and delta in
-#     DKV_WALK_ROWS tiles. dK and dV accumulate per kv head in registers (GQA needs no
+#     ``Variants.dkv_walk_rows`` tiles. dK and dV accumulate per kv head in registers (GQA needs no
 #     per-query-head temporary). The consumers alternate their matmuls like the forward's (H100,
 #     T=16k: dK/dV 5% faster dense, 8% causal; the same schedule made the dQ kernel slower,
 #     4.4 -> 5.4 ms dense with 64-key tiles, forward+backward 0.89x -> 0.86x cuDNN with 128,
 #     so it has none).
 #   dQ: a CTA owns 128 query rows of one head (two consumers of 64) and walks its plan row
-#     (kv_index): K and V in DQ_WALK_ROWS tiles. It runs first: given delta as a RowTerm, it
+#     (kv_index): K and V in ``Variants.dq_walk_rows`` tiles. It runs first: given delta as a RowTerm, it
 #     computes delta = sum(o * dO) - dlse of its rows (o read from global memory into registers
 #     once) and writes it for dK/dV, so no separate pass reads o and dO.
 # Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
@@ -693,20 +717,15 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
 
 BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = _COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
-# Rows of a walked tile. dK/dV walks q tiles of DKV_WALK_ROWS, 128 at head dims <= 64 (H100:
-# 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its float32 dK, dV, s^T and
-# dp^T fill the registers. dQ walks K/V tiles of DQ_WALK_ROWS (64 in wide kernels, whose float32
-# dQ takes 128 registers; and where two slots would not fit).
-DKV_WALK_ROWS = {64: 128}  # head dim -> rows, else 64 (also in the wide kernel)
-DQ_WALK_ROWS = 128
-# Head dims above which each backward kernel is wide (64 rows per CTA, see above).
-WIDE_DKV_ABOVE = WIDE_DQ_ABOVE = 128
-# Whether the dQ kernel computes delta from a RowTerm (False: XLA's separate pass computes it, as
-# before; a switch for same-run comparisons, ``tools/mosaic_gpu_sweep.py bwd DELTA_IN_DQ=True,
-# False``). H100, T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the
-# same GPU time either way (profiler traces of alternating runs: the dQ kernel's 15-25 us more
-# against XLA's 48 us pass), although wall-clock medians of causal read 2-4% slower with it.
-DELTA_IN_DQ = True
+# Rows of a walked tile (``Variants``). dK/dV walks q tiles of ``dkv_walk_rows``, 128 at head
+# dims <= 64 (H100: 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its
+# float32 dK, dV, s^T and dp^T fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` (64 in
+# wide kernels, whose float32 dQ takes 128 registers; and where two slots would not fit).
+# ``Variants.delta_in_dq``: whether the dQ kernel computes delta from a RowTerm (False: XLA's
+# separate pass computes it; ``tools/mosaic_gpu_sweep.py bwd delta_in_dq=True,False``). H100,
+# T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the same GPU time
+# either way (profiler traces of alternating runs: the dQ kernel's 15-25 us more against XLA's
+# 48 us pass), although wall-clock medians of causal read 2-4% slower with it.
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
@@ -735,7 +754,7 @@ class _BwdGeometry:
   blocks: int  # CTAs along the owned sequence
   walked_heads: int  # query heads walked per CTA: `group` for dK/dV, 1 for dQ
   walk: int  # rows of a walked tile
-  wide: bool  # 64 owned rows per CTA (see above): head dims above WIDE_DKV_ABOVE / WIDE_DQ_ABOVE
+  wide: bool  # 64 owned rows per CTA (see above): head dims above ``Variants.wide_*_above``
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
 
@@ -824,7 +843,7 @@ def _probs(s_raw, lse2, vis, cfg, row_axis: int):
   p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
   if vis is not None:
     p = jnp.where(vis, p, 0.0)
-  return p, None if cfg.softcap is None else common.softcap_grad(s * LN2, cfg)
+  return p, None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
 
 
 def _grad_logits(p, dp, delta, dlogits, row_axis: int):
@@ -1140,8 +1159,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
                                   dataclasses.replace(cfg, num_stages=None), dq_acc, parts)
   want_dq, want_dkv = common.wants(parts)
-  why = unsupported(q.dtype, hp, dense=ops.dense is not None, bias=ops.bias is not None,
-                    alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+  why = unsupported(_ops_call(q, ops))
+  variants = cfg.variants or Variants()
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
@@ -1152,12 +1171,13 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   def geometry(dkv: bool, seq, heads, walk=None):
     """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time (default
-    DKV_WALK_ROWS / DQ_WALK_ROWS) in as many slots as fit beside its owned tiles (the output
-    staging aliases the slots)."""
-    wide = hp > (WIDE_DKV_ABOVE if dkv else WIDE_DQ_ABOVE)
+    ``variants.dkv_walk_rows`` / ``dq_walk_rows``) in as many slots as fit beside its owned
+    tiles (the output staging aliases the slots)."""
+    wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
     owners = _owners(wide)
     if walk is None:
-      walk = DKV_WALK_ROWS.get(hp, rows) if dkv else rows if wide else DQ_WALK_ROWS
+      walk = (dict(variants.dkv_walk_rows).get(hp, rows) if dkv else
+              rows if wide else variants.dq_walk_rows)
     # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
     # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
     owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows))
@@ -1173,7 +1193,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                         info_rows=info_rows, blocks=seq // (owners * rows),
                         walked_heads=heads, walk=walk, wide=wide)
 
-  lse2 = common.safe_lse(lse) * LOG2E  # base 2; empty rows: +inf, so p = 0
+  lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   infos = (token_info(ops.q_info), token_info(ops.kv_info))
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
@@ -1182,7 +1202,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # dQ first: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V. Given
   # a RowTerm it computes delta from o and returns it for the dK/dV kernel (H100, 16 causal
   # documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's separate pass).
-  if not DELTA_IN_DQ or not want_dq:
+  if not variants.delta_in_dq or not want_dq:
     delta = common.delta_array(delta, do)
   dq = None
   if want_dq:
@@ -1229,4 +1249,75 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   return dq, dk, dv
 
 
-__all__ = ["forward", "backward", "unsupported", "backward_unsupported", "check_tiles", "slots"]
+def hopper() -> bool:
+  """Whether this process's GPUs are Hopper-class or newer (compute capability >= 9.0), the ones
+  these kernels are written for. False without a local GPU: ``"auto"`` then lowers GPU
+  computations (e.g. AOT from a CPU host) through Triton; ask for
+  ``backend="pallas_mosaic_gpu"`` explicitly to target Hopper from such a host."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return False
+  return float(getattr(devices[0], "compute_capability", "0")) >= 9.0
+
+
+_MIN_TILE = {"block_q": _COMPUTE_WGS * WG_ROWS, "block_kv": 64, "block_q_bwd": 16,
+             "block_kv_bwd": 16}
+
+
+class MosaicGpuBackend(backend.Backend):
+  """Pallas through Mosaic GPU on Hopper (sm_90+), bfloat16 and float16 (``unsupported``)."""
+
+  name = "pallas_mosaic_gpu"
+  platform = "gpu"
+  variants_cls = Variants
+  fallback = "pallas_triton"
+
+  def supports(self, call):
+    why = unsupported(call)
+    if why is None and jax.devices()[0].platform == "gpu" and not hopper():
+      dev = jax.devices()[0]
+      why = (f"GPU {dev.device_kind} (compute capability "
+             f"{getattr(dev, 'compute_capability', '?')}; it needs sm_90 or newer)")
+    return why
+
+  def auto_eligible(self):
+    return hopper()
+
+  def default_block_sizes(self, head_dim, device_kind):
+    # 2 x 64 rows per CTA; the backward kernels take 128 x 128.
+    block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)
+
+  def block_size_error(self, field, value):
+    low = _MIN_TILE[field]
+    if value < low or value & (value - 1):
+      return (f"its tiles are powers of two, block_q >= 128 (two warpgroups of >= 64 rows), "
+              f"block_kv >= 64, and the backward's >= 16 (its own kernels take 128 x 128 "
+              f"backward tiles; other tiles run the Triton backward). Use "
+              f"{max(low, backend.next_pow2(value))}, or None for the tuned default.")
+    return None
+
+  def clamp(self, tiles, q_len, kv_len):
+    cap_q, cap_k = max(128, backend.next_pow2(q_len)), max(64, backend.next_pow2(kv_len))
+    bq, bk, bqb, bkb = tiles
+    # (the backward kernels own 128 keys per CTA)
+    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, max(BWD_BLOCK, cap_k))
+
+  def padded_head_dim(self, head_dim):
+    return max(64, backend.next_pow2(head_dim))  # wgmma tiles of 64; powers of two
+
+  def tuning_candidates(self, head_dim, interpret):
+    # Forward tiles and K/V slots; the backward's are fixed.
+    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
+           for k in ((64, 128) if interpret else (64, 128, 256)) for s in (2, 3)]
+    return {"fwd": fwd, "bwd": [dict(block_q_bwd=BWD_BLOCK, block_kv_bwd=BWD_BLOCK)]}
+
+  forward = staticmethod(forward)
+  backward = staticmethod(backward)
+
+
+BACKEND = MosaicGpuBackend()
+
+__all__ = ["forward", "backward", "unsupported", "backward_unsupported", "check_tiles", "slots",
+           "Variants", "BACKEND", "hopper"]

@@ -34,9 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_ring import block_sparse
-from pallas_ring.kernels import common
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import backend, common
 
-FULL, PARTIAL = 2, 1
 LANES = 128
 HEAD_BLOCK = 8  # heads per program: one (8, 128) tile's rows of [B, L, heads, H]
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -406,8 +406,8 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
       acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
       m_sc[h] = m_new
 
-  pl.when(klass == FULL)(lambda: compute(False))
-  pl.when(klass == PARTIAL)(lambda: compute(True))
+  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
+  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
@@ -514,8 +514,8 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
             * common.softcap_grad(s, cfg))
       dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  pl.when(klass == FULL)(lambda: compute(False))
-  pl.when(klass == PARTIAL)(lambda: compute(True))
+  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
+  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
@@ -553,8 +553,8 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
       dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
                                       preferred_element_type=jnp.float32)
 
-  pl.when(klass == FULL)(lambda: compute(False))
-  pl.when(klass == PARTIAL)(lambda: compute(True))
+  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
+  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
 
   @pl.when(step == heads.per_kv * lists.slots - 1)
   def _finish():
@@ -639,3 +639,46 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                                        bq, bk))
     dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
   return common.accumulated(dq_acc, (dq, dk, dv))
+
+
+class TpuBackend(backend.Backend):
+  """Pallas through Mosaic on TPU: every feature; Mosaic's (8, 128) tile rule."""
+
+  name = "pallas_tpu"
+  platform = "tpu"
+
+  def default_block_sizes(self, head_dim, device_kind):
+    kind = device_kind.lower()
+    if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
+      return BlockSizes(256, 512, 128, 256, None, None)
+    big = "v6" in kind or "v5p" in kind
+    return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
+
+  def block_size_error(self, field, value):
+    unit = LANES if "kv" in field else 8
+    if value % unit:
+      return (f"TPU tiles must be multiples of {unit} ({'lanes' if unit == LANES else 'sublanes'}"
+              f"; Mosaic's (8, 128) rule). Use {backend.round_up(value, unit)}, or None for the "
+              "default.")
+    return None
+
+  def clamp(self, tiles, q_len, kv_len):
+    cap_q, cap_k = backend.round_up(q_len, 8), backend.round_up(kv_len, LANES)
+    bq, bk, bqb, bkb = tiles
+    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, cap_k)
+
+  def padded_head_dim(self, head_dim):
+    # Heads are sliced out of lane blocks where they are not a multiple of 8: H is a multiple of
+    # 128 lanes (no padding for H = 128, 256).
+    return backend.round_up(head_dim, LANES)
+
+  def tuning_candidates(self, head_dim, interpret):
+    sizes = [128, 256] if interpret else [256, 512, 1024]
+    return {"fwd": [dict(block_q=q, block_kv=k) for q in sizes for k in sizes],
+            "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q in sizes for k in sizes]}
+
+  forward = staticmethod(forward)
+  backward = staticmethod(backward)
+
+
+BACKEND = TpuBackend()

@@ -17,7 +17,6 @@ log as the contract says.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -26,12 +25,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_ring import masks as masks_lib
-from pallas_ring.kernels import common
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import backend, common
 
-LOG2E = math.log2(math.e)
 # dK/dV programs unroll the loop over their GQA group's query heads up to this group size.
 UNROLL_GROUP = 8
-LN2 = math.log(2.0)
 
 
 def _pow2(n: int) -> int:
@@ -55,9 +53,9 @@ def _dot(a, b):
 def _logits2(q, k, cfg):
   """Base-2 logits ``[bq, bk]``: natural (soft-capped) logits times log2(e)."""
   if cfg.softcap is None:
-    return _dot_nt(q, k) * (cfg.scale * LOG2E)  # one multiply per logit
+    return _dot_nt(q, k) * (cfg.scale * common.LOG2E)  # one multiply per logit
   s = _dot_nt(q, k) * cfg.scale
-  return (cfg.softcap * LOG2E) * jnp.tanh(s / cfg.softcap)
+  return (cfg.softcap * common.LOG2E) * jnp.tanh(s / cfg.softcap)
 
 
 def _block_start(idx_ref, j, block):
@@ -111,7 +109,7 @@ def _alibi_rows(cfg, info: _Info, q_pos, anchor):
   """The row term (base 2) ``slope * (q - anchor) * log2(e)`` ``[bq]``, or None (no split)."""
   if not _causal_alibi(cfg, info):
     return None
-  return (info.alibi[0] * LOG2E) * (q_pos - anchor).astype(jnp.float32)
+  return (info.alibi[0] * common.LOG2E) * (q_pos - anchor).astype(jnp.float32)
 
 
 def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked, anchor):
@@ -128,9 +126,9 @@ def _tile(cfg, info: _Info, s, qs: _Side, ks: _Side, k0, bk, tile_idx, masked, a
   split = _causal_alibi(cfg, info)
   s = common.score_terms(s, None if info.bias is None else info.bias[tile_idx],
                          None if info.alibi is None or split else info.alibi[0], q_pos, k_pos,
-                         weight=LOG2E)
+                         weight=common.LOG2E)
   if split:
-    s = s + ((info.alibi[0] * LOG2E) * (ks.pos - anchor).astype(jnp.float32))[None, :]
+    s = s + ((info.alibi[0] * common.LOG2E) * (ks.pos - anchor).astype(jnp.float32))[None, :]
   vis = None
   if masked:
     k_index = (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]
@@ -192,7 +190,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   rows = _alibi_rows(cfg, info, qs.pos, anchor)
   if rows is not None:
     m = m - rows
-  lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def _info_specs(ops, tp_block, sp_block, q_grid_axis, kv_grid_axis, group=None):
@@ -320,7 +318,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *acc_ref, dq_ref = refs[9:]  # acc: running dq
   bk = cfg.block_kv_bwd
   q, do = q_ref[...], do_ref[...]
-  lse2 = common.safe_lse(lse_ref[...]) * LOG2E
+  lse2 = common.safe_lse(lse_ref[...]) * common.LOG2E
   delta = delta_ref[...] * (1.0 - cfg.dropout_rate)  # see _dropped
   qs = _q_side(info, slice(None))
   anchor = jnp.min(qs.pos)
@@ -340,7 +338,7 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     if masked:
       p = jnp.where(vis, p, 0.0)
     dp = _dropped(_dot_nt(do, v), keep)
-    ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
+    ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * common.LN2, cfg)
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
@@ -376,7 +374,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
       q_slice = pl.ds(q0, bq)
       q = q_h[q_slice, :]
       do = do_h[q_slice, :]
-      lse2 = common.safe_lse(lse_h[q_slice]) * LOG2E
+      lse2 = common.safe_lse(lse_h[q_slice]) * common.LOG2E
       delta = delta_h[q_slice] * (1.0 - cfg.dropout_rate)  # see _dropped
       qs = _q_side(hinfo, q_slice)
       rows = _alibi_rows(cfg, hinfo, qs.pos, anchor)
@@ -393,7 +391,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
         keep = lambda: kept
       dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
       dp = _dropped(_dot_nt(do, v), keep)
-      ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * LN2, cfg)
+      ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * common.LN2, cfg)
       dk = dk + _dot(ds.astype(q.dtype).T, q)
       return dk, dv
 
@@ -472,3 +470,49 @@ def _dkv_call(q, k, v, do, lse, delta, ops, plan, cfg):
       compiler_params=params, interpret=cfg.interpret, name="pallas_ring_dkv",
   )(*list_args, *info_args, q, k, v, do, lse, delta)
   return dk, dv
+
+
+class TritonBackend(backend.Backend):
+  """Pallas through Triton on any GPU: every feature; tiles are powers of two >= 16."""
+
+  name = "pallas_triton"
+  platform = "gpu"
+
+  def default_block_sizes(self, head_dim, device_kind):
+    if head_dim <= 64:
+      return BlockSizes(128, 128, 64, 64, 4, 3)
+    if head_dim <= 128:
+      return BlockSizes(128, 64, 64, 64, 4, 3)
+    return BlockSizes(64, 32, 32, 32, 4, 2)
+
+  def block_size_error(self, field, value):
+    if value < 16 or value & (value - 1):
+      return (f"Triton tiles must be powers of two >= 16 (tl.dot's minimum). Use "
+              f"{max(16, backend.next_pow2(value))}, or None for the tuned default.")
+    return None
+
+  def clamp(self, tiles, q_len, kv_len):
+    cap_q, cap_k = max(16, backend.next_pow2(q_len)), max(16, backend.next_pow2(kv_len))
+    bq, bk, bqb, bkb = tiles
+    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, cap_k)
+
+  def padded_head_dim(self, head_dim):
+    return max(16, backend.next_pow2(head_dim))  # Triton arrays: powers of two >= 16
+
+  def tuning_candidates(self, head_dim, interpret):
+    if interpret:
+      return {"fwd": [dict(block_q=16, block_kv=16), dict(block_q=32, block_kv=16)],
+              "bwd": [dict(block_q_bwd=16, block_kv_bwd=16), dict(block_q_bwd=16,
+                                                                  block_kv_bwd=32)]}
+    tiles = [64, 128] if head_dim <= 128 else [32, 64]
+    fwd = [dict(block_q=q, block_kv=k, num_warps=w, num_stages=s)
+           for q in tiles for k in tiles for w in (4, 8) for s in (2, 3, 4)]
+    bwd_tiles = sorted({32, *tiles})
+    return {"fwd": fwd, "bwd": [dict(block_q_bwd=q, block_kv_bwd=k)
+                                for q in bwd_tiles for k in bwd_tiles]}
+
+  forward = staticmethod(forward)
+  backward = staticmethod(backward)
+
+
+BACKEND = TritonBackend()

@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_ring.kernels import common
-
-FULL = 2
+from pallas_ring.block_sparse import FULL
+from pallas_ring.kernels import backend, common
 
 
 def _nested_vmap(fn, args, sizes):
@@ -303,3 +302,15 @@ def bias_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelC
 
   bands = jax.lax.map(one_band, _block_ids(tp // bq))  # [nq, Bb, Nb, bq, Sp]
   return bands.transpose(1, 2, 0, 3, 4).reshape(bb, nb, tp, sp)
+
+
+class XlaBackend(backend.Backend):
+  """Blockwise pure jnp on every platform: float64 too, every feature, any tile size."""
+
+  name = "xla"
+  computes_float64 = True
+  forward = staticmethod(forward)
+  backward = staticmethod(backward)
+
+
+BACKEND = XlaBackend()

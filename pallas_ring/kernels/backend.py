@@ -1,0 +1,136 @@
+"""The interface every kernel lowering implements, and what a backend is asked about a call.
+
+A backend is one object, registered once (``kernels.register``): its name, the platform family
+its kernels run on natively, what it can serve (``supports``), its tile rules (defaults, checks,
+clamps, head-dim padding, tuning candidates), its kernel-variant config, and the kernels of the
+contract in ``kernels.common`` (``forward``, ``backward``). Nothing outside the registry compares
+backend names: callers ask the object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import jax.numpy as jnp
+
+from pallas_ring.config import BlockSizes
+
+TILE_FIELDS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+
+
+def next_pow2(x: int) -> int:
+  """The smallest power of two >= x (1 for x <= 1)."""
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def round_up(x: int, m: int) -> int:
+  """The smallest multiple of m >= x."""
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What decides whether a backend can serve a call (hashable, static)."""
+
+  dtype: Any  # the inputs' dtype
+  head_dim: int  # H, unpadded
+  dense: bool = False  # a dense mask is given
+  bias: bool = False  # an additive bias is given
+  alibi: bool = False  # ALiBi slopes are given
+  dropout: bool = False  # dropout_rate > 0
+  block_sizes: BlockSizes = BlockSizes()  # the user's tile overrides (and kernel variants)
+
+  @property
+  def features(self) -> tuple[tuple[str, bool], ...]:
+    """``(description, used)`` of the optional score terms."""
+    return (("a dense mask", self.dense), ("a bias", self.bias), ("ALiBi slopes", self.alibi),
+            ("dropout", self.dropout))
+
+
+class Backend:
+  """One kernel lowering. Subclasses set the class attributes and override what differs."""
+
+  name: ClassVar[str]  # the ``backend=`` string
+  platform: ClassVar[Optional[str]] = None  # family its kernels run on natively; None: every one
+  computes_float64: ClassVar[bool] = False  # whether float64 inputs are computed in float64
+  variants_cls: ClassVar[Optional[type]] = None  # frozen dataclass of its kernel variants
+  fallback: ClassVar[str] = "xla"  # what to ask for when this backend cannot serve a call
+
+  # -- what it serves ----------------------------------------------------------------------------
+
+  def supports(self, call: Call) -> Optional[str]:
+    """Why this backend cannot serve ``call`` (None when it can): dtype, device, features."""
+    del call
+    return None
+
+  def auto_eligible(self) -> bool:
+    """Whether ``backend="auto"`` may pick this backend in this process (e.g. a device check)."""
+    return True
+
+  # -- tiles -------------------------------------------------------------------------------------
+
+  def default_block_sizes(self, head_dim: int, device_kind: str) -> BlockSizes:
+    """The heuristic tiles for a (padded) head dim on a device kind."""
+    del head_dim, device_kind
+    return BlockSizes(128, 128, 128, 128, None, None)
+
+  def block_size_error(self, field: str, value: int) -> Optional[str]:
+    """Why ``block_sizes.<field>=value`` breaks this backend's rules, with the fix; or None."""
+    del field, value
+    return None
+
+  def check_block_sizes(self, bs: BlockSizes) -> None:
+    """Raises ValueError when user-given tiles or variants break this backend's rules."""
+    for f in TILE_FIELDS:
+      value = getattr(bs, f)
+      why = None if value is None else self.block_size_error(f, value)
+      if why is not None:
+        raise ValueError(f"block_sizes.{f}={value} cannot be used by backend {self.name!r}: "
+                         f"{why}")
+    if bs.variants is not None and not isinstance(bs.variants, self.variants_cls or ()):
+      want = (f"{self.variants_cls.__module__}.{self.variants_cls.__name__}"
+              if self.variants_cls else "None (it has no kernel variants)")
+      raise ValueError(f"block_sizes.variants={bs.variants!r} cannot be used by backend "
+                       f"{self.name!r}: it takes {want}.")
+
+  def variants(self, bs: BlockSizes) -> Any:
+    """The kernel-variant config of a call (the user's, else this backend's defaults)."""
+    if bs.variants is not None:
+      return bs.variants
+    return None if self.variants_cls is None else self.variants_cls()
+
+  def clamp(self, tiles: tuple[int, int, int, int], q_len: int, kv_len: int
+            ) -> tuple[int, int, int, int]:
+    """``(block_q, block_kv, block_q_bwd, block_kv_bwd)`` clamped to the sequence lengths."""
+    bq, bk, bqb, bkb = tiles
+    return min(bq, q_len), min(bk, kv_len), min(bqb, q_len), min(bkb, kv_len)
+
+  def padded_head_dim(self, head_dim: int) -> int:
+    """The head dim this backend's kernels see (inputs are zero-padded to it)."""
+    return head_dim
+
+  def tuning_candidates(self, head_dim: int, interpret: bool) -> dict[str, list[dict]]:
+    """Tile candidates per pass (``"fwd"``, ``"bwd"``) for ``python -m pallas_ring tune``."""
+    del head_dim
+    sizes = [64, 128] if interpret else [64, 128, 256]
+    return {"fwd": [dict(block_q=q, block_kv=k) for q in sizes for k in sizes],
+            "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q in sizes for k in sizes]}
+
+  # -- kernels (``kernels.common``'s contract) ---------------------------------------------------
+
+  def forward(self, q, k, v, ops, plan, cfg, acc=None):
+    """``(o, lse)`` of one (q shard, kv shard) pair (see ``kernels.common``)."""
+    raise NotImplementedError
+
+  def backward(self, q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts="both"):
+    """``(dq, dk, dv)`` of one pair (see ``kernels.common``)."""
+    raise NotImplementedError
+
+  def __repr__(self) -> str:
+    return f"<backend {self.name}>"
+
+
+
+
+__all__ = ["Backend", "Call", "TILE_FIELDS", "next_pow2", "round_up"]
