@@ -15,7 +15,7 @@ import pytest
 
 from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
-from pallas_ring.kernels.pallas_mosaic_gpu import Variants
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants, fwd_kernel, pipeline, tiles
 from conftest import ON_GPU, check_ring_step, kernel_call_sites, rel_err, ring_step
 
 MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
@@ -128,11 +128,11 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
 def test_forward_overlaps_where_its_registers_fit():
   """FlashAttention-3's intra-warpgroup overlap holds a second p tile and the logits beside the
   output accumulator; documents keep the serial walk (short rows)."""
-  fits = lambda *a: pallas_mosaic_gpu.overlaps(*a, Variants())
+  fits = lambda *a: tiles.overlaps(*a, Variants())
   assert fits(128, 128, False) and fits(64, 256, False) and fits(128, 64, False)
   assert not fits(256, 64, False)  # head dim 64 walks 256-key tiles
   assert not fits(128, 128, True)
-  assert not pallas_mosaic_gpu.overlaps(128, 128, False, Variants(overlap_pv=False))
+  assert not tiles.overlaps(128, 128, False, Variants(overlap_pv=False))
 
 
 @pytest.mark.parametrize("name, overlap", [("causal_gqa", False), ("documents", True),
@@ -144,15 +144,15 @@ def test_both_forward_walks_lower(name, overlap):
   seg = (qs, ks) if qs is not None else ()
   text = _lower(_attention(kw, overlap_pv=overlap), *args, *seg)
   assert text.count(MOSAIC) == 1
-  assert (pallas_mosaic_gpu.KEEP_ALIVE in text) == overlap
+  assert (pipeline.KEEP_ALIVE in text) == overlap
 
 
 def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
   """Rows of a sliding window are short and alike: one CTA per SM walks several of them; other
   masks, and the serial walk, launch one CTA per item."""
-  sms = pallas_mosaic_gpu.sm_count()
+  sms = tiles.sm_count()
   assert sms == 132 or ON_GPU  # (an H100's, when there is no GPU to ask)
-  ctas = lambda *a, **v: pallas_mosaic_gpu.persistent_ctas(*a, Variants(**v))
+  ctas = lambda *a, **v: tiles.persistent_ctas(*a, Variants(**v))
   width = Variants().persistent_window
   window = masks.Causal() & masks.SlidingWindow(width)
   assert ctas(2048, window, True) == sms and ctas(100, window, True) == 100
@@ -165,8 +165,8 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
   assert ctas(2048, window, True, persistent=False) == 2048
 
   grids = []  # the forward's launch, as the kernel call sees it
-  kernel = pallas_mosaic_gpu.plgpu.kernel
-  monkeypatch.setattr(pallas_mosaic_gpu.plgpu, "kernel",
+  kernel = fwd_kernel.plgpu.kernel
+  monkeypatch.setattr(fwd_kernel.plgpu, "kernel",
                       lambda *a, grid, **kw: grids.append(grid) or kernel(*a, grid=grid, **kw))
   x = jax.ShapeDtypeStruct((1, 2048, 16, 128), jnp.bfloat16)  # 16 q blocks x 16 heads
   for mask in (masks.Causal() & masks.SlidingWindow(1024), masks.Causal()):
@@ -179,19 +179,18 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
 def test_work_items_cover_every_q_block_once_in_either_order():
   """``_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
   K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
-  g = pallas_mosaic_gpu._Geometry(bq=64, bk=128, slots=2, group=1, head_dim=128,
-                                  dtype=jnp.bfloat16, info_rows=1, q_blocks=5, heads=3, batch=2,
-                                  ctas=30)
+  g = fwd_kernel._Geometry(bq=64, bk=128, slots=2, group=1, head_dim=128, dtype=jnp.bfloat16,
+                           info_rows=1, q_blocks=5, heads=3, batch=2, ctas=30)
   every = {(b, h, q) for b in range(2) for h in range(3) for q in range(5)}
   for order in ("heads", "blocks"):
-    items = [tuple(int(x) for x in pallas_mosaic_gpu._item(
+    items = [tuple(int(x) for x in fwd_kernel._item(
         dataclasses.replace(g, order=order), jnp.int32(i))) for i in range(30)]
     assert set(items) == every and len(items) == 30, order
     first = items[:5] if order == "blocks" else items[:3]
     assert first == ([(0, 0, q) for q in (4, 3, 2, 1, 0)] if order == "blocks" else
                      [(0, h, 4) for h in range(3)]), order
   keys = Variants().blocks_first_keys
-  order = lambda keys, **v: pallas_mosaic_gpu.item_order(keys, Variants(**v))
+  order = lambda keys, **v: tiles.item_order(keys, Variants(**v))
   assert (order(keys // 2), order(keys)) == ("heads", "blocks")
   assert order(keys, item_order="heads") == "heads"
   assert order(1024, blocks_first_keys=1024) == "blocks"

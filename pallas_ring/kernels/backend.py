@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-import jax.numpy as jnp
-
 from pallas_ring.config import BlockSizes
 
 TILE_FIELDS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")

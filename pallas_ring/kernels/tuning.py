@@ -2,8 +2,8 @@
 
 Every field resolves, in order: the user's ``BlockSizes``, the tuning cache or the shipped table
 (``tile_cache``: per device kind and shape class, forward and backward separately), then the
-heuristic (``Backend.default_block_sizes``: per backend, head dim and device). ``Tiles`` records where each pass's tiles came
-from, which ``bench`` prints.
+heuristic (``Backend.default_block_sizes``: per backend, head dim and device). ``Tiles`` records
+where each pass's tiles came from, which ``bench`` prints.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""Pallas kernels lowered through Mosaic GPU (Hopper, sm_90+), implementing ``kernels.common``.
+
+The forward is FlashAttention-3 shaped. One CTA owns ``cfg.block_q`` query rows of one head at a
+time (a work item; persistent CTAs, one per SM, walk several for narrow sliding windows), split
+between two consumer warpgroups (``block_q / 2`` rows each); a third, producer warpgroup streams
+the K/V tiles of the item's plan row by TMA into a ring of ``num_stages`` shared-memory slots
+guarded by barriers. Each consumer runs ``wgmma`` for ``q.k^T`` and ``p.v`` and keeps the online
+softmax (base 2, scale folded) in registers; two hardware barriers order the consumers' matmuls
+so that one's softmax overlaps the other's matmuls. Where the registers allow (``overlaps``),
+each consumer also issues tile j's ``q.k^T`` together with tile j-1's ``p.v`` and runs tile j's
+softmax while that ``p.v`` runs (FlashAttention-3's intra-warpgroup overlap).
+
+Both consumers walk the same plan row (the plan's query block is the item's rows), so the producer
+loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
+through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
+K/V are read per kv head (GQA is never repeated).
+
+The backward is two kernels of the same shape: dK/dV over the plan's transposed lists and dQ
+over its rows, deterministic (no cross-CTA accumulation); dQ computes the row term ``delta``
+when given a ``common.RowTerm``. For backward tiles other than 128 x 128 it is
+``pallas_triton``'s on the same plan (``backward_unsupported`` says why; the contract allows
+different lowerings per pass).
+
+Not served here (``unsupported`` says why; ``backend="auto"`` then uses ``pallas_triton``): dense
+masks, bias, ALiBi, dropout, float32 inputs, GPUs before sm_90.
+
+One module per concern, as FlashAttention-3's ``hopper/``:
+
+* ``tiles``: sizes, the shared-memory budget, what is served, the kernel ``Variants`` and rules;
+* ``pipeline``: shared-memory tiles and slots, token info, named barriers, the consumers' schedule;
+* ``fwd_kernel``: work items, the main loop (serial and overlapped walks), producer, epilogue;
+* ``bwd_kernels``: the dK/dV and dQ kernels;
+* this module: the backend object (``BACKEND``) registered in ``pallas_ring.kernels``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import backend
+from pallas_ring.kernels.pallas_mosaic_gpu.bwd_kernels import backward
+from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import forward
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
+    BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles,
+    padded_head_dim, slots, unsupported)
+
+
+def hopper() -> bool:
+  """Whether this process's GPUs are Hopper-class or newer (compute capability >= 9.0), the ones
+  these kernels are written for. False without a local GPU: ``"auto"`` then lowers GPU
+  computations (e.g. AOT from a CPU host) through Triton; ask for
+  ``backend="pallas_mosaic_gpu"`` explicitly to target Hopper from such a host."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return False
+  return float(getattr(devices[0], "compute_capability", "0")) >= 9.0
+
+
+MIN_TILE = {"block_q": COMPUTE_WGS * WG_ROWS, "block_kv": 64, "block_q_bwd": 16,
+            "block_kv_bwd": 16}
+
+
+class MosaicGpuBackend(backend.Backend):
+  """Pallas through Mosaic GPU on Hopper (sm_90+), bfloat16 and float16 (``unsupported``)."""
+
+  name = "pallas_mosaic_gpu"
+  platform = "gpu"
+  variants_cls = Variants
+  fallback = "pallas_triton"
+
+  def supports(self, call):
+    why = unsupported(call)
+    if why is None and jax.devices()[0].platform == "gpu" and not hopper():
+      dev = jax.devices()[0]
+      why = (f"GPU {dev.device_kind} (compute capability "
+             f"{getattr(dev, 'compute_capability', '?')}; it needs sm_90 or newer)")
+    return why
+
+  def auto_eligible(self):
+    return hopper()
+
+  def default_block_sizes(self, head_dim, device_kind):
+    # 2 x 64 rows per CTA; the backward kernels take 128 x 128.
+    block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)
+
+  def block_size_error(self, field, value):
+    low = MIN_TILE[field]
+    if value < low or value & (value - 1):
+      return (f"its tiles are powers of two, block_q >= 128 (two warpgroups of >= 64 rows), "
+              f"block_kv >= 64, and the backward's >= 16 (its own kernels take 128 x 128 "
+              f"backward tiles; other tiles run the Triton backward). Use "
+              f"{max(low, backend.next_pow2(value))}, or None for the tuned default.")
+    return None
+
+  def clamp(self, tiles, q_len, kv_len):
+    cap_q, cap_k = max(128, backend.next_pow2(q_len)), max(64, backend.next_pow2(kv_len))
+    bq, bk, bqb, bkb = tiles
+    # (the backward kernels own 128 keys per CTA)
+    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, max(BWD_BLOCK, cap_k))
+
+  def padded_head_dim(self, head_dim):
+    return padded_head_dim(head_dim)
+
+  def tuning_candidates(self, head_dim, interpret):
+    # Forward tiles and K/V slots; the backward's are fixed.
+    fwd = [dict(block_q=128, block_kv=k, num_stages=s)
+           for k in ((64, 128) if interpret else (64, 128, 256)) for s in (2, 3)]
+    return {"fwd": fwd, "bwd": [dict(block_q_bwd=BWD_BLOCK, block_kv_bwd=BWD_BLOCK)]}
+
+  forward = staticmethod(forward)
+  backward = staticmethod(backward)
+
+
+BACKEND = MosaicGpuBackend()
+
+__all__ = ["BACKEND", "Variants", "forward", "backward", "hopper", "unsupported",
+           "backward_unsupported", "check_tiles", "slots"]

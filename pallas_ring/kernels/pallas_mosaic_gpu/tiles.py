@@ -1,0 +1,211 @@
+"""Tile rules of the Mosaic GPU kernels: sizes, shared-memory budget, what they serve, and the
+kernel variants (``Variants``) with the measured rules that pick them by default."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_ring import masks as masks_lib
+from pallas_ring.kernels import backend, common
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import wgmma_accumulator_load
+
+# Rows of one consumer warpgroup's q tile must tile wgmma's M = 64.
+WG_ROWS = 64
+# Shared memory a CTA may use on sm_90 (227 KiB), less room for row statistics and barriers.
+SMEM_BYTES = 227 * 1024 - 4096
+DTYPES = (jnp.bfloat16, jnp.float16)
+COMPUTE_WGS = 2
+# Registers per thread after setmaxnreg: 2 consumer warpgroups and the producer must fit the
+# 64K-register file ((2 x 232 + 40) x 128 threads); asking for more never returns (240 hung).
+CONSUMER_REGS, PRODUCER_REGS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+  """Kernel variants of the Mosaic GPU kernels, passed as ``BlockSizes(variants=Variants(...))``.
+
+  None fields follow the measured rules described at each switch below; the defaults are what
+  ``backend="auto"`` runs. Tools and tests select variants here (a changed field retraces).
+  """
+
+  overlap_pv: Optional[bool] = None  # forward: softmax of tile j overlaps p.v of j-1 (``overlaps``)
+  persistent: Optional[bool | int] = None  # forward: persistent CTAs; an int sets their count
+  persistent_window: int = 1024  # the rule's widest sliding window run persistent (keys)
+  item_order: Optional[str] = None  # forward launch order "heads" | "blocks" (``item_order``)
+  blocks_first_keys: int = 32768  # the rule's fewest padded keys launched q blocks first
+  dkv_walk_rows: tuple[tuple[int, int], ...] = ((64, 128),)  # dK/dV q tile rows per head dim (64)
+  dq_walk_rows: int = 128  # dQ kernel's K/V tile rows (64 in the wide kernel)
+  wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
+  wide_dq_above: int = 128  # head dims above which dQ owns 64 rows per CTA
+  delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
+
+  def __post_init__(self):
+    if self.item_order not in (None, "heads", "blocks"):
+      raise ValueError(f"Variants.item_order={self.item_order!r} is invalid: use 'heads', "
+                       "'blocks' or None (the rule).")
+    if isinstance(self.dkv_walk_rows, dict):  # (a mapping is accepted, stored hashable)
+      object.__setattr__(self, "dkv_walk_rows", tuple(sorted(self.dkv_walk_rows.items())))
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The head dim the kernels see: wgmma tiles of 64, powers of two (64, 128, 256)."""
+  return max(64, backend.next_pow2(head_dim))
+
+
+def unsupported(call: backend.Call) -> Optional[str]:
+  """Why this lowering cannot serve a call (None when it can): dtype, head dim, features."""
+  if jnp.dtype(call.dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return f"inputs of dtype {jnp.dtype(call.dtype)} (wgmma takes bfloat16 or float16)"
+  head_dim = padded_head_dim(call.head_dim)
+  if head_dim % 64 or head_dim > 256:
+    return f"head dim {head_dim} (the kernel takes 64, 128 or 256 after padding)"
+  for what, used in call.features:
+    if used:
+      return f"{what} (not implemented in the Mosaic GPU forward yet)"
+  return None
+
+
+def ops_call(q, ops: common.Operands) -> backend.Call:
+  """The ``Call`` of kernel operands (to refuse what ``unsupported`` names)."""
+  return backend.Call(q.dtype, q.shape[-1], dense=ops.dense is not None,
+                      bias=ops.bias is not None, alibi=ops.alibi is not None,
+                      dropout=ops.dropout is not None)
+
+
+def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> int:
+  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit (at least 2)."""
+  if cfg.num_stages:
+    return cfg.num_stages
+  q_bytes = cfg.block_q * head_dim * itemsize
+  kv_bytes = 2 * cfg.block_kv * head_dim * itemsize
+  return max(2, min(4, (SMEM_BYTES - q_bytes) // kv_bytes))
+
+
+def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> None:
+  """Raises ValueError naming the rule when the forward tiles cannot run."""
+  if cfg.block_q % (COMPUTE_WGS * WG_ROWS):
+    raise ValueError(
+        f"block_q={cfg.block_q} cannot be used by backend 'pallas_mosaic_gpu': a CTA's query rows "
+        f"are split between {COMPUTE_WGS} warpgroups of multiples of {WG_ROWS} rows, so block_q "
+        f"must be a multiple of {COMPUTE_WGS * WG_ROWS}.")
+  if cfg.block_kv % 64:
+    raise ValueError(f"block_kv={cfg.block_kv} cannot be used by backend 'pallas_mosaic_gpu': "
+                     "it must be a multiple of 64.")
+  n = slots(cfg, head_dim, itemsize)
+  need = (cfg.block_q + 2 * n * cfg.block_kv) * head_dim * itemsize
+  if n < 2 or need > SMEM_BYTES:
+    raise ValueError(
+        f"pallas_mosaic_gpu tiles block_q={cfg.block_q}, block_kv={cfg.block_kv} with {n} K/V "
+        f"slots need {need // 1024} KiB of shared memory at head dim {head_dim} (at least 2 slots; "
+        f"{SMEM_BYTES // 1024} KiB available): use a smaller block_kv or num_stages.")
+
+
+# FlashAttention-3's intra-warpgroup overlap: each step issues tile j's q.k^T and tile j-1's
+# p.v together, waits for q.k^T only and runs tile j's softmax while p.v runs, then rescales the
+# accumulator. It keeps a second 16-bit p tile and the q.k^T accumulator live beside the output
+# accumulator, so it runs where those fit the registers (``overlaps``). H100, bf16, same runs:
+# dense T=16k 0.977x and 1.031x cuDNN against 0.893x and 0.904x serial, causal 1.009x and
+# 1.061x against 0.988x and 1.013x, H=256 T=8k 1.023x against 0.929x. ``Variants.overlap_pv``:
+# None: that rule; True/False force it (``tools/mosaic_gpu_sweep.py variants
+# overlap_pv=False,True``).
+
+
+def overlaps(block_kv: int, head_dim: int, segments: bool, variants: Variants) -> bool:
+  """Whether the forward overlaps each tile's softmax with the previous tile's p.v.
+
+  A consumer thread then holds the float32 output (head_dim / 2 registers), the float32 logits
+  (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must fit beside the
+  rest. Calls with segment ids (documents) keep the serial walk: their rows are short, and the
+  overlapped walk's unpaired first and last tiles cost more than the overlap saves (H100, 16
+  causal documents of 1024: 0.227 against 0.207 ms).
+  """
+  if variants.overlap_pv is not None:
+    return variants.overlap_pv
+  return (wgmma_accumulator_load is not None and not segments
+          and head_dim // 2 + block_kv <= 192)
+
+
+# Persistent forward: at most one CTA per SM, each walking work items (a q block of one head) in
+# turn, so the producer streams the next item's first K/V tiles while the consumers finish the
+# current one, and a CTA starts once per SM instead of once per item. It pays where rows are
+# short and alike: sliding windows of at most ``Variants.persistent_window`` keys, in the
+# overlapped walk.
+# H100, T=16k, bf16, causal window 1024: 0.325-0.340 ms against 0.352-0.357 in five runs (cuDNN
+# 0.332-0.354), 0.339 against 0.340 in a sixth; windows of 2048 and 4096 keys: a wash
+# (0.528-0.548 against 0.538-0.560 ms; 0.914-0.933 against 0.886-0.938). Where rows differ it loses:
+# items go to CTAs round-robin, while one CTA per item lets the hardware hand the next item to
+# whichever SM is free (causal 1.98 against 1.89-1.93 ms; 16 causal documents of 1024, serial
+# walk, 0.252-0.267 against 0.212 ms). ``Variants.persistent``: None: that rule; True/False force
+# it; an int sets the CTA count (tests: several items per CTA at small sizes).
+# ``tools/mosaic_gpu_sweep.py variants window persistent=None,False``.
+
+
+def persistent_ctas(items: int, mask, overlap: bool, variants: Variants) -> int:
+  """CTAs of a forward of ``items`` work items under ``mask``: ``items`` (one each) unless
+  persistent (above)."""
+  on = variants.persistent
+  if on is None:
+    width = masks_lib.window_width(mask)
+    on = overlap and width is not None and width <= variants.persistent_window
+  if on is False:
+    return items
+  return min(items, sm_count() if on is True else on)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+  """Streaming multiprocessors of the first GPU; 132 (an H100 SXM's) where there is none (when
+  cross-lowering on a CPU)."""
+  try:
+    return int(getattr(jax.devices("gpu")[0], "core_count", 132))
+  except RuntimeError:
+    return 132
+
+
+# The forward's work items in launch order (``_item``): q blocks from the last, so the longest
+# rows of causal-type masks start first and the short ones fill the tail, and
+#   "heads": heads vary fastest, then q blocks: the longest rows of all heads start first;
+#   "blocks": q blocks vary fastest, then heads: CTAs that run at the same time read the same
+#     head's K/V, which L2 then serves to all of them.
+# ``Variants.item_order``; None: "blocks" from ``Variants.blocks_first_keys`` keys on, else
+# "heads". H200, bf16, N=16, H=128 (``tools/mosaic_gpu_sweep.py spans ... item_order=heads,
+# blocks``), in batches / one call:
+#   dense T=64k   68.5 / 61.7 ms heads, 55.3 / 53.6 ms blocks (cuDNN 58.4 / 60.9)
+#   causal T=64k  29.3 / 27.4 ms heads, 27.6 / 27.5 ms blocks (cuDNN 29.8 / 31.2)
+#   T=16k dense and causal: the same within the spread; shorter rows lose with "blocks", whose
+#   last heads start their longest rows late: causal T=4k 0.127 / 0.123 ms heads against
+#   0.150 / 0.144, GQA 32/8 and H=256 at T=8k 4-5%, 16 documents of 1024 2.5%.
+
+
+def item_order(keys: int, variants: Variants) -> str:
+  """The launch order of a forward over ``keys`` keys (padded K/V length)."""
+  if variants.item_order is not None:
+    return variants.item_order
+  return "blocks" if keys >= variants.blocks_first_keys else "heads"
+
+
+BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
+BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
+# Rows of a walked tile (``Variants``). dK/dV walks q tiles of ``dkv_walk_rows``, 128 at head
+# dims <= 64 (H100: 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its
+# float32 dK, dV, s^T and dp^T fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` (64 in
+# wide kernels, whose float32 dQ takes 128 registers; and where two slots would not fit).
+# ``Variants.delta_in_dq``: whether the dQ kernel computes delta from a RowTerm (False: XLA's
+# separate pass computes it; ``tools/mosaic_gpu_sweep.py bwd delta_in_dq=True,False``). H100,
+# T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the same GPU time
+# either way (profiler traces of alternating runs: the dQ kernel's 15-25 us more against XLA's
+# 48 us pass), although wall-clock medians of causal read 2-4% slower with it.
+
+
+def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
+  """Why the Mosaic GPU backward cannot serve a call its forward serves (None when it can);
+  ``backward`` then runs ``pallas_triton``'s over the same plan."""
+  if (cfg.block_q_bwd, cfg.block_kv_bwd) != (BWD_BLOCK, BWD_BLOCK):
+    return (f"backward tiles ({cfg.block_q_bwd}, {cfg.block_kv_bwd}) (it takes "
+            f"({BWD_BLOCK}, {BWD_BLOCK}): two warpgroups of {BWD_ROWS} rows)")
+  return None
