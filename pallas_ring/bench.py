@@ -8,7 +8,7 @@ all-gather K/V + cuDNN vs our kernel on one GPU doing the same per-device work.
 Timing: jit, warm up, then ``block_until_ready`` around a batch of calls, median of ``reps`` such
 batches, on random inputs. A batch is ``iters`` calls, or more for short calls: enough to last
 ``MIN_BATCH_S``, so that the fixed cost of starting and synchronizing a batch (tens of
-microseconds) is not counted as kernel time. ``CLOCK`` (``bench --device-time``) picks how a
+microseconds) is not counted as kernel time. ``clock`` (``bench --device-time``) picks how a
 batch is timed: by the host's clock, or on the device (``device_spans``). TFLOP/s count visible
 (query, key) pairs only: ``4 * B * N * pairs * H`` forward, 3.5x that forward+backward.
 """
@@ -16,6 +16,7 @@ batch is timed: by the host's clock, or on the device (``device_spans``). TFLOP/
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import glob
 import gzip
@@ -40,19 +41,34 @@ MIN_BATCH_S = 0.05  # the shortest timed batch of calls, in seconds
 # How a batch is timed: "wall", the host's clock from its first dispatch to its end; "device",
 # the span of the first GPU's ops from a profiler trace (``device_spans``), which leaves out the
 # host's dispatch and synchronization.
-CLOCK = "wall"
+_CLOCK = contextvars.ContextVar("pallas_ring_bench_clock", default="wall")
+
+
+@contextlib.contextmanager
+def clock(kind: str):
+  """Times the batches inside the context by ``kind``: ``"wall"`` (the default) or
+  ``"device"`` (``bench --device-time``)."""
+  if kind not in ("wall", "device"):
+    raise ValueError(f"bench.clock({kind!r}): use 'wall' or 'device'.")
+  token = _CLOCK.set(kind)
+  try:
+    yield
+  finally:
+    _CLOCK.reset(token)
+
+
 _MAX_BATCH = 2000  # the most calls in one batch
 
 
-def _batch(fn, args, iters: int) -> int:
+def _batch(fn, args, iters: int, min_batch_s: float) -> int:
   """Calls per timed batch of a warmed-up ``fn``: ``iters``, raised so that a batch lasts about
-  ``MIN_BATCH_S``."""
+  ``min_batch_s``."""
   t0 = time.perf_counter()
   for _ in range(iters):
     out = fn(*args)
   jax.block_until_ready(out)
   secs = time.perf_counter() - t0
-  return int(min(_MAX_BATCH, max(iters, iters * MIN_BATCH_S / max(secs, 1e-9))))
+  return int(min(_MAX_BATCH, max(iters, iters * min_batch_s / max(secs, 1e-9))))
 
 
 def _batch_seconds(fn, args, calls: int) -> float:
@@ -84,7 +100,7 @@ def balanced_orders(n: int) -> list:
   return orders if n % 2 == 0 or n == 1 else orders + [o[::-1] for o in orders]
 
 
-def interleaved_samples(calls, iters=10, reps=5) -> dict:
+def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
   repetitions interleaved across the calls, so that clock and thermal drift during a run
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
@@ -93,16 +109,16 @@ def interleaved_samples(calls, iters=10, reps=5) -> dict:
   another (on an H100 two builds of one kernel timed first and second of four in every
   repetition read 3.54 and 3.77 ms). Identical builds still differed by up to 6% within one
   run in these orders, so that is the noise of a single run. Each sample is a batch of at least
-  ``iters`` calls (``_batch``)."""
+  ``iters`` calls lasting at least ``min_batch_s`` (0: exactly ``iters``; ``_batch``)."""
   batch = {}
   for name, (fn, args) in calls.items():
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    batch[name] = _batch(fn, args, iters)
+    batch[name] = _batch(fn, args, iters, min_batch_s)
   names = list(calls)
   orders = balanced_orders(len(names))
   samples = []  # (implementation, seconds per call by the host's clock)
-  trace_dir = tempfile.mkdtemp(prefix="pallas_ring_bench_") if CLOCK == "device" else None
+  trace_dir = tempfile.mkdtemp(prefix="pallas_ring_bench_") if _CLOCK.get() == "device" else None
   try:
     with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
       for rep in range(-(-reps // len(orders)) * len(orders)):
@@ -152,17 +168,17 @@ def device_spans(trace_dir: str, names) -> list:
                                                                 "right")]
     if not mine:
       raise RuntimeError(f"the profiler trace holds no GPU op inside {name!r}: device timing "
-                         "(bench.CLOCK = 'device') needs a GPU that the profiler traces.")
+                         "(bench.clock('device')) needs a GPU that the profiler traces.")
     end = max(e["ts"] + e.get("dur", 0) for e in mine)
     out.append(((end - mine[0]["ts"]) * 1e-6, sum(e.get("dur", 0) for e in mine) * 1e-6,
                 len(mine)))
   return out
 
 
-def timeit_interleaved(calls, iters=10, reps=5) -> dict:
+def timeit_interleaved(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dict:
   """Median seconds per call of each ``name: (jitted fn, args)`` (``interleaved_samples``)."""
   return {name: statistics.median(ts)
-          for name, ts in interleaved_samples(calls, iters, reps).items()}
+          for name, ts in interleaved_samples(calls, iters, reps, min_batch_s).items()}
 
 
 def visible_pairs(t: int, kind: str, window: int = 1024, doc: int = 1024) -> int:
@@ -178,7 +194,9 @@ def visible_pairs(t: int, kind: str, window: int = 1024, doc: int = 1024) -> int
   raise ValueError(kind)
 
 
-def _inputs(b, t, n, h, dtype=jnp.bfloat16, seed=0, kv_heads=None):
+def random_inputs(b, t, n, h, dtype=jnp.bfloat16, seed=0, kv_heads=None):
+  """Standard normal ``(q [B, T, N, H], k, v [B, T, K, H], do [B, T, N, H])`` from ``seed``
+  (``K = kv_heads or N``)."""
   ks = jax.random.split(jax.random.key(seed), 4)
   kh = kv_heads or n
   q = jax.random.normal(ks[0], (b, t, n, h), dtype)
@@ -188,7 +206,10 @@ def _inputs(b, t, n, h, dtype=jnp.bfloat16, seed=0, kv_heads=None):
   return q, k, v, do
 
 
-def _fwd_bwd(f):
+def fwd_bwd(f):
+  """``jit(run)`` with ``run(q, k, v, do) = (f(q, k, v), its vjp at do)``: a training step's
+  attention, forward and backward."""
+
   def run(q, k, v, do):
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(do)
@@ -288,7 +309,7 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
   for t, causal in itertools.product(lengths, (False, True)):
     case = f"T={t} {'causal' if causal else 'dense'}"
     pairs = visible_pairs(t, "causal" if causal else "full")
-    q, k, v, do = _inputs(b, t, n, h)
+    q, k, v, do = random_inputs(b, t, n, h)
     mask = masks.Causal() if causal else None
     ours_make = lambda bq, bk, w, s, mask=mask: (lambda q_, k_, v_: flash_attention(
         q_, k_, v_, mask=mask, block_sizes=BlockSizes(bq, bk, None, None, w, s),
@@ -307,7 +328,7 @@ def single_device(lengths=(16384, 4096), b=1, n=16, h=128, log=print):
     log(f"  {ours_name}: {tile_note(t, h, mask, n=n, backend=auto)}")
     for pass_ in ("fwd", "fwd+bwd"):
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f), args)
+      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else fwd_bwd(f), args)
                                 for name, f in impls.items()})
       for name, secs in res.items():
         ratio = "" if name.startswith("ours") else f"ours {secs / res[ours_name]:.2f}x faster"
@@ -322,7 +343,7 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
   the baselines."""
   from pallas_ring import kernels
   rows = []
-  q, k, v, do = _inputs(b, t, n, h, seed=1)
+  q, k, v, do = random_inputs(b, t, n, h, seed=1)
   seg = jnp.repeat(jnp.arange(16, dtype=jnp.int32), t // 16)[None].repeat(b, 0)
   dense = (seg[:, None, :, None] == seg[:, None, None, :]) & jnp.tril(
       jnp.ones((t, t), bool))[None, None]
@@ -356,7 +377,7 @@ def sparse_cases(t=16384, b=1, n=16, h=128, log=print):
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
       calls = {}
       for name, f in impls.items():
-        fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
+        fn = jax.jit(f) if pass_ == "fwd" else fwd_bwd(f)
         try:  # compile (and drop) what cannot run, e.g. a dense mask cuDNN refuses
           jax.block_until_ready(fn(*args))
           calls[name] = (fn, args)
@@ -385,7 +406,7 @@ def model_shapes(log=print):
   from pallas_ring import kernels
   rows = []
   for case, (b, t, n, kh, h) in MODEL_SHAPES.items():
-    q, k, v, do = _inputs(b, t, n, h, kv_heads=kh, seed=5)
+    q, k, v, do = random_inputs(b, t, n, h, kv_heads=kh, seed=5)
     impls = {
         "cudnn": lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, is_causal=True,
                                                                  implementation="cudnn"),
@@ -397,7 +418,7 @@ def model_shapes(log=print):
     pairs = visible_pairs(t, "causal")
     for pass_ in ("fwd", "fwd+bwd"):
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f), args)
+      res = timeit_interleaved({name: (jax.jit(f) if pass_ == "fwd" else fwd_bwd(f), args)
                                 for name, f in impls.items()})
       for name, secs in res.items():
         ratio = "" if name == "cudnn" else f"{res['cudnn'] / secs:.3f}x cuDNN's speed"
@@ -411,7 +432,7 @@ def model_shapes(log=print):
 def extras_cost(t=16384, b=1, n=16, h=128, log=print):
   """Causal forward+backward with attention dropout 0.1 and with ALiBi, against the same call
   without them (issue 15's cost targets: <= 1.15x and <= 1.05x)."""
-  q, k, v, do = _inputs(b, t, n, h, seed=4)
+  q, k, v, do = random_inputs(b, t, n, h, seed=4)
   slopes = jnp.asarray(2.0 ** (-8.0 * (np.arange(n) + 1) / n), jnp.float32)
   key = jax.random.key(0)
   impls = {
@@ -425,7 +446,7 @@ def extras_cost(t=16384, b=1, n=16, h=128, log=print):
     res = {}
     for name, kw in impls.items():
       f = lambda q_, k_, v_, kw=kw: flash_attention(q_, k_, v_, mask=masks.Causal(), **kw)
-      fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
+      fn = jax.jit(f) if pass_ == "fwd" else fwd_bwd(f)
       res[name] = timeit(fn, *((q, k, v) if pass_ == "fwd" else (q, k, v, do)))
     for name, secs in res.items():
       ratio = "" if name == "ours" else f"{secs / res['ours']:.3f}x the time of ours"
@@ -437,7 +458,7 @@ def extras_cost(t=16384, b=1, n=16, h=128, log=print):
 
 def _passes(f, args, do):
   """``(pass, jitted function, its arguments)`` of ``f``'s forward and forward+backward."""
-  return (("fwd", jax.jit(f), args), ("fwd+bwd", _fwd_bwd(f), (*args, do)))
+  return (("fwd", jax.jit(f), args), ("fwd+bwd", fwd_bwd(f), (*args, do)))
 
 
 def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
@@ -450,7 +471,7 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
   for tl in tokens_per_device:
     t = tl * r
     sh = NamedSharding(mesh, P(None, "sp"))
-    q, k, v, do = (jax.device_put(x, sh) for x in _inputs(b, t, n, h, seed=2))
+    q, k, v, do = (jax.device_put(x, sh) for x in random_inputs(b, t, n, h, seed=2))
     # One GPU doing the same per-device work: T/R queries against T keys (non-causal).
     dev0 = jax.devices()[0]
     q1, k1, v1, do1 = (jax.device_put(x, dev0) for x in (q[:, :tl], k, v, do[:, :tl]))
@@ -510,10 +531,10 @@ def long_context(total_tokens=2**20, b=1, n=16, h=128, log=print):
   r = jax.device_count()
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
   sh = NamedSharding(mesh, P(None, "sp"))
-  q, k, v, do = jax.jit(lambda: _inputs(b, total_tokens, n, h, seed=3), out_shardings=(sh,) * 4)()
+  q, k, v, do = jax.jit(lambda: random_inputs(b, total_tokens, n, h, seed=3), out_shardings=(sh,) * 4)()
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
   f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal())
-  secs = timeit(_fwd_bwd(f), q, k, v, do, iters=1, reps=3)
+  secs = timeit(fwd_bwd(f), q, k, v, do, iters=1, reps=3)
   tf = _tflops(visible_pairs(total_tokens, "causal") / r, b, n, h, secs, "fwd+bwd")
   peak = _peak_gib()
   log(f"causal zigzag fwd+bwd, {total_tokens} tokens over {r} GPUs: {secs:.2f} s, "
@@ -528,23 +549,23 @@ def main(args) -> None:
     return
   out_dir = args.out
   os.makedirs(out_dir, exist_ok=True)
-  global CLOCK
-  CLOCK = "device" if args.device_time else "wall"
+  kind = "device" if args.device_time else "wall"
   log = lambda s: print(s, flush=True)
   log(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
-      f"{CLOCK} clock")
-  if args.long_context:
-    rows, name = long_context(args.long_context, log=log), "long_context"
-  elif args.ring:
-    rows, name = ring(log=log), "ring"
-  elif args.extras:
-    rows, name = extras_cost(log=log), "extras"
-  elif args.models:
-    rows, name = model_shapes(log=log), "models"
-  else:
-    rows, name = single_device(log=log), "single"
+      f"{kind} clock")
+  with clock(kind):
+    if args.long_context:
+      rows, name = long_context(args.long_context, log=log), "long_context"
+    elif args.ring:
+      rows, name = ring(log=log), "ring"
+    elif args.extras:
+      rows, name = extras_cost(log=log), "extras"
+    elif args.models:
+      rows, name = model_shapes(log=log), "models"
+    else:
+      rows, name = single_device(log=log), "single"
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "clock": CLOCK,
+    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "clock": kind,
                "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
   for r in rows:

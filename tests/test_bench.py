@@ -9,8 +9,7 @@ import pytest
 from pallas_ring import bench
 
 
-def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
-  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)  # batches of exactly `iters` calls
+def test_interleaved_timing_calls_every_implementation_alike():
   calls = []
 
   def make(name):
@@ -20,7 +19,8 @@ def test_interleaved_timing_calls_every_implementation_alike(monkeypatch):
     return f
 
   res = bench.timeit_interleaved({"a": (make("a"), (jnp.ones(3),)),
-                                  "b": (make("b"), (jnp.ones(3),))}, iters=3, reps=4)
+                                  "b": (make("b"), (jnp.ones(3),))}, iters=3, reps=4,
+                                 min_batch_s=0.0)  # batches of exactly `iters` calls
   assert set(res) == {"a", "b"} and all(t > 0 for t in res.values())
   # Two warm-up calls and one sizing batch each, then the repetitions alternate, every other
   # one in reverse order (the place in the order matters too): a a a b b b b b b a a a ...
@@ -42,15 +42,14 @@ def test_balanced_orders_give_every_place_and_predecessor_alike(n):
     assert all(pairs.count(p) == len(pairs) // (n * (n - 1)) for p in set(pairs))
 
 
-def test_interleaved_timing_rounds_reps_up_to_whole_rounds(monkeypatch):
-  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)
+def test_interleaved_timing_rounds_reps_up_to_whole_rounds():
   calls = {c: (lambda x: x + 1, (jnp.ones(3),)) for c in "abc"}
-  samples = bench.interleaved_samples(calls, iters=1, reps=4)  # 3 implementations: 6 orders
+  samples = bench.interleaved_samples(calls, iters=1, reps=4, min_batch_s=0.0)  # 6 orders of 3
   assert all(len(ts) == 6 for ts in samples.values())
 
 
-def test_short_calls_are_timed_in_longer_batches(monkeypatch):
-  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.05)
+def test_short_calls_are_timed_in_longer_batches():
+  assert bench.MIN_BATCH_S == 0.05
   calls = []
 
   def f(x):  # at least 1 ms a call: a 50 ms batch is at most 50 calls
@@ -86,11 +85,13 @@ def test_device_spans_take_the_gpu_ops_inside_each_annotation(tmp_path):
   assert spans == [pytest.approx((20e-6, 15e-6, 2)), pytest.approx((30e-6, 30e-6, 1))]
 
 
-def test_device_clock_without_gpu_ops_names_the_problem(monkeypatch):
-  monkeypatch.setattr(bench, "MIN_BATCH_S", 0.0)
-  monkeypatch.setattr(bench, "CLOCK", "device")
-  with pytest.raises(RuntimeError, match="no GPU op inside 'sample 0'"):
-    bench.interleaved_samples({"a": (lambda x: x + 1, (jnp.ones(3),))}, iters=1, reps=1)
+def test_device_clock_without_gpu_ops_names_the_problem():
+  with bench.clock("device"), pytest.raises(RuntimeError, match="no GPU op inside 'sample 0'"):
+    bench.interleaved_samples({"a": (lambda x: x + 1, (jnp.ones(3),))}, iters=1, reps=1,
+                              min_batch_s=0.0)
+  with pytest.raises(ValueError, match="use 'wall' or 'device'"):
+    with bench.clock("host"):
+      pass
 
 
 def test_visible_pairs_of_each_mask_kind():

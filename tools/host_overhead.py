@@ -7,7 +7,7 @@ call bound by the host's dispatch? (One call of the device tool.)
     python tools/host_overhead.py first_ops [DIR] [shape words]  # each op of lone calls
 
 For each pass it prints: the seconds per call of a loop that only dispatches (no wait), of a
-batch by the host's clock (dispatch and wait) and by the device clock (``bench.CLOCK``), the
+batch by the host's clock (dispatch and wait) and by the device clock (``bench.clock``), the
 device span of a call synchronized alone, and the host events of a profiler trace that take the
 most time per call (the thread that launches the kernels).
 """
@@ -40,12 +40,12 @@ def main(d="/tmp/host", *only):
   for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if name.split()[0] not in only:
       continue
-    q, k, v, do = bench._inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+    q, k, v, do = bench.random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                            backend="pallas_mosaic_gpu")
     for pass_, f, args in (("fwd", jax.jit(attn), (q, k, v)),
-                           ("fwd+bwd", bench._fwd_bwd(attn), (q, k, v, do))):
+                           ("fwd+bwd", bench.fwd_bwd(attn), (q, k, v, do))):
       jax.block_until_ready(f(*args))
       calls = 200
       dispatch, wall = [], []
@@ -58,11 +58,10 @@ def main(d="/tmp/host", *only):
         t2 = time.perf_counter()
         dispatch.append((t1 - t0) / calls)
         wall.append((t2 - t0) / calls)
-      bench.CLOCK = "device"
-      batch = statistics.median(bench.interleaved_samples({"f": (f, args)}, reps=5)["f"])
-      saved, bench.MIN_BATCH_S = bench.MIN_BATCH_S, 0.0
-      one = statistics.median(bench.interleaved_samples({"f": (f, args)}, iters=1, reps=20)["f"])
-      bench.MIN_BATCH_S, bench.CLOCK = saved, "wall"
+      with bench.clock("device"):
+        batch = statistics.median(bench.interleaved_samples({"f": (f, args)}, reps=5)["f"])
+        one = statistics.median(bench.interleaved_samples({"f": (f, args)}, iters=1, reps=20,
+                                                          min_batch_s=0.0)["f"])
       print(f"{name} {pass_}: dispatch only {statistics.median(dispatch) * 1e6:.0f} us/call, "
             f"batch (host clock) {statistics.median(wall) * 1e6:.0f}, batch (device clock) "
             f"{batch * 1e6:.0f}, one call alone (device) {one * 1e6:.0f}", flush=True)
@@ -85,7 +84,7 @@ def first_ops(d="/tmp/first", *only):
   for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if name.split()[0] not in (only or ("causal4k",)):
       continue
-    q, k, v, _ = bench._inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+    q, k, v, _ = bench.random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     fns = _ours_each(_switches(["attention.STATIC_PLAN_TILES=0,65536"]),
                      lambda: jax.jit(lambda q, k, v: flash_attention(
                          q, k, v, mask=mask, backend="pallas_mosaic_gpu")).lower(

@@ -28,6 +28,7 @@ repetitions (``bench.interleaved_samples``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import statistics
 import sys
@@ -40,8 +41,9 @@ import numpy as np
 
 from pallas_ring import bench, masks
 from pallas_ring.attention import flash_attention
-from pallas_ring.bench import _inputs, timeit, visible_pairs
+from pallas_ring.bench import random_inputs, timeit, visible_pairs
 from pallas_ring.config import BlockSizes
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants
 
 
 def rel(got, ref):
@@ -127,7 +129,7 @@ def correct(*names):
 def tiles():
   for h in (128, 256, 64):
     t = 16384 if h != 256 else 8192
-    q, k, v, _ = _inputs(1, t, 16, h)
+    q, k, v, _ = random_inputs(1, t, 16, h)
     for mask in (None, masks.Causal()):
       for bk in (64, 128, 256):
         for stages in (None, 2, 3, 4):
@@ -149,7 +151,7 @@ def sparse_tiles():
   """Forward tile / slot candidates for short rows (causal window 1024; 16 causal documents of
   1024), H=128, T=16k, timed interleaved (with cuDNN's window where it has one)."""
   t, n, h = 16384, 16, 128
-  q, k, v, _ = _inputs(1, t, n, h)
+  q, k, v, _ = random_inputs(1, t, n, h)
   for kind, mask, seg in (
       ("window", masks.Causal() & masks.SlidingWindow(1024), None),
       ("documents", masks.Causal(), (jnp.arange(t, dtype=jnp.int32) // 1024)[None])):
@@ -174,52 +176,33 @@ def _compiled(f, *args):
   return f.lower(*args).compile()
 
 
-def _is_switch(word: str) -> bool:
-  """``NAME=...`` or ``module.NAME=...`` with an upper-case NAME (see ``_switch_module``)."""
-  name = word.partition("=")[0]
-  return "=" in word and name.rpartition(".")[2].isupper()
-
-
-def _switch_module(name: str):
-  """``(module, attribute)`` of a switch: ``pallas_mosaic_gpu.NAME`` for a bare ``NAME``, else
-  ``pallas_ring.<module>.NAME`` (e.g. ``attention.STATIC_PLAN_TILES``)."""
-  import importlib
-  mod, _, attr = name.rpartition(".")
-  return importlib.import_module(f"pallas_ring.{mod or 'kernels.pallas_mosaic_gpu'}"), attr
-
-
-def _switches(opts):
-  """``(labels, settings)`` from words ``NAME=v1,v2`` (``_is_switch``): module switches to
-  compare in one run; each setting is a ``{NAME: value}`` dict."""
-  words = [o.split("=") for o in opts if _is_switch(o)]
-  settings = [{}]
-  for name, values in words:
-    settings = [{**s, name: v} for s in settings for v in values.split(",")]
-  return [" ".join(f"{k}={v}" for k, v in s.items()) for s in settings], settings
-
-
 def _value(word: str):
-  """A switch's value from its word: an int, ``True``/``False``/``None``, or the string."""
+  """A variant's value from its word: an int, ``True``/``False``/``None``, or the string."""
   return int(word) if word.lstrip("-").isdigit() else {
       "True": True, "False": False, "None": None}.get(word, word)
 
 
+def _is_variant(word: str) -> bool:
+  """``field=v1,v2`` naming a field of ``pallas_mosaic_gpu.Variants``."""
+  return word.partition("=")[0] in {f.name for f in dataclasses.fields(Variants)}
+
+
+def _variants(opts):
+  """``(labels, [Variants])`` from words ``field=v1,v2`` (``_is_variant``): the kernel variants
+  to compare in one run (``dkv_walk_rows=128`` sets the rows for every head dim)."""
+  settings = [{}]
+  for name, values in (o.split("=") for o in opts if _is_variant(o)):
+    settings = [{**s, name: v} for s in settings for v in values.split(",")]
+  value = lambda k, v: (tuple((h, _value(v)) for h in (64, 128, 256)) if k == "dkv_walk_rows"
+                        else _value(v))
+  return ([" ".join(f"{k}={v}" for k, v in s.items()) for s in settings],
+          [Variants(**{k: value(k, v) for k, v in s.items()}) for s in settings])
+
+
 def _ours_each(settings, compile_fn):
-  """``{label: compile_fn()}`` with each setting of ``_switches`` applied (``_switch_module``,
-  ``_value``); caches are cleared between settings, so every compiled function traces the
-  kernels anew."""
-  labels, settings = settings
-  saved = {k: getattr(*_switch_module(k)) for s in settings for k in s}
-  fns = {}
-  for label, setting in zip(labels, settings):
-    for k, v in setting.items():
-      setattr(*_switch_module(k), _value(v))
-    jax.clear_caches()
-    fns[f"ours pallas_mosaic_gpu {label}".strip()] = compile_fn()
-  for k, v in saved.items():
-    setattr(*_switch_module(k), v)
-  jax.clear_caches()
-  return fns
+  """``{label: compile_fn(block_sizes)}`` for each kernel variant of ``_variants``."""
+  return {f"ours pallas_mosaic_gpu {label}".strip(): compile_fn(BlockSizes(variants=v))
+          for label, v in zip(*settings)}
 
 
 def _time_against_cudnn(name, fns, args, flops):
@@ -253,23 +236,23 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
 
 def variants(*opts):
   """Ours against cuDNN (and upstream's Mosaic GPU FA3 in fp16), interleaved timing; words
-  select shapes by their first word (e.g. ``docs window``), and ``NAME=v1,v2`` compiles our
-  kernel once per value of the module constant ``pallas_mosaic_gpu.NAME`` (an experiment switch)
-  and times every variant in the same run."""
-  switches = _switches(opts)
+  select shapes by their first word (e.g. ``docs window``), and ``field=v1,v2`` compiles our
+  kernel once per value of the ``pallas_mosaic_gpu.Variants`` field and times every variant in
+  the same run."""
+  switches = _variants(opts)
   only = [o for o in opts if "=" not in o]
   from jax.experimental.pallas.ops.gpu import attention_mgpu as up
   for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if only and name.split()[0] not in only:
       continue
-    q, k, v, _ = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+    q, k, v, _ = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     window = masks.window_width(mask) if kind == "window" else None
     pairs = visible_pairs(t, kind, window=window or 0)
     comp = lambda f: _compiled(jax.jit(f), q, k, v)
-    ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
-        q, k, v, mask=mask, segment_ids=seg, backend=be)
-    fns = _ours_each(switches, lambda: comp(ours))
+    ours = lambda q, k, v, be="pallas_mosaic_gpu", bs=None: flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be, block_sizes=bs)
+    fns = _ours_each(switches, lambda bs: comp(functools.partial(ours, bs=bs)))
     fns["ours pallas_triton"] = comp(functools.partial(ours, be="pallas_triton"))
     if kind != "documents":  # (cuDNN takes documents only as a dense mask: 30x slower)
       fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
@@ -288,25 +271,27 @@ def variants(*opts):
 def step(*opts):
   """A ring step's forward at 8k tokens per GPU (N=16, H=128, bf16, dense, float32 outputs, as
   the ring runs it): the kernel alone and merging into a running (o, lse), against the forward
-  of one GPU doing the step's work as one call (``flash_attention``); ``NAME=v1,v2`` compiles
-  our kernel once per switch value; all timed interleaved."""
+  of one GPU doing the step's work as one call (``flash_attention``); ``field=v1,v2`` compiles
+  our kernel once per ``Variants`` value; all timed interleaved."""
   from pallas_ring import attention, block_sparse
   from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
   b, t, n, h = 1, 8192, 16, 128
-  q, k, v, _ = _inputs(b, t, n, h)
-  tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
-  cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None, q_len=t,
-                                kv_len=t, out_dtype=jnp.float32, interpret=False)
+  q, k, v, _ = random_inputs(b, t, n, h)
   info = block_sparse.make_token_info(t, b)
   ops = common.Operands(info, info)
-  plan = attention.make_plan(ops, cfg)
-  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)
-  acc = common.Partial(o, lse)
-  alone = lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)
-  merging = lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg, acc)
+
+  def compile_step(bs, merge):
+    tiles = tuning.resolve("pallas_mosaic_gpu", bs, t, t, h)
+    cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
+                                  q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
+    plan = attention.make_plan(ops, cfg)
+    acc = common.Partial(*pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)) if merge else None
+    return _compiled(jax.jit(lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg,
+                                                                        acc)), q, k, v)
+
   fns = {}
-  for name, f in (("alone", alone), ("merging", merging)):
-    for label, fn in _ours_each(_switches(opts), lambda: _compiled(jax.jit(f), q, k, v)).items():
+  for name, merge in (("alone", False), ("merging", True)):
+    for label, fn in _ours_each(_variants(opts), lambda bs: compile_step(bs, merge)).items():
       fns[f"{name} {label.removeprefix('ours pallas_mosaic_gpu')}".strip()] = fn
   fns["flash_attention 8k x 8k"] = _compiled(jax.jit(flash_attention), q, k, v)
   _time_against_cudnn("ring step 8k", fns, (q, k, v), 4 * n * t * t * h)
@@ -352,7 +337,7 @@ def _contract_call(h, out_dtype, seg=None):
   from pallas_ring import attention, block_sparse
   from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
   b, t, n, kh = 2, 1024, 4, 2
-  q, k, v, do = _inputs(b, t, n, h, kv_heads=kh)
+  q, k, v, do = random_inputs(b, t, n, h, kv_heads=kh)
   tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
   cfg = attention.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
                                 q_len=t, kv_len=t, out_dtype=out_dtype, interpret=False)
@@ -422,35 +407,27 @@ def _bwd_cases(only):
   for name, t, n, kh, h, mask, kind in _BWD_SHAPES:
     if not only or name.split()[0] in only:
       seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
-      yield name, (t, n, h, mask, kind), _inputs(1, t, n, h, kv_heads=kh), seg
+      yield name, (t, n, h, mask, kind), random_inputs(1, t, n, h, kv_heads=kh), seg
 
 
 def bwd(*opts):
   """Forward+backward: ours (Mosaic GPU both passes; Triton) against cuDNN, interleaved.
 
-  Options ``dq=ROWS`` / ``dkv=ROWS`` set the rows of the backward kernels' walked tiles, and
-  ``wide_dkv=H`` / ``wide_dq=H`` the head dim above which a kernel is wide (experiments);
-  ``NAME=v1,v2`` compares module switches in one run (see ``variants``); other words select
-  shapes by their first word (e.g. ``dense h64``).
+  ``field=v1,v2`` compares ``Variants`` in one run (e.g. ``dq_walk_rows=64,128``,
+  ``wide_dkv_above=64``: the wide dK/dV kernel from H=128); other words select shapes by their
+  first word (e.g. ``dense h64``).
   """
-  switches = _switches(opts)
-  from pallas_ring.kernels import pallas_mosaic_gpu
-  words = dict(o.split("=") for o in opts if "=" in o)
-  pallas_mosaic_gpu.DQ_WALK_ROWS = int(words.get("dq", pallas_mosaic_gpu.DQ_WALK_ROWS))
-  if "dkv" in words:
-    pallas_mosaic_gpu.DKV_WALK_ROWS = {h: int(words["dkv"]) for h in (64, 128, 256)}
-  for kernel in ("dkv", "dq"):  # wide_dkv=64: the wide (split-role) dK/dV kernel from H=128
-    if f"wide_{kernel}" in words:
-      setattr(pallas_mosaic_gpu, f"WIDE_{kernel.upper()}_ABOVE", int(words[f"wide_{kernel}"]))
+  switches = _variants(opts)
   only = [o for o in opts if "=" not in o]
   for name, (t, n, h, mask, kind), (q, k, v, do), seg in _bwd_cases(only):
     pairs = visible_pairs(t, kind)
-    ours = lambda q, k, v, be="pallas_mosaic_gpu": flash_attention(
-        q, k, v, mask=mask, segment_ids=seg, backend=be)
-    fns = _ours_each(switches, lambda: _compiled(bench._fwd_bwd(ours), q, k, v, do))
-    fns["ours pallas_triton"] = bench._fwd_bwd(functools.partial(ours, be="pallas_triton"))
+    ours = lambda q, k, v, be="pallas_mosaic_gpu", bs=None: flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend=be, block_sizes=bs)
+    fns = _ours_each(switches, lambda bs: _compiled(bench.fwd_bwd(functools.partial(ours, bs=bs)),
+                                                    q, k, v, do))
+    fns["ours pallas_triton"] = bench.fwd_bwd(functools.partial(ours, be="pallas_triton"))
     if kind != "documents":
-      fns["cudnn"] = bench._fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
+      fns["cudnn"] = bench.fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
     _time_against_cudnn(name, fns, (q, k, v, do), 4 * 3.5 * n * pairs * h)
 
@@ -465,7 +442,7 @@ def parts(out_dir="/tmp/trace", *only):
                                                                           "docs")):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                            backend="pallas_mosaic_gpu")
-    f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench._fwd_bwd(attn), (q, k, v, do))
+    f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench.fwd_bwd(attn), (q, k, v, do))
     profile(name, f, args, f"{out_dir}/{name.split()[0]}")
 
 
@@ -504,28 +481,28 @@ def profile(name, f, args, d, calls=10):
 
 
 def spans(*only):
-  """Ours (Mosaic GPU) against cuDNN timed on the device (``bench.CLOCK = "device"``): each
+  """Ours (Mosaic GPU) against cuDNN timed on the device (``bench.clock("device")``): each
   shape twice, in batches of at least 50 ms (sustained load, as ``bench``) and as calls
   synchronized one at a time (40 each); median and quartiles. Words: ``fwd`` (forward, the
   default) and/or ``bwd`` (forward+backward), and shapes by their first word (default: dense,
   causal)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["fwd"]
-  switches = _switches(only)
+  switches = _variants(only)
   only = [o for o in only if o not in ("fwd", "bwd") and "=" not in o] or ["dense", "causal"]
-  bench.CLOCK = "device"
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
       if name.split()[0] not in only:
         continue
-      q, k, v, do = _inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+      q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
       seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
       window = masks.window_width(mask) if kind == "window" else None
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-      comp = lambda f: _compiled(jax.jit(f) if pass_ == "fwd" else bench._fwd_bwd(f), *args)
-      ours = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                             backend="pallas_mosaic_gpu")
+      comp = lambda f: _compiled(jax.jit(f) if pass_ == "fwd" else bench.fwd_bwd(f), *args)
+      ours = lambda q, k, v, bs: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+                                                 backend="pallas_mosaic_gpu", block_sizes=bs)
       fns = {label.removeprefix("ours pallas_mosaic_gpu").strip() or "ours": f
-             for label, f in _ours_each(switches, lambda: comp(ours)).items()}
+             for label, f in _ours_each(
+                 switches, lambda bs: comp(functools.partial(ours, bs=bs))).items()}
       if kind != "documents":
         fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
@@ -535,11 +512,9 @@ def spans(*only):
           1 if pass_ == "fwd" else 3.5)
       for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
                                         ("one call", 0.0, 1, 40)):
-        saved, bench.MIN_BATCH_S = bench.MIN_BATCH_S, batch_s
-        try:
-          samples = bench.interleaved_samples(calls, iters=iters, reps=reps)
-        finally:
-          bench.MIN_BATCH_S = saved
+        with bench.clock("device"):
+          samples = bench.interleaved_samples(calls, iters=iters, reps=reps,
+                                              min_batch_s=batch_s)
         q1q3 = {i: np.percentile(ts, (25, 50, 75)) * 1e3 for i, ts in samples.items()}
         for impl, (lo, med, hi) in q1q3.items():
           vs = f"  vs cudnn {q1q3['cudnn'][1] / med:.3f}x" if "cudnn" in q1q3 else ""
@@ -567,32 +542,16 @@ def calls(*only):
   shape, ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` profiles the second
   call's three kernels (forward, dK/dV, dQ). Words select shapes as in ``bwd`` (default: dense)."""
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
-    f = bench._fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
+    f = bench.fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                                        backend="pallas_mosaic_gpu"))
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do))
     print(f"{name}: two forward+backward calls", flush=True)
 
 
-def _set_switches(opts):
-  """Sets the module switches of words ``NAME=value`` (``_is_switch``) for the modes that check
-  or profile one build; returns the other words."""
-  rest = []
-  for o in opts:
-    name, _, value = o.partition("=")
-    if _is_switch(o):
-      setattr(*_switch_module(name), _value(value))
-      print(f"{name} = {getattr(*_switch_module(name))}", flush=True)
-    else:
-      rest.append(o)
-  return rest
-
-
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
   mode, opts = sys.argv[1], sys.argv[2:]
-  if mode in ("correct", "grads", "calls", "parts"):  # (variants and bwd compare NAME=v1,v2)
-    opts = _set_switches(opts)
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
    "bwd": bwd, "parts": parts, "calls": calls, "step": step, "spans": spans}[mode](*opts)

@@ -1,14 +1,10 @@
-"""Times variants of the ring's GPU schedule on all local GPUs (a diagnostic, not a benchmark).
-
-Each variant rebuilds the ring's private static config with one switch flipped, so its effect is
-measured on the same machine in the same run:
+"""Times the ring's GPU schedule on all local GPUs (a diagnostic, not a benchmark), against one
+GPU doing the same work, in the same run:
 
   shipped   the default schedule
-  cond      skip empty steps with lax.cond (as on TPU)
-  nopack    one ppermute per array instead of one packed buffer per step
-  unroll    fully unrolled ring scan
+  unroll    fully unrolled ring scan (``SequenceParallelConfig.scan_unroll``)
 
-Usage (on a GPU machine): ``PYTHONPATH=. python tools/ring_diag.py shipped,cond,nopack``
+Usage (on a GPU machine): ``PYTHONPATH=. python tools/ring_diag.py shipped,unroll``
 Environment: DIAG_SIZES (tokens per GPU, default 8192), DIAG_CASES (dense,zigzag,contig).
 
 ``python tools/ring_diag.py profile [DIR]`` instead prints the first GPU's device time per op of
@@ -22,7 +18,7 @@ import sys
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from pallas_ring import bench, masks, ring as ring_mod
+from pallas_ring import bench, masks
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.sharded import sharded_attention
@@ -37,7 +33,7 @@ def _setup(tl):
   r = jax.device_count()
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
   sh = NamedSharding(mesh, P(None, "sp"))
-  q, k, v, do = (jax.device_put(x, sh) for x in bench._inputs(1, tl * r, 16, 128, seed=2))
+  q, k, v, do = (jax.device_put(x, sh) for x in bench.random_inputs(1, tl * r, 16, 128, seed=2))
   one = [jax.device_put(x, jax.devices()[0]) for x in (q[:, :tl], k, v, do[:, :tl])]
   return mesh, (q, k, v, do), one
 
@@ -57,37 +53,31 @@ def profile(out_dir="/tmp/ring_trace"):
   for tl in (int(x) for x in os.environ.get("DIAG_SIZES", "8192").split(",")):
     mesh, (q, k, v, do), one = _setup(tl)
     trace_ops(f"{tl}/GPU one GPU fwd", jax.jit(flash_attention), one[:3], f"{out_dir}/one_f")
-    trace_ops(f"{tl}/GPU one GPU fwd+bwd", bench._fwd_bwd(flash_attention), one,
+    trace_ops(f"{tl}/GPU one GPU fwd+bwd", bench.fwd_bwd(flash_attention), one,
               f"{out_dir}/one_fb")
     for case in cases:
       f = _sharded(mesh, case)
       trace_ops(f"{tl}/GPU ring {case} fwd", jax.jit(f), (q, k, v), f"{out_dir}/{case}_f")
-      trace_ops(f"{tl}/GPU ring {case} fwd+bwd", bench._fwd_bwd(f), (q, k, v, do),
+      trace_ops(f"{tl}/GPU ring {case} fwd+bwd", bench.fwd_bwd(f), (q, k, v, do),
                 f"{out_dir}/{case}_fb")
 
 
 def main(variants):
   r = jax.device_count()
-  shipped = ring_mod._RingStatic
   cases = os.environ.get("DIAG_CASES", "dense,zigzag,contig").split(",")
   for tl in (int(x) for x in os.environ.get("DIAG_SIZES", "8192").split(",")):
     mesh, (q, k, v, do), one_args = _setup(tl)
     one = bench.timeit(jax.jit(flash_attention), *one_args[:3], iters=5, reps=3)
-    one_both = bench.timeit(bench._fwd_bwd(flash_attention), *one_args, iters=3, reps=3)
+    one_both = bench.timeit(bench.fwd_bwd(flash_attention), *one_args, iters=3, reps=3)
     print(f"{tl} tokens/GPU x {r}: one GPU, same work: fwd {one * 1e3:.3f} ms, fwd+bwd "
           f"{one_both * 1e3:.3f} ms", flush=True)
     for name in variants:
-      def variant(*a, name=name, **kw):
-        kw.update({"cond": {"use_cond": True}, "nopack": {"pack_sends": False}}.get(name, {}))
-        return shipped(*a, **kw)
-      ring_mod._RingStatic = variant
       for case in cases:
         f = _sharded(mesh, case, r if name == "unroll" else 1)
         fwd = bench.timeit(jax.jit(f), q, k, v, iters=5, reps=3)
-        both = bench.timeit(bench._fwd_bwd(f), q, k, v, do, iters=3, reps=3)
+        both = bench.timeit(bench.fwd_bwd(f), q, k, v, do, iters=3, reps=3)
         print(f"  {name:8s} {case:7s} fwd {fwd * 1e3:8.3f} ms  fwd+bwd {both * 1e3:8.3f} ms",
               flush=True)
-    ring_mod._RingStatic = shipped
 
 
 if __name__ == "__main__":
@@ -95,4 +85,4 @@ if __name__ == "__main__":
   if sys.argv[1:2] == ["profile"]:
     profile(*sys.argv[2:])
   else:
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["shipped", "cond", "nopack"])
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["shipped"])

@@ -42,7 +42,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
   (``mosaic_gpu_sweep.profile``: time per op, ops per call) from profiler traces there."""
   tokens = int(tokens)
   b, n, h, r = 1, 16, 128, 4
-  q, k, v, do = bench._inputs(b, tokens, n, h)
+  q, k, v, do = bench.random_inputs(b, tokens, n, h)
   tiles = tuning.resolve(backend, None, tokens, tokens, h, dtype=q.dtype, group=1,
                          mask_class="full")
   cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,

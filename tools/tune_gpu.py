@@ -56,12 +56,12 @@ def main():
     t0 = time.time()
     mask, seg = tune.parse_mask(mask_spec, t)
     seg = None if seg is None else jnp.broadcast_to(seg, (b, t))
-    q, k, v, do = bench._inputs(b, t, n, h, kv_heads=kh)
+    q, k, v, do = bench.random_inputs(b, t, n, h, kv_heads=kh)
 
     def timed():
       f = lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=mask, segment_ids=seg)
       fwd = bench.timeit(jax.jit(f), q, k, v)
-      both = bench.timeit(bench._fwd_bwd(f), q, k, v, do)
+      both = bench.timeit(bench.fwd_bwd(f), q, k, v, do)
       return fwd, both, bench.tile_note(t, h, mask, seg is not None, n=n, kv_heads=kh)
 
     before = timed()
