@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, kernels, layouts, packing, validation
+from pallas_ring import attention, block_sparse, kernels, layouts, packing, pair, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
@@ -77,12 +77,12 @@ class _Fixed(NamedTuple):
     dense: bool ``[Bm, Nm, Tp, R * Sp]`` this shard's rows of the dense mask, columns of every kv
       shard (layout order, each padded like K/V), or None.
     bias: ``[Bb, Nb, Tp, R * Sp]`` the additive bias, laid out like ``dense``, or None.
-    extras: ALiBi slopes and dropout words (``attention.Extras`` without its bias).
+    extras: ALiBi slopes and dropout words (``pair.Extras`` without its bias).
   """
 
   dense: Optional[Any]
   bias: Optional[Any]
-  extras: attention.Extras
+  extras: pair.Extras
 
 
 def _perm(r):
@@ -133,13 +133,13 @@ def _step_ops(st: _RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: in
   """The Operands of (this q shard, kv shard ``src``): the dense mask's and bias's columns of
   that shard, and the dropout keys of its (global) key positions."""
   cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
-  alibi, keys = attention.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
+  alibi, keys = pair.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
                                           broadcast=st.dropout_broadcast)
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
 # The most (rank, source) pairs whose plans a ring builds ahead (``_plans_ahead``), each of at most
-# ``attention.STATIC_PLAN_TILES`` tiles: the numpy work of tracing grows with their product.
+# ``pair.STATIC_PLAN_TILES`` tiles: the numpy work of tracing grows with their product.
 PLANS_AHEAD_PAIRS = 64
 
 
@@ -172,7 +172,7 @@ def _plans_ahead(st: _RingStatic, ops: common.Operands, backward: bool):
   tp, sp = ops.q_info.positions.shape[-1], ops.kv_info.positions.shape[-1]
   gathered = st.strategy == "all_gather"
   pairs = st.ring_size * (1 if gathered else st.ring_size)
-  if (tp // bq) * (sp // bk) > attention.STATIC_PLAN_TILES or pairs > PLANS_AHEAD_PAIRS:
+  if (tp // bq) * (sp // bk) > pair.STATIC_PLAN_TILES or pairs > PLANS_AHEAD_PAIRS:
     return None
   return _layout_plans(cfg.mask, *st.layout_positions, st.ring_size, gathered, cfg.q_len,
                        cfg.kv_len, tp, sp, bq, bk)
@@ -183,7 +183,7 @@ def _step_plan(st: _RingStatic, ops: common.Operands, rank, src, backward: bool 
   plans built ahead, or built on device from ``ops``' positions."""
   ahead = _plans_ahead(st, ops, backward)
   if ahead is None:
-    return attention.make_plan(ops, st.cfg, backward)
+    return pair.make_plan(ops, st.cfg, backward)
   return block_sparse.select_plan(*ahead, rank, src)
 
 
@@ -191,7 +191,7 @@ def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
                   acc: Optional[common.Partial] = None, plan=None) -> common.Partial:
   """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
   result, or None), skipped when its plan (default: built from ``ops``) has nothing live."""
-  plan = attention.make_plan(ops, st.cfg) if plan is None else plan
+  plan = pair.make_plan(ops, st.cfg) if plan is None else plan
   b, tp, n, h = q.shape
   dt = common.acc_dtype(q.dtype)
 
@@ -214,13 +214,13 @@ def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operand
   and dbias, ``common.DKV`` only dk and dv (the others None). ``plan``: the backward's (default:
   built from ``ops``)."""
   want_dq, want_dkv = common.wants(parts)
-  plan = attention.make_plan(ops, st.cfg, backward=True) if plan is None else plan
+  plan = pair.make_plan(ops, st.cfg, backward=True) if plan is None else plan
   no_bias = ops.bias is None or not want_dq
 
   def run():
     grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq,
                                              parts)
-    dbias = None if no_bias else attention.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias
+    dbias = None if no_bias else pair.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias
     return (*grads, dbias)
 
   def skip():
@@ -347,28 +347,28 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
-  o, lse = attention.finish_forward(
+  o, lse = pair.finish_forward(
       *_ring_forward(st, q, _local_kv(st, k, v), q_info, kv_info, fixed), sinks, q.dtype)
   return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
-  do, dlse = cts  # dlse: None when zero (attention.defvjp_symbolic)
+  do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
-  dq, dk, dv, dbias = attention.first_order_only(functools.partial(_ring_backward, st))(
+  dq, dk, dv, dbias = pair.first_order_only(functools.partial(_ring_backward, st))(
       q, _local_kv(st, k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
-    dsinks = attention.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
+    dsinks = pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(bias=None if dbias is None else dbias.astype(fixed.bias.dtype))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
           none(kv_info), dfixed)
 
 
-attention.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
+pair.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous", segment_ids=None,
@@ -444,7 +444,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   validation.check_token_array("positions", positions, b, t, allow_1d=True)
   if sinks is not None:
     validation.check_sinks(sinks, n)
-  extras, rate = attention.check_extras(q, t, t * r, bias, alibi_slopes, dropout_rate,
+  extras, rate = pair.check_extras(q, t, t * r, bias, alibi_slopes, dropout_rate,
                                         dropout_rng, (dropout_batch_offset, dropout_head_offset))
   layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   kv_segment_ids = segment_ids
@@ -456,14 +456,14 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if derived:
     positions = layout_pos
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
-  block_sizes, per_platform = attention.backend_variants(backend, interpret, q, block_sizes,
+  block_sizes, per_platform = pair.backend_variants(backend, interpret, q, block_sizes,
                                                          dense, extras)
   run = functools.partial(
       _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
       derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,
       strategy=strategy, scan_unroll=scan_unroll, return_lse=return_lse, dropout_rate=rate,
       dropout_broadcast=bool(dropout_broadcast))
-  with attention.forward_mode_errors():
+  with pair.forward_mode_errors():
     return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, positions,
                             dense, sinks, extras)
 
@@ -491,7 +491,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
     kv_info = block_sparse.pad_token_info(kv_info, tp)
   q_info = block_sparse.pad_token_info(info, tp)
   hp = tuning.padded_head_dim(backend, h)
-  cfg = attention.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
+  cfg = pair.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
                                 q_len=t, kv_len=t * r if gather else t,
                                 out_dtype=common.acc_dtype(q.dtype),
                                 interpret=interpret, dropout_rate=dropout_rate)
@@ -511,7 +511,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
     return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else x
 
   fixed = _Fixed(pad_cols(dense), pad_cols(extras.bias), extras._replace(bias=None))
-  pad = attention.pad_tokens
+  pad = pair.pad_tokens
   out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
                    kv_info, fixed, st)
   out = out[:, :t, :, :h]

@@ -92,7 +92,7 @@ def ring_step(case, backend, interpret, variants=None):
   """
   import jax
   import jax.numpy as jnp
-  from pallas_ring import BlockSizes, attention, block_sparse, kernels
+  from pallas_ring import BlockSizes, block_sparse, kernels, pair
   from pallas_ring.kernels import common, tuning
   mask, t, s, n, kh, h, dt, segs, cap = case
   tiles = tuning.resolve(backend, BlockSizes(variants=variants), t, s, h, dtype=dt,
@@ -100,7 +100,7 @@ def ring_step(case, backend, interpret, variants=None):
   tp, sp = (tuning.padded_len(x, tiles.block_q, tiles.block_kv, tiles.block_q_bwd,
                               tiles.block_kv_bwd) for x in (t, s))
   hp = tuning.padded_head_dim(backend, h)
-  cfg = attention.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=cap, q_len=t,
+  cfg = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=cap, q_len=t,
                                 kv_len=s, out_dtype=jnp.float32, interpret=interpret)
   lowering = kernels.get(backend)
 
@@ -111,18 +111,18 @@ def ring_step(case, backend, interpret, variants=None):
 
   def plain(q, k, v, do, seg):
     ops = ops_of(seg)
-    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
     grads = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              attention.make_plan(ops, cfg, backward=True), cfg)
+                              pair.make_plan(ops, cfg, backward=True), cfg)
     return o, lse, grads
 
   def step(q, k, v, do, seg, o_acc, lse_acc, dq_acc):
     ops = ops_of(seg)
-    merged = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg,
+    merged = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg,
                               common.Partial(o_acc, lse_acc))
-    o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
+    o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
     added = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              attention.make_plan(ops, cfg, backward=True), cfg, dq_acc)
+                              pair.make_plan(ops, cfg, backward=True), cfg, dq_acc)
     return merged, added
 
   sd = jax.ShapeDtypeStruct

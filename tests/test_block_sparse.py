@@ -214,12 +214,12 @@ def test_flash_attention_takes_a_static_plan_as_constants(monkeypatch):
   forward or backward); explicit positions, segment ids or a plan above the tile limit keep
   the device plan, with segment ids only its segment part (fewer reductions). Results are the
   same either way."""
-  from pallas_ring import attention
+  from pallas_ring import BlockSizes, attention, pair
   t = 256
   q = jax.random.normal(jax.random.key(0), (1, t, 2, 32), jnp.float32)
   seg = (jnp.arange(t) // 100)[None]
   run = lambda q, **kw: attention.flash_attention(q, q, q, mask=masks.Causal(), backend="xla",
-                                                  block_sizes=attention.BlockSizes(64, 64, 64, 64),
+                                                  block_sizes=BlockSizes(64, 64, 64, 64),
                                                   **kw)
   grad = lambda **kw: jax.grad(lambda q: run(q, **kw).sum())
   assert _sorts(run, q) == _sorts(grad(), q) == 0
@@ -233,5 +233,5 @@ def test_flash_attention_takes_a_static_plan_as_constants(monkeypatch):
                                 jax.jit(functools.partial(docs, **pos))(q, seg))
   np.testing.assert_array_equal(jax.jit(run)(q), jax.jit(lambda q: run(q, **pos))(q))
   np.testing.assert_array_equal(jax.jit(grad())(q), jax.jit(grad(**pos))(q))
-  monkeypatch.setattr(attention, "STATIC_PLAN_TILES", (t // 64) ** 2)
+  monkeypatch.setattr(pair, "STATIC_PLAN_TILES", (t // 64) ** 2)
   assert _sorts(run, jnp.concatenate([q, q[:, :64]], axis=1)) > 0  # (a new length: 5 x 5 tiles)

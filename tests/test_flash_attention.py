@@ -178,7 +178,7 @@ def test_backward_takes_delta_as_array_or_row_term(backend):
   ``common.RowTerm`` of o and dlse (flash_attention; ``pallas_mosaic_gpu`` computes it in its dQ
   kernel): the same gradients either way, with and without an lse cotangent. ``parts`` asks for
   dq alone or dk and dv alone: the same results as the full call."""
-  from pallas_ring import attention, block_sparse, kernels
+  from pallas_ring import block_sparse, kernels, pair
   from pallas_ring.kernels import common, tuning
   b, t, n, kh, h = 2, 128, 4, 2, 64
   dt = kernel_dtype(backend, jnp.float32)
@@ -187,15 +187,15 @@ def test_backward_takes_delta_as_array_or_row_term(backend):
                  for s in ((b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h)))
   dlse = jnp.asarray(rng.standard_normal((b, n, t)), jnp.float32)
   tiles = tuning.resolve(backend, small_blocks(backend, h), t, t, h)
-  cfg = attention.kernel_config(
+  cfg = pair.kernel_config(
       tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None, q_len=t, kv_len=t,
       out_dtype=dt, interpret=backend != "xla" and jax.default_backend() == "cpu")
   seg = jnp.asarray(np.arange(t)[None].repeat(b, 0) // 48, jnp.int32)  # masked tiles
   info = block_sparse.make_token_info(t, b, segment_ids=seg)
   ops = common.Operands(info, info)
   lowering = kernels.get(backend)
-  o, lse = lowering.forward(q, k, v, ops, attention.make_plan(ops, cfg), cfg)
-  plan = attention.make_plan(ops, cfg, backward=True)
+  o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
+  plan = pair.make_plan(ops, cfg, backward=True)
   tol = TOL[dt] / 10
   for d in (None, dlse):
     want = lowering.backward(q, k, v, do, lse, common.row_delta(o, do, d), ops, plan, cfg)

@@ -4,7 +4,6 @@ call bound by the host's dispatch? (One call of the device tool.)
     python tools/host_overhead.py [DIR] [shape words]   # default: docs (16 causal documents
                                                         # of 1024, fwd and fwd+bwd)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python tools/host_overhead.py  # no CUDA graphs
-    python tools/host_overhead.py first_ops [DIR] [shape words]  # each op of lone calls
 
 For each pass it prints: the seconds per call of a loop that only dispatches (no wait), of a
 batch by the host's clock (dispatch and wait) and by the device clock (``bench.clock``), the
@@ -76,42 +75,6 @@ def main(d="/tmp/host", *only):
 
 
 
-def first_ops(d="/tmp/first", *only):
-  """Calls synchronized one at a time (forward, both ``attention.STATIC_PLAN_TILES`` settings,
-  alternating): each op of the 5th to 8th call with its start after the call's first op and its
-  duration, from a profiler trace (does a call's first kernel run slower after the GPU idled?)."""
-  from mosaic_gpu_sweep import _ours_each, _switches
-  for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
-    if name.split()[0] not in (only or ("causal4k",)):
-      continue
-    q, k, v, _ = bench.random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
-    fns = _ours_each(_switches(["attention.STATIC_PLAN_TILES=0,65536"]),
-                     lambda: jax.jit(lambda q, k, v: flash_attention(
-                         q, k, v, mask=mask, backend="pallas_mosaic_gpu")).lower(
-                             q, k, v).compile())
-    for f in fns.values():
-      jax.block_until_ready(f(q, k, v))
-    labels = []
-    with jax.profiler.trace(d):
-      for i in range(8):
-        for label, f in fns.items():
-          with jax.profiler.TraceAnnotation(f"call {len(labels)}"):
-            jax.block_until_ready(f(q, k, v))
-          labels.append(label)
-    gpu, host = bench.trace_events(d)
-    marks = {e["name"]: e for e in host}
-    for j in range(8, 16):
-      m = marks[f"call {j}"]
-      ops = [e for e in gpu if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]]
-      t0 = ops[0]["ts"]
-      print(f"{name} {labels[j]}: " + ", ".join(
-          f"{e['name'][:24]} +{e['ts'] - t0:.1f} {e.get('dur', 0):.1f}us" for e in ops),
-          flush=True)
-
-
 if __name__ == "__main__":
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  if sys.argv[1:2] == ["first_ops"]:
-    first_ops(*sys.argv[2:])
-  else:
-    main(*sys.argv[1:])
+  main(*sys.argv[1:])

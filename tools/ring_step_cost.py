@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, bench, block_sparse, layouts, masks, ring
+from pallas_ring import bench, block_sparse, layouts, masks, pair, ring
 from pallas_ring.kernels import common, tuning
 
 
@@ -45,7 +45,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
   q, k, v, do = bench.random_inputs(b, tokens, n, h)
   tiles = tuning.resolve(backend, None, tokens, tokens, h, dtype=q.dtype, group=1,
                          mask_class="full")
-  cfg = attention.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
+  cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
                                 q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
                                 interpret=False)
   st = ring._RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
@@ -84,7 +84,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     """``(st, device_ops, plan_of)``: a pair of ``layout`` under ``mask`` (rank and source as
     traced arguments), its Operands with positions computed on device, and its plan selected
     from those built ahead (``plan_of(rank, src, backward)``)."""
-    c = attention.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
+    c = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
                                 kv_len=tokens, out_dtype=f32, interpret=False)
     s = ring._RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
                          use_cond=False, pack_sends=True)

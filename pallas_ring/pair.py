@@ -1,0 +1,226 @@
+"""One (q shard, kv shard) pair on one device: what ``flash_attention`` and the ring share.
+
+The kernel config and block plan of a pair, its operands, the sinks' merge and gradient, and the
+custom-VJP plumbing (symbolic zero cotangents, first-order-only backward, clear forward-mode
+errors). An internal module: its names are documented for the package's entry points and tools,
+not part of the public surface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+from jax import custom_derivatives
+import jax.numpy as jnp
+
+from pallas_ring import block_sparse, dropout, kernels, validation
+from pallas_ring.kernels import common, tuning
+from pallas_ring.kernels import xla as xla_kernels
+
+Array = Any
+
+
+def merge_sinks(o, lse, sinks):
+  """Adds per-head sink logits ``[N]`` once to each row's denominator.
+
+  Args:
+    o: ``[B, T, N, H]`` normalised output; lse: ``[B, N, T]``, both in the accumulation dtype.
+
+  Returns:
+    ``(o', lse')`` with ``lse' = logaddexp(lse, sink)`` and ``o' = o * exp(lse - lse')``.
+  """
+  sk = sinks.astype(lse.dtype)[None, :, None]
+  new_lse = jnp.logaddexp(lse, sk)
+  # 0 on empty rows (lse = -inf); a sink of -inf is "no sink", also on empty rows (-inf - -inf).
+  w = jnp.where(new_lse == -jnp.inf, 0.0, jnp.exp(lse - common.safe_lse(new_lse)))
+  return o * jnp.swapaxes(w, 1, 2)[..., None], new_lse
+
+
+def sinks_grad(sinks, lse, delta):
+  """d loss / d sinks from the final lse and the row term ``delta`` (see ``common.row_delta``)."""
+  p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - common.safe_lse(lse))
+  return -jnp.sum(p_sink * delta, axis=(0, 2))
+
+
+def finish_forward(o, lse, sinks, dtype):
+  """Merges the sinks (once per row) into a kernel's ``(o, lse)`` and casts o to ``dtype``."""
+  if sinks is not None:
+    o, lse = merge_sinks(o.astype(lse.dtype), lse, sinks)
+  return o.astype(dtype), lse
+
+
+def pad_tokens(x, length, head_dim):
+  """Zero-pads ``x [B, L, heads, H]`` to ``[B, length, heads, head_dim]``."""
+  pads = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))
+  return x if not any(p for _, p in pads) else jnp.pad(x, pads)
+
+
+# The most tiles (q blocks x kv blocks) of a plan built ahead of the call (``make_plan``):
+# larger ones would put megabytes of constants into the program, and their device ops cost
+# little next to the kernels of such lengths.
+STATIC_PLAN_TILES = 1 << 16
+
+
+def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = False):
+  """The block plan of one (q, kv) pair for the forward or the backward tile sizes.
+
+  With ``cfg.indexed_positions`` (and at most ``STATIC_PLAN_TILES`` tiles) the plan's position
+  part is built while tracing, in numpy, and enters the program as constants; without segment
+  ids or a dense mask that is the whole plan, built once per configuration
+  (``block_sparse.indexed_plan``), so a call runs no plan ops (H100, T=4096, N=16: a causal
+  forward ran 9 small XLA ops beside its 0.124 ms kernel, 0.135 ms a call).
+  """
+  bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
+  q_info, kv_info = ops.q_info, ops.kv_info
+  tp, sp = q_info.positions.shape[-1], kv_info.positions.shape[-1]
+  if cfg.indexed_positions and (tp // bq) * (sp // bk) <= STATIC_PLAN_TILES:
+    if ops.dense is None and q_info.segment_ids is None and kv_info.segment_ids is None:
+      plan = block_sparse.indexed_plan(cfg.mask, cfg.q_len, cfg.kv_len, tp, sp, bq, bk)
+      return block_sparse.BlockPlan(*(jnp.asarray(x) for x in plan))
+    q_info = q_info._replace(positions=block_sparse.indexed_positions(cfg.q_len, tp))
+    kv_info = kv_info._replace(positions=block_sparse.indexed_positions(cfg.kv_len, sp))
+  return block_sparse.make_plan(cfg.mask, q_info, kv_info, block_q=bq, block_kv=bk,
+                                q_len=cfg.q_len, kv_len=cfg.kv_len, dense_mask=ops.dense)
+
+
+_AUTODIFF_HELP = (
+    "pallas_ring attention is differentiable once, in reverse mode: jax.grad, jax.vjp, "
+    "jax.value_and_grad and jax.jacrev (under jit, vmap and checkpoint). {what} is not "
+    "implemented: the kernels have a custom VJP and no JVP or second derivative. For "
+    "higher-order derivatives at small sizes use the dense pallas_ring.reference.attention.")
+
+
+@contextlib.contextmanager
+def forward_mode_errors():
+  """Turns JAX's generic custom_vjp forward-mode error into one that says what is supported."""
+  try:
+    yield
+  except TypeError as e:
+    if "forward-mode" not in str(e):
+      raise
+    raise NotImplementedError(_AUTODIFF_HELP.format(
+        what="Forward-mode autodiff (jax.jvp, jax.linearize, jax.jacfwd, jax.hessian)")) from e
+
+
+def first_order_only(backward: Callable) -> Callable:
+  """Wraps a backward pass so that differentiating it again (grad of grad, hessian) raises clearly.
+
+  Args:
+    backward: the backward computation, a function of arrays (static arguments closed over).
+  """
+  once = jax.custom_jvp(backward)
+
+  @once.defjvp
+  def _second_order(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_AUTODIFF_HELP.format(
+        what="A second derivative (grad of grad, jax.hessian)"))
+
+  return once
+
+
+def defvjp_symbolic(fun, fwd, bwd):
+  """``fun.defvjp`` with symbolic zero cotangents (``symbolic_zeros=True``).
+
+  ``fwd`` receives plain primal values, as without the option. ``bwd`` receives the output
+  cotangents ``(do, dlse)`` with ``dlse`` None when it is zero (no caller used the lse: the
+  common case), so no backward materializes and reads a zero ``[B, N, T]`` array, and ``do`` as
+  zeros when only the lse was used.
+  """
+  is_primal = lambda x: isinstance(x, custom_derivatives.CustomVJPPrimal)
+
+  def fwd_values(*args):
+    return fwd(*jax.tree.map(lambda x: x.value if is_primal(x) else x, args, is_leaf=is_primal))
+
+  def bwd_cts(*args):
+    *static, res, (do, dlse) = args
+    if isinstance(do, custom_derivatives.SymbolicZero):
+      do = jnp.zeros(do.shape, do.dtype)
+    if isinstance(dlse, custom_derivatives.SymbolicZero):
+      dlse = None
+    return bwd(*static, res, (do, dlse))
+
+  fun.defvjp(fwd_values, bwd_cts, symbolic_zeros=True)
+
+
+def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig):
+  """The cotangent of ``ops``: the bias gradient (computed densely in XLA for every lowering,
+  and dead code when nobody asks for it); every other operand is not differentiable."""
+  grads = jax.tree.map(lambda _: None, ops)
+  if ops.bias is None:
+    return grads
+  dbias = xla_kernels.bias_grad(q, k, v, do.astype(q.dtype), lse, delta, ops, cfg)
+  return grads._replace(bias=dbias.astype(ops.bias.dtype))
+
+
+def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
+                  out_dtype, interpret, dropout_rate=0.0,
+                  indexed_positions=False) -> common.KernelConfig:
+  """The static KernelConfig of one call (shared by flash_attention and the ring)."""
+  return common.KernelConfig(
+      mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
+      q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
+      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
+      dropout_rate=float(dropout_rate), indexed_positions=indexed_positions,
+      variants=tiles.variants)
+
+
+class Extras(NamedTuple):
+  """The optional score terms of one call, validated (arrays; see ``check_extras``).
+
+  Attributes:
+    bias: ``[Bb, Nb, T, S]`` additive bias or None.
+    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
+    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
+    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
+      hashes global indices), or None.
+  """
+
+  bias: Optional[Array] = None
+  alibi: Optional[Array] = None
+  seeds: Optional[Array] = None
+  offsets: Optional[Array] = None
+
+
+def check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng, offsets=(0, 0)):
+  """Validates bias / ALiBi / dropout arguments -> ``(Extras, dropout rate)``."""
+  b, _, n, _ = q.shape
+  rate = dropout.check_dropout(dropout_rate, dropout_rng)
+  on = rate > 0
+  return Extras(validation.normalize_bias(bias, b, n, t, s),
+                None if alibi_slopes is None else
+                jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
+                dropout.seeds(dropout_rng) if on else None,
+                jnp.asarray(offsets, jnp.int32) if on else None), rate
+
+
+def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):
+  """``(alibi, DropoutKeys)`` of the Operands (the bias is padded by the caller)."""
+  keys = None
+  if extras.seeds is not None:
+    keys = dropout.keys(extras.seeds, batch, heads, q_info.positions, kv_info.positions,
+                        batch_offset=extras.offsets[0], head_offset=extras.offsets[1],
+                        broadcast=broadcast)
+  return extras.alibi, keys
+
+
+def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
+                     extras: Optional[Extras] = None):
+  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
+
+  ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
+  ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
+  """
+  block_sizes = tuning.as_block_sizes(block_sizes)
+  ex = extras or Extras()
+  call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
+                      bias=ex.bias is not None, alibi=ex.alibi is not None,
+                      dropout=ex.seeds is not None, block_sizes=block_sizes)
+  if backend != "auto":
+    kernels.check_explicit(backend, call)
+  return block_sizes, kernels.variants(backend, interpret, call)
+
+
