@@ -26,6 +26,11 @@ collective in flight, so each step's sends are packed into one byte buffer.
 
 ``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
 reduce-scatters dK/dV.
+
+Internal API (no underscore; ``tools/ring_step_cost.py`` times a ring step through it):
+``RingStatic`` (the static description of a ring call), ``pair_forward`` / ``pair_backward`` (one
+step's pair), ``step_plan`` / ``layout_plans`` (its block plan), ``rotate`` and
+``pack_buffers`` / ``unpack_buffers`` (its sends).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ merge = common.merge  # (o, lse) of two partial results over disjoint keys
 
 
 @dataclasses.dataclass(frozen=True)
-class _RingStatic:
+class RingStatic:
   """Static description of one ring call."""
 
   cfg: common.KernelConfig  # kernel config of one (q shard, kv shard) pair
@@ -89,13 +94,13 @@ def _perm(r):
   return [(i, (i + 1) % r) for i in range(r)]
 
 
-def _pack(arrays):
+def pack_buffers(arrays):
   """One uint8 buffer holding the bytes of ``arrays``, one after the other."""
   return jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in arrays])
 
 
-def _unpack(buf, like):
-  """The arrays shaped like ``like`` from ``_pack``'s buffer ``buf``."""
+def unpack_buffers(buf, like):
+  """The arrays shaped like ``like`` from ``pack_buffers``'s buffer ``buf``."""
   out, start = [], 0
   for x in like:
     size = x.dtype.itemsize
@@ -105,21 +110,21 @@ def _unpack(buf, like):
   return out
 
 
-def _rotate(tree, st: _RingStatic):
+def rotate(tree, st: RingStatic):
   """Sends every array of ``tree`` to the next device of the ring (one collective if packed)."""
   send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size))
   leaves, treedef = jax.tree.flatten(tree)
   if not st.pack_sends or len(leaves) < 2:
     return jax.tree.unflatten(treedef, [send(x) for x in leaves])
-  return jax.tree.unflatten(treedef, _unpack(send(_pack(leaves)), leaves))
+  return jax.tree.unflatten(treedef, unpack_buffers(send(pack_buffers(leaves)), leaves))
 
 
-def _moving_info(st: _RingStatic, info: block_sparse.TokenInfo):
+def _moving_info(st: RingStatic, info: block_sparse.TokenInfo):
   """The token info that travels with K/V: segment ids, and positions unless derived."""
   return (info.positions if st.layout_positions is None else None, info.segment_ids)
 
 
-def _step_info(st: _RingStatic, moving, src, padded_len: int) -> block_sparse.TokenInfo:
+def _step_info(st: RingStatic, moving, src, padded_len: int) -> block_sparse.TokenInfo:
   """Token info of kv shard ``src`` from what travelled with it."""
   pos, seg = moving
   if pos is None:
@@ -129,7 +134,7 @@ def _step_info(st: _RingStatic, moving, src, padded_len: int) -> block_sparse.To
   return block_sparse.TokenInfo(pos, seg)
 
 
-def _step_ops(st: _RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int):
+def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int):
   """The Operands of (this q shard, kv shard ``src``): the dense mask's and bias's columns of
   that shard, and the dropout keys of its (global) key positions."""
   cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
@@ -144,7 +149,7 @@ PLANS_AHEAD_PAIRS = 64
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_plans(mask, seq_len: int, layout: str, r: int, gathered: bool, q_len: int,
+def layout_plans(mask, seq_len: int, layout: str, r: int, gathered: bool, q_len: int,
                   kv_len: int, q_padded: int, kv_padded: int, block_q: int, block_kv: int):
   """``block_sparse.plan_table`` of a ring whose positions follow ``layout``: rows are the q
   ranks, columns the kv source ranks (one column when K/V are gathered)."""
@@ -161,8 +166,8 @@ def _layout_plans(mask, seq_len: int, layout: str, r: int, gathered: bool, q_len
   return plans, table
 
 
-def _plans_ahead(st: _RingStatic, ops: common.Operands, backward: bool):
-  """``_layout_plans`` for this ring's pass when its plans can be built ahead: positions derived
+def _plans_ahead(st: RingStatic, ops: common.Operands, backward: bool):
+  """``layout_plans`` for this ring's pass when its plans can be built ahead: positions derived
   from the layout, no segment ids, no dense mask, and a bounded number of tiles; else None."""
   if (st.layout_positions is None or ops.dense is not None
       or ops.q_info.segment_ids is not None or ops.kv_info.segment_ids is not None):
@@ -174,11 +179,11 @@ def _plans_ahead(st: _RingStatic, ops: common.Operands, backward: bool):
   pairs = st.ring_size * (1 if gathered else st.ring_size)
   if (tp // bq) * (sp // bk) > pair.STATIC_PLAN_TILES or pairs > PLANS_AHEAD_PAIRS:
     return None
-  return _layout_plans(cfg.mask, *st.layout_positions, st.ring_size, gathered, cfg.q_len,
+  return layout_plans(cfg.mask, *st.layout_positions, st.ring_size, gathered, cfg.q_len,
                        cfg.kv_len, tp, sp, bq, bk)
 
 
-def _step_plan(st: _RingStatic, ops: common.Operands, rank, src, backward: bool = False):
+def step_plan(st: RingStatic, ops: common.Operands, rank, src, backward: bool = False):
   """The block plan of (q shard ``rank``, kv shard ``src``; 0 when gathered): selected from the
   plans built ahead, or built on device from ``ops``' positions."""
   ahead = _plans_ahead(st, ops, backward)
@@ -187,7 +192,7 @@ def _step_plan(st: _RingStatic, ops: common.Operands, rank, src, backward: bool 
   return block_sparse.select_plan(*ahead, rank, src)
 
 
-def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
+def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
                   acc: Optional[common.Partial] = None, plan=None) -> common.Partial:
   """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
   result, or None), skipped when its plan (default: built from ``ops``) has nothing live."""
@@ -207,7 +212,7 @@ def _pair_forward(st: _RingStatic, q, k, v, ops: common.Operands,
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _pair_backward(st: _RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
+def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
                    parts=common.BOTH, plan=None):
   """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
   its dq added to ``dq`` (the earlier pairs', or None). ``parts=common.DQ`` computes only dq
@@ -249,13 +254,13 @@ def _gather_info(info, st):
   return block_sparse.TokenInfo(_gather(info.positions, st), _gather(info.segment_ids, st))
 
 
-def _local_kv(st: _RingStatic, k, v):
+def _local_kv(st: RingStatic, k, v):
   """This shard's K/V as the ring holds them: one stacked ``[2, B, Sp, K, H]`` buffer, so each
   step sends both in one collective (``all_gather``: the pair ``(k, v)``)."""
   return (k, v) if st.strategy == "all_gather" else jnp.stack([k, v])
 
 
-def _ring_forward(st: _RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
+def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks); ``kv``
   from ``_local_kv``."""
   r = st.ring_size
@@ -263,38 +268,38 @@ def _ring_forward(st: _RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    return _pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
-                         plan=_step_plan(st, ops, rank, 0))
+    return pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
+                         plan=step_plan(st, ops, rank, 0))
 
   def compute(kv, moving, step, acc=None):
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    return _pair_forward(st, q, kv[0], kv[1], ops, acc, _step_plan(st, ops, rank, src))
+    return pair_forward(st, q, kv[0], kv[1], ops, acc, step_plan(st, ops, rank, src))
 
   # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
   # result into the running one.
   held = (kv, _moving_info(st, kv_info))
-  nxt = _rotate(held, st)
+  nxt = rotate(held, st)
   acc = compute(*held, 0)
 
   def body(carry, step):
     acc, held = carry
-    nxt = _rotate(held, st)
+    nxt = rotate(held, st)
     return (compute(*held, step, acc), nxt), None
 
   (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(1, r), unroll=st.unroll)
   return tuple(compute(*held, r - 1, acc))  # the last shard needs no send
 
 
-def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
+def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
   """``(dq, dk, dv, dbias)``; dbias (or None) has the full-width layout of ``fixed.bias``."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    dq, dk, dv, dbias = _pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
-                                       delta, ops, plan=_step_plan(st, ops, rank, 0, True))
+    dq, dk, dv, dbias = pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
+                                       delta, ops, plan=step_plan(st, ops, rank, 0, True))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
@@ -304,8 +309,8 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
     only dq and dbias, or only dk and dv)."""
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq, dk_s, dv_s, dbias_s = _pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
-                                             _step_plan(st, ops, rank, src, True))
+    dq, dk_s, dv_s, dbias_s = pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+                                             step_plan(st, ops, rank, src, True))
     if dbias_s is not None:  # each step owns the columns of its kv shard
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
     return dq, None if dk_s is None else jnp.stack([dk_s, dv_s]), dbias
@@ -316,26 +321,26 @@ def _ring_backward(st: _RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixe
   # dK/dV last, while the other devices' sum of this shard's dK/dV makes its last hop home (so
   # that hop overlaps a kernel too).
   local = (kv, _moving_info(st, kv_info))
-  held = _rotate(local, st)
+  held = rotate(local, st)
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
   dq, _, dbias = compute(*local, 0, dbias, parts=common.DQ)
   last = r - 1
-  nxt = _rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
+  nxt = rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
   dq, dkv, dbias = compute(*held, 1, dbias, dq)
 
   def body(carry, step):
     dq, held, dkv, dbias = carry
-    nxt, dkv_in = _rotate((held, dkv), st)
+    nxt, dkv_in = rotate((held, dkv), st)
     dq, dkv_s, dbias = compute(*held, step, dbias, dq)
     return (dq, nxt, dkv_in + dkv_s, dbias), None
 
   if last > 1:
     (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(2, r),
                                          unroll=st.unroll)
-    dkv_in = _rotate(dkv, st)  # the last shard's K/V go nowhere
+    dkv_in = rotate(dkv, st)  # the last shard's K/V go nowhere
     dq, dkv_s, dbias = compute(*held, last, dbias, dq)
     dkv = dkv_in + dkv_s
-  dkv = _rotate(dkv, st)  # home, while the local pair's dK/dV run:
+  dkv = rotate(dkv, st)  # home, while the local pair's dK/dV run:
   _, dkv_local, _ = compute(*local, 0, None, parts=common.DKV)
   dkv = dkv + dkv_local
   return dq, dkv[0], dkv[1], dbias
@@ -496,7 +501,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                                 out_dtype=common.acc_dtype(q.dtype),
                                 interpret=interpret, dropout_rate=dropout_rate)
   gpu = kernels.get(backend).platform == "gpu"
-  st = _RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
+  st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
                    layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
                    pack_sends=gpu, dropout_broadcast=dropout_broadcast)
 

@@ -13,9 +13,9 @@ interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 m
     bwd adding dq       the kernels given the running dq (``dq_acc``), then the dK/dV add: what a
                         ring step runs
     pack + unpack       the bytes of the step's sends (K/V and dK/dV) packed into one buffer and
-                        unpacked (``ring._rotate`` without its ppermute; GPU rings pack)
+                        unpacked (``ring.rotate`` without its ppermute; GPU rings pack)
     ... plan ahead      the same step with its plan selected from those built while tracing
-                        (``ring._layout_plans``; rank and source are arguments, as under
+                        (``ring.layout_plans``; rank and source are arguments, as under
                         ``shard_map``) instead of built on device from its positions; also for
                         a causal zigzag pair (rank 1, source 0 of 4), whose plans differ by pair
 
@@ -48,36 +48,36 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
   cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
                                 q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
                                 interpret=False)
-  st = ring._RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
+  st = ring.RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
   info = lambda rank: block_sparse.make_token_info(
       tokens, b, jnp.arange(tokens, dtype=jnp.int32) + rank * tokens, None)
   ops = common.Operands(info(1), info(0), None, None, None, None)
   f32 = jnp.float32
   o_acc = jax.random.normal(jax.random.key(7), q.shape, f32)
   lse_acc = jax.random.normal(jax.random.key(8), (b, n, tokens), f32) + 10.0
-  _, lse = ring._pair_forward(st, q, k, v, ops)
+  _, lse = ring.pair_forward(st, q, k, v, ops)
   delta = jax.random.normal(jax.random.key(9), (b, n, tokens), f32)
   dq_acc = jax.random.normal(jax.random.key(10), q.shape, f32)
   dkv_acc = jax.random.normal(jax.random.key(11), (2, *k.shape), f32)
 
   def fwd(q, k, v):
-    return tuple(ring._pair_forward(st, q, k, v, ops))
+    return tuple(ring.pair_forward(st, q, k, v, ops))
 
   def fwd_merge(q, k, v, o_acc, lse_acc):
-    return common.merge(o_acc, lse_acc, *ring._pair_forward(st, q, k, v, ops))
+    return common.merge(o_acc, lse_acc, *ring.pair_forward(st, q, k, v, ops))
 
   def fwd_merging(q, k, v, o_acc, lse_acc):
-    return tuple(ring._pair_forward(st, q, k, v, ops, common.Partial(o_acc, lse_acc)))
+    return tuple(ring.pair_forward(st, q, k, v, ops, common.Partial(o_acc, lse_acc)))
 
   def bwd(q, k, v, do, lse, delta):
-    return ring._pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
+    return ring.pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
 
   def bwd_acc(q, k, v, do, lse, delta, dq_acc, dkv_acc):
-    dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
+    dq, dk, dv = ring.pair_backward(st, q, k, v, do, lse, delta, ops)[:3]
     return dq_acc + dq, dkv_acc + jnp.stack([dk, dv])
 
   def bwd_adding(q, k, v, do, lse, delta, dq_acc, dkv_acc):
-    dq, dk, dv = ring._pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
+    dq, dk, dv = ring.pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
     return dq, dkv_acc + jnp.stack([dk, dv])
 
   def ahead(mask, layout):
@@ -86,17 +86,17 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     from those built ahead (``plan_of(rank, src, backward)``)."""
     c = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
                                 kv_len=tokens, out_dtype=f32, interpret=False)
-    s = ring._RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
+    s = ring.RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
                          use_cond=False, pack_sends=True)
     pos = lambda rank: block_sparse.make_token_info(
         tokens, b, layouts.positions(r * tokens, layout, r, rank))
     dev = lambda rank, src: common.Operands(pos(rank), pos(src), None, None, None, None)
-    plan = lambda rank, src, bwd=False: ring._step_plan(s, dev(rank, src), rank, src, bwd)
+    plan = lambda rank, src, bwd=False: ring.step_plan(s, dev(rank, src), rank, src, bwd)
     return s, dev, plan
 
   def fwd_ahead(mask, layout, device):
     s, dev, plan = ahead(mask, layout)
-    return lambda q, k, v, o_acc, lse_acc, rank, src: tuple(ring._pair_forward(
+    return lambda q, k, v, o_acc, lse_acc, rank, src: tuple(ring.pair_forward(
         s, q, k, v, dev(rank, src), common.Partial(o_acc, lse_acc),
         None if device else plan(rank, src)))
 
@@ -104,14 +104,14 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     s, dev, plan = ahead(mask, layout)
 
     def run(q, k, v, do, lse, delta, dq_acc, dkv_acc, rank, src):
-      dq, dk, dv = ring._pair_backward(s, q, k, v, do, lse, delta, dev(rank, src), dq_acc,
+      dq, dk, dv = ring.pair_backward(s, q, k, v, do, lse, delta, dev(rank, src), dq_acc,
                                        plan=None if device else plan(rank, src, True))[:3]
       return dq, dkv_acc + jnp.stack([dk, dv])
     return run
 
   def pack(k, v, dkv_acc):  # (the barrier stands in for the ppermute between the two)
     leaves = [jnp.stack([k, v]), dkv_acc]
-    return ring._unpack(lax.optimization_barrier(ring._pack(leaves)), leaves)
+    return ring.unpack_buffers(lax.optimization_barrier(ring.pack_buffers(leaves)), leaves)
 
   bwd_args = (q, k, v, do, lse, delta, dq_acc, dkv_acc)
   calls = {
