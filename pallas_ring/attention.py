@@ -8,8 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, kernels, packing, pair, validation
-from pallas_ring import masks as masks_lib
+from pallas_ring import block_sparse, call, kernels, packing, pair
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -119,56 +118,46 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   Differentiable once in reverse mode (``jax.grad``, ``jax.vjp``); forward mode and second
   derivatives raise ``NotImplementedError``.
   """
-  mask = masks_lib.as_spec(mask)
-  validation.check_qkv(q, k, v)
-  b, t, n, h = q.shape
-  s = k.shape[1]
-  scale = validation.check_positive("scale", scale, h ** -0.5)
-  softcap = validation.check_positive("softcap", softcap, None)
-  extras, rate = pair.check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng,
-                              (dropout_batch_offset, dropout_head_offset))
-  if cu_seqlens is not None:
-    segment_ids, kv_segment_ids = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
-  elif kv_cu_seqlens is not None:
+  if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
-  if kv_segment_ids is None and segment_ids is not None:
-    if t != s:
-      raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "
-                       "segment ids of the keys.")
-    kv_segment_ids = segment_ids
-  validation.check_token_array("segment_ids", segment_ids, b, t)
-  validation.check_token_array("kv_segment_ids", kv_segment_ids, b, s)
-  validation.check_token_array("q_positions", q_positions, b, t, allow_1d=True)
-  validation.check_token_array("kv_positions", kv_positions, b, s, allow_1d=True)
-  if (segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
-  dense = validation.normalize_dense_mask(dense_mask, b, n, t, s)
-  if sinks is not None:
-    validation.check_sinks(sinks, n)
-  block_sizes, per_platform = pair.backend_variants(backend, interpret, q, block_sizes, dense, extras)
-  run = functools.partial(_flash_on, mask=mask, scale=scale, softcap=softcap,
-                          block_sizes=block_sizes, return_lse=return_lse, dropout_rate=rate,
-                          dropout_broadcast=bool(dropout_broadcast))
+  checked = call.check(
+      q, k, v, mask=mask, segment_ids=segment_ids,
+      kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
+      dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
+      alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_offsets=(dropout_batch_offset, dropout_head_offset),
+      dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
+      interpret=interpret, return_lse=return_lse)
+  if cu_seqlens is not None:
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
+    checked = checked._replace(arrays=checked.arrays._replace(segment_ids=seg,
+                                                              kv_segment_ids=kv_seg))
+  return run(q, k, v, checked)
+
+
+def run(q, k, v, checked: call.Checked):
+  """``flash_attention`` of a checked call (``call.check``): no argument is checked again."""
   with pair.forward_mode_errors():
-    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, q_positions,
-                            kv_positions, dense, sinks, extras)
+    return kernels.dispatch(functools.partial(_flash_on, settings=checked.settings),
+                            checked.per_platform, q, k, v, checked.arrays)
 
 
-def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positions,
-              kv_positions, dense, sinks, extras, *, mask, scale, softcap, block_sizes,
-              return_lse, dropout_rate, dropout_broadcast):
+def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   b, t, n, h = q.shape
   s = k.shape[1]
-  tiles = tuning.resolve(backend, block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
-                         mask_class=tile_cache.mask_class(mask, segment_ids is not None))
+  st = settings
+  segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras = arrays
+  tiles = tuning.resolve(backend, st.block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
+                         mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)
-  cfg = pair.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap, q_len=t,
-                      kv_len=s, out_dtype=q.dtype, interpret=interpret,
-                      dropout_rate=dropout_rate,
-                      indexed_positions=q_positions is None and kv_positions is None)
+  cfg = pair.kernel_config(tiles, mask=st.mask, scale=st.scale, softcap=st.softcap, q_len=t,
+                           kv_len=s, out_dtype=q.dtype, interpret=interpret,
+                           dropout_rate=st.dropout_rate,
+                           indexed_positions=q_positions is None and kv_positions is None)
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(
@@ -179,11 +168,11 @@ def _flash_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, q_positi
   if bias is not None:
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
   ops = common.Operands(q_info, kv_info, dense, bias, *pair.extras_operands(
-      extras, q_info, kv_info, b, n, broadcast=dropout_broadcast))
-  out, lse = _flash_jit(pair.pad_tokens(q, tp, hp), pair.pad_tokens(k, sp, hp), pair.pad_tokens(v, sp, hp),
-                        sinks, ops, cfg, backend)
+      extras, q_info, kv_info, b, n, broadcast=st.dropout_broadcast))
+  pad = pair.pad_tokens
+  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), sinks, ops, cfg, backend)
   out = out[:, :t, :, :h]
-  if return_lse:
+  if st.return_lse:
     return out, lse[:, :, :t]
   return out
 

@@ -9,13 +9,13 @@ not part of the public surface.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable
 
 import jax
 from jax import custom_derivatives
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, dropout, kernels, validation
+from pallas_ring import block_sparse, dropout
 from pallas_ring.kernels import common, tuning
 from pallas_ring.kernels import xla as xla_kernels
 
@@ -168,59 +168,12 @@ def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
       variants=tiles.variants)
 
 
-class Extras(NamedTuple):
-  """The optional score terms of one call, validated (arrays; see ``check_extras``).
-
-  Attributes:
-    bias: ``[Bb, Nb, T, S]`` additive bias or None.
-    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
-    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
-    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
-      hashes global indices), or None.
-  """
-
-  bias: Optional[Array] = None
-  alibi: Optional[Array] = None
-  seeds: Optional[Array] = None
-  offsets: Optional[Array] = None
-
-
-def check_extras(q, t, s, bias, alibi_slopes, dropout_rate, dropout_rng, offsets=(0, 0)):
-  """Validates bias / ALiBi / dropout arguments -> ``(Extras, dropout rate)``."""
-  b, _, n, _ = q.shape
-  rate = dropout.check_dropout(dropout_rate, dropout_rng)
-  on = rate > 0
-  return Extras(validation.normalize_bias(bias, b, n, t, s),
-                None if alibi_slopes is None else
-                jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
-                dropout.seeds(dropout_rng) if on else None,
-                jnp.asarray(offsets, jnp.int32) if on else None), rate
-
-
-def extras_operands(extras: Extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):
-  """``(alibi, DropoutKeys)`` of the Operands (the bias is padded by the caller)."""
+def extras_operands(extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):
+  """``(alibi, DropoutKeys)`` of the Operands from a call's ``call.Extras`` (the bias is padded by
+  the caller)."""
   keys = None
   if extras.seeds is not None:
     keys = dropout.keys(extras.seeds, batch, heads, q_info.positions, kv_info.positions,
                         batch_offset=extras.offsets[0], head_offset=extras.offsets[1],
                         broadcast=broadcast)
   return extras.alibi, keys
-
-
-def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
-                     extras: Optional[Extras] = None):
-  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
-
-  ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
-  ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
-  """
-  block_sizes = tuning.as_block_sizes(block_sizes)
-  ex = extras or Extras()
-  call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
-                      bias=ex.bias is not None, alibi=ex.alibi is not None,
-                      dropout=ex.seeds is not None, block_sizes=block_sizes)
-  if backend != "auto":
-    kernels.check_explicit(backend, call)
-  return block_sizes, kernels.variants(backend, interpret, call)
-
-

@@ -43,8 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, kernels, layouts, packing, pair, validation
-from pallas_ring import masks as masks_lib
+from pallas_ring import attention, block_sparse, call, kernels, layouts, packing, pair
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -82,12 +81,12 @@ class _Fixed(NamedTuple):
     dense: bool ``[Bm, Nm, Tp, R * Sp]`` this shard's rows of the dense mask, columns of every kv
       shard (layout order, each padded like K/V), or None.
     bias: ``[Bb, Nb, Tp, R * Sp]`` the additive bias, laid out like ``dense``, or None.
-    extras: ALiBi slopes and dropout words (``pair.Extras`` without its bias).
+    extras: ALiBi slopes and dropout words (``call.Extras`` without its bias).
   """
 
   dense: Optional[Any]
   bias: Optional[Any]
-  extras: pair.Extras
+  extras: call.Extras
 
 
 def _perm(r):
@@ -417,7 +416,6 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   Returns:
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
   """
-  mask = masks_lib.as_spec(mask)
   layouts.check_layout(layout)
   if strategy not in STRATEGIES:
     raise ValueError(f"`strategy`={strategy!r} is not known; use one of {STRATEGIES}.")
@@ -429,60 +427,66 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
         "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
     ) from e
-  validation.check_qkv(q, k, v)
-  b, t, n, h = q.shape
+  checked = call.check(
+      q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
+      q_positions=positions, kv_positions=positions, dense_mask=dense_mask, sinks=sinks,
+      softcap=softcap, scale=scale, bias=bias, alibi_slopes=alibi_slopes,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_offsets=(dropout_batch_offset, dropout_head_offset),
+      dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
+      interpret=interpret, return_lse=return_lse, names=("positions", "positions"))
+  b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
                      f"one sharded sequence), got q {t} and k/v {k.shape[1]}.")
-  if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
-    return attention.flash_attention(
-        q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions,
-        kv_positions=positions,
-        dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
-        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        cu_seqlens=cu_seqlens, block_sizes=block_sizes, backend=backend, interpret=interpret,
-        return_lse=return_lse, dropout_broadcast=dropout_broadcast,
-        dropout_batch_offset=dropout_batch_offset, dropout_head_offset=dropout_head_offset)
-  scale = validation.check_positive("scale", scale, h ** -0.5)
-  softcap = validation.check_positive("softcap", softcap, None)
-  validation.check_token_array("segment_ids", segment_ids, b, t)
-  validation.check_token_array("positions", positions, b, t, allow_1d=True)
-  if sinks is not None:
-    validation.check_sinks(sinks, n)
-  extras, rate = pair.check_extras(q, t, t * r, bias, alibi_slopes, dropout_rate,
-                                        dropout_rng, (dropout_batch_offset, dropout_head_offset))
-  layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
-  kv_segment_ids = segment_ids
-  if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
+  if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b, segment_ids)
+  return run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
+             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
+
+
+def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,
+        scan_unroll: int, cu_seqlens=None):
+  """``ring_attention`` of a checked call (``call.check``, with ``kv_shards`` the ring size)
+  over this device's shards: derives what depends on the device's rank and runs the ring;
+  nothing is checked again."""
+  r = lax.axis_size(axis_name)
+  t = q.shape[1]
+  arrays = checked.arrays
+  segment_ids, kv_segment_ids = arrays.segment_ids, arrays.kv_segment_ids
+  if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
+    if cu_seqlens is not None:  # (a ring of one: positions are the token indices)
+      segment_ids, kv_segment_ids = (packing.packed_segment_ids(cu_seqlens, jnp.arange(t), pad)
+                                     for pad in (packing.Q_PAD, packing.KV_PAD))
+    arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+    return attention.run(q, k, v, checked._replace(arrays=arrays))
+  layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
+  if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
     segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.Q_PAD)
     kv_segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.KV_PAD)
+  positions = arrays.q_positions
   derived = positions is None
   if derived:
     positions = layout_pos
-  dense = validation.normalize_dense_mask(dense_mask, b, n, t, t * r)
-  block_sizes, per_platform = pair.backend_variants(backend, interpret, q, block_sizes,
-                                                         dense, extras)
-  run = functools.partial(
-      _ring_on, axis_name=axis_name, ring_size=r, mask=mask, layout=layout,
-      derived_positions=derived, scale=scale, softcap=softcap, block_sizes=block_sizes,
-      strategy=strategy, scan_unroll=scan_unroll, return_lse=return_lse, dropout_rate=rate,
-      dropout_broadcast=bool(dropout_broadcast))
+  on = functools.partial(_ring_on, settings=checked.settings, axis_name=axis_name, ring_size=r,
+                         layout=layout, derived_positions=derived, strategy=strategy,
+                         scan_unroll=scan_unroll)
   with pair.forward_mode_errors():
-    return kernels.dispatch(run, per_platform, q, k, v, segment_ids, kv_segment_ids, positions,
-                            dense, sinks, extras)
+    return kernels.dispatch(on, checked.per_platform, q, k, v, segment_ids, kv_segment_ids,
+                            positions, arrays.dense, arrays.sinks, arrays.extras)
 
 
 def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions, dense, sinks,
-             extras, *, axis_name, ring_size, mask, layout, derived_positions, scale, softcap,
-             block_sizes, strategy, scan_unroll, return_lse, dropout_rate, dropout_broadcast):
+             extras, *, settings: call.Settings, axis_name, ring_size, layout, derived_positions,
+             strategy, scan_unroll):
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
+  cs = settings
   r, derived = ring_size, derived_positions
   b, t, _, h = q.shape
   gather = strategy == "all_gather"
-  tiles = tuning.resolve(backend, block_sizes, t, t * r if gather else t, h, dtype=q.dtype,
+  tiles = tuning.resolve(backend, cs.block_sizes, t, t * r if gather else t, h, dtype=q.dtype,
                          group=q.shape[2] // k.shape[2],
-                         mask_class=tile_cache.mask_class(mask, segment_ids is not None))
+                         mask_class=tile_cache.mask_class(cs.mask, segment_ids is not None))
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
   kv_info = block_sparse.make_token_info(t, b, positions, kv_segment_ids)
   blocks_q = (tiles.block_q, tiles.block_q_bwd)
@@ -496,14 +500,13 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
     kv_info = block_sparse.pad_token_info(kv_info, tp)
   q_info = block_sparse.pad_token_info(info, tp)
   hp = tuning.padded_head_dim(backend, h)
-  cfg = pair.kernel_config(tiles, mask=mask, scale=scale, softcap=softcap,
-                                q_len=t, kv_len=t * r if gather else t,
-                                out_dtype=common.acc_dtype(q.dtype),
-                                interpret=interpret, dropout_rate=dropout_rate)
+  cfg = pair.kernel_config(tiles, mask=cs.mask, scale=cs.scale, softcap=cs.softcap, q_len=t,
+                           kv_len=t * r if gather else t, out_dtype=common.acc_dtype(q.dtype),
+                           interpret=interpret, dropout_rate=cs.dropout_rate)
   gpu = kernels.get(backend).platform == "gpu"
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
                    layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
-                   pack_sends=gpu, dropout_broadcast=dropout_broadcast)
+                   pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast)
 
   def pad_cols(x):
     """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
@@ -520,7 +523,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
                    kv_info, fixed, st)
   out = out[:, :t, :, :h]
-  return (out, lse[:, :, :t]) if return_lse else out
+  return (out, lse[:, :, :t]) if cs.return_lse else out
 
 
 __all__ = ["ring_attention", "merge"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import dropout, layouts, packing, ring, validation
-from pallas_ring import masks as masks_lib
+from pallas_ring import call, layouts, packing, ring
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -76,26 +76,25 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   """
   if not isinstance(config, SequenceParallelConfig):
     raise TypeError(f"`config` must be a SequenceParallelConfig, got {type(config).__name__}.")
-  mask = masks_lib.as_spec(mask)
-  softcap = validation.check_positive("softcap", softcap, None)
-  scale = validation.check_positive("scale", scale, None)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
       raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
                        "`with jax.set_mesh(mesh):`.")
   _check_axes(mesh, config)
+  checked = call.check(
+      q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
+      dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
+      alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast, block_sizes=config.block_sizes,
+      backend=config.backend, interpret=interpret, return_lse=return_lse,
+      names=("positions", "positions"))
   r = mesh.shape[config.axis_name]
-  validation.check_qkv(q, k, v)
   b, t, n, _ = q.shape
   if k.shape[1] != t:
     raise ValueError(f"sharded_attention is self-attention over one sharded sequence: q has "
                      f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
                      f"{tuple(k.shape)}). Use flash_attention for cross-attention.")
-  validation.check_token_array("segment_ids", segment_ids, b, t)
-  validation.check_token_array("positions", positions, b, t, allow_1d=True)
-  if sinks is not None:
-    validation.check_sinks(sinks, n)
   layouts.check_length(t, config.layout, r, argname="q.shape[1] (sequence length)")
   batch = config.batch_axes or None
   if batch is not None and len(batch) == 1:
@@ -109,65 +108,49 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     if n % hs or k.shape[2] % hs:
       raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
                        f"{k.shape[2]}: both must be multiples of {hs}.")
-
-  if dense_mask is not None:
-    dense_mask = validation.normalize_dense_mask(dense_mask, b, n, t, t)
-  bias = validation.normalize_bias(bias, b, n, t, t)
-  if alibi_slopes is not None:
-    alibi_slopes = validation.normalize_alibi(alibi_slopes, b, n)[..., 0]  # [Ba, N]
-  rate = dropout.check_dropout(dropout_rate, dropout_rng)
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
-  if rate == 0.0:
-    dropout_rng = None
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
-  return _run(q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes,
-              dropout_rng, cu_seqlens, mesh=mesh, config=config, mask=mask, softcap=softcap,
-              scale=scale, interpret=interpret, return_lse=return_lse, batch=batch,
-              dropout_rate=rate, dropout_broadcast=bool(dropout_broadcast))
+  return _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
+              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
+              batch=batch)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "config", "mask", "softcap", "scale",
-                                             "interpret", "return_lse", "batch", "dropout_rate",
-                                             "dropout_broadcast"))
-def _run(q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes, dropout_rng,
-         cu_seqlens, *, mesh, config, mask, softcap, scale, interpret, return_lse, batch,
-         dropout_rate, dropout_broadcast):
-  """shard_map of ``ring_attention`` over validated global arrays."""
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "batch"))
+def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, platforms, batch):
+  """shard_map of the ring over a checked call's global arrays (``call.check``)."""
   sp, head = config.axis_name, config.head_axis
   tok = P(batch, sp, head, None)
   seq = P(batch, sp)
+  positions = arrays.q_positions
   pos_spec = None
   if positions is not None:
     pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
-  sink_spec = None if sinks is None else P(head)
   # [B|1, N|1, T, T] arrays: rows sharded with the queries, columns whole.
   tiles = lambda x: None if x is None else P(batch if x.shape[0] > 1 else None,
                                              head if x.shape[1] > 1 else None, sp, None)
-  alibi_spec = None if alibi_slopes is None else P(
-      batch if alibi_slopes.shape[0] > 1 else None, head)
-  out_specs = (tok, P(batch, head, sp)) if return_lse else tok
+  ex = arrays.extras
+  alibi_spec = None if ex.alibi is None else P(batch if ex.alibi.shape[0] > 1 else None, head,
+                                               None)
+  out_specs = (tok, P(batch, head, sp)) if settings.return_lse else tok
 
-  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_, bias_, alibi_, rng_, cu_):
-    offsets = {}
-    if rng_ is not None:  # dropout hashes global batch rows and heads
+  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_, bias_, alibi_, seeds_, cu_):
+    offsets = None
+    if seeds_ is not None:  # dropout hashes global batch rows and heads
       index = lambda axes, size: 0 if axes is None else jax.lax.axis_index(axes) * size
-      offsets = dict(dropout_batch_offset=index(batch, q_.shape[0]),
-                     dropout_head_offset=index(head, q_.shape[2]))
-    return ring.ring_attention(
-        q_, k_, v_, axis_name=sp, mask=mask, layout=config.layout, segment_ids=seg_,
-        positions=pos_, dense_mask=dense_, sinks=sinks_, softcap=softcap, scale=scale,
-        block_sizes=config.block_sizes, backend=config.backend, interpret=interpret,
-        strategy=config.strategy, scan_unroll=config.scan_unroll, return_lse=return_lse,
-        bias=bias_, alibi_slopes=alibi_, dropout_rate=dropout_rate, dropout_rng=rng_,
-        cu_seqlens=cu_, dropout_broadcast=dropout_broadcast, **offsets)
+      offsets = jnp.asarray([index(batch, q_.shape[0]), index(head, q_.shape[2])], jnp.int32)
+    shard = call.Arrays(seg_, seg_, pos_, pos_, dense_, sinks_,
+                        call.Extras(bias_, alibi_, seeds_, offsets))
+    return ring.run(q_, k_, v_, call.Checked(settings, shard, dict(platforms)), axis_name=sp,
+                    layout=config.layout, strategy=config.strategy,
+                    scan_unroll=config.scan_unroll, cu_seqlens=cu_)
 
-  in_specs = (tok, tok, tok, None if segment_ids is None else seq, pos_spec, tiles(dense_mask),
-              sink_spec, tiles(bias), alibi_spec, None if dropout_rng is None else P(),
-              None if cu_seqlens is None else P())
+  in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec,
+              tiles(arrays.dense), None if arrays.sinks is None else P(head), tiles(ex.bias),
+              alibi_spec, None if ex.seeds is None else P(), None if cu_seqlens is None else P())
   args = [_constrain(x, mesh, s) for x, s in zip(
-      (q, k, v, segment_ids, positions, dense_mask, sinks, bias, alibi_slopes, dropout_rng,
-       cu_seqlens), in_specs)]
+      (q, k, v, arrays.segment_ids, positions, arrays.dense, arrays.sinks, ex.bias, ex.alibi,
+       ex.seeds, cu_seqlens), in_specs)]
   fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

@@ -274,9 +274,9 @@ def test_plans_of_layout_positions_are_built_ahead(layout, strategy):
     return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
 
   sorts = lambda fn: jax.jit(fn).trace(q, k, v).lower().as_text().count("stablehlo.sort")
-  ring_lib._layout_plans.cache_clear()
+  ring_lib.layout_plans.cache_clear()
   assert sorts(grads()) == 0
-  assert ring_lib._layout_plans.cache_info().currsize == 1  # (both passes: the same tiles)
+  assert ring_lib.layout_plans.cache_info().currsize == 1  # (both passes: the same tiles)
   assert sorts(grads(positions=pos)) > 0
   for a, b_ in zip(jax.jit(grads())(q, k, v), jax.jit(grads(positions=pos))(q, k, v)):
     assert rel_err(a, b_) < 1e-6  # (two programs: XLA may fuse their float math differently)
@@ -294,7 +294,7 @@ def test_layout_plans_are_the_device_plans_of_each_pair(layout, mask):
   from pallas_ring import ring as ring_lib
   r, t, blk = 4, 18, 8
   tp = 24
-  plans, table = ring_lib._layout_plans(mask, r * t, layout, r, False, t, t, tp, tp, blk, blk)
+  plans, table = ring_lib.layout_plans(mask, r * t, layout, r, False, t, t, tp, tp, blk, blk)
   assert table.shape == (r, r) and plans.block_class.shape[0] == len(np.unique(table))
 
   @jax.jit
@@ -309,6 +309,6 @@ def test_layout_plans_are_the_device_plans_of_each_pair(layout, mask):
       for name, a, b_ in zip(bs.BlockPlan._fields, select(i, j), device_plan(i, j)):
         assert (a.dtype, a.shape) == (b_.dtype, b_.shape), name
         np.testing.assert_array_equal(a, b_, err_msg=f"{name} of pair ({i}, {j})")
-  one, _ = ring_lib._layout_plans(masks.Full(), 64, "zigzag", r, False, 16, 16, 16, 16, blk, blk)
+  one, _ = ring_lib.layout_plans(masks.Full(), 64, "zigzag", r, False, 16, 16, 16, 16, blk, blk)
   assert one.block_class.shape[0] == 1
   assert isinstance(bs.select_plan(one, np.zeros((r, r), np.int32), 0, 0).kv_count, jax.Array)

@@ -1,0 +1,156 @@
+"""One checked call: the public entry points normalize and check their arguments once.
+
+``check`` validates every argument of an attention call and normalizes it into a ``Checked``:
+the arrays (``Arrays``, a pytree), the static settings (``Settings``, hashable) and the backend
+variant of each lowering platform. ``flash_attention``, ``ring_attention`` and
+``sharded_attention`` each build one and hand it down (``sharded_attention`` hands each shard's
+slice of it to the ring); nothing below them checks again. Each error names the argument, its
+value or shape, the rule and the fix (``validation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_ring import dropout, kernels, validation
+from pallas_ring import masks as masks_lib
+from pallas_ring.config import BlockSizes
+from pallas_ring.kernels import tuning
+
+Array = Any
+
+
+class Extras(NamedTuple):
+  """The optional score terms of one call, validated.
+
+  Attributes:
+    bias: ``[Bb, Nb, T, S]`` additive bias or None.
+    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
+    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
+    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
+      hashes global indices), or None.
+  """
+
+  bias: Optional[Array] = None
+  alibi: Optional[Array] = None
+  seeds: Optional[Array] = None
+  offsets: Optional[Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The static settings of a checked call (hashable)."""
+
+  mask: masks_lib.MaskSpec  # visibility in global positions
+  scale: float  # logit scale (default H ** -0.5)
+  softcap: Optional[float]  # logit soft-cap, None for none
+  dropout_rate: float  # attention-probability dropout rate in [0, 1)
+  dropout_broadcast: bool  # one dropout mask for every batch row and head
+  block_sizes: BlockSizes  # the user's tile overrides (and kernel variants)
+  return_lse: bool  # also return the lse
+
+
+class Arrays(NamedTuple):
+  """The arrays of a checked call (None when absent); sequences as the caller holds them.
+
+  Attributes:
+    segment_ids: int ``[B, T]`` of the queries.
+    kv_segment_ids: int ``[B, S]`` of the keys.
+    q_positions: int ``[T]`` or ``[B, T]``.
+    kv_positions: int ``[S]`` or ``[B, S]``.
+    dense: bool ``[Bm, Nm, T, S_mask]`` (Bm in {1, B}, Nm in {1, N}).
+    sinks: ``[N]`` sink logits.
+    extras: the bias, ALiBi slopes and dropout words (``Extras``).
+  """
+
+  segment_ids: Optional[Array] = None
+  kv_segment_ids: Optional[Array] = None
+  q_positions: Optional[Array] = None
+  kv_positions: Optional[Array] = None
+  dense: Optional[Array] = None
+  sinks: Optional[Array] = None
+  extras: Extras = Extras()
+
+
+class Checked(NamedTuple):
+  """A checked call: ``Settings``, ``Arrays`` and ``{platform: (backend, interpret)}``."""
+
+  settings: Settings
+  arrays: Arrays
+  per_platform: dict
+
+
+def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
+                     extras: Optional[Extras] = None):
+  """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
+
+  ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
+  ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
+  """
+  block_sizes = tuning.as_block_sizes(block_sizes)
+  ex = extras or Extras()
+  call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
+                      bias=ex.bias is not None, alibi=ex.alibi is not None,
+                      dropout=ex.seeds is not None, block_sizes=block_sizes)
+  if backend != "auto":
+    kernels.check_explicit(backend, call)
+  return block_sizes, kernels.variants(backend, interpret, call)
+
+
+def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segment_ids=None,
+          q_positions=None, kv_positions=None, dense_mask=None, sinks=None, softcap=None,
+          scale=None, bias=None, alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
+          dropout_offsets=(0, 0), dropout_broadcast: bool = False, block_sizes=None,
+          backend: str = "auto", interpret=None, return_lse: bool = False,
+          names=("q_positions", "kv_positions")) -> Checked:
+  """Checks and normalizes the arguments of an attention call once.
+
+  Args:
+    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (this device's, for a ring shard).
+    kv_shards: the K/V shards the dense mask and the bias span along their key axis (a ring
+      shard's: the ring size R; their key axis is then ``R * S`` long).
+    names: how the caller names its two position arguments (for errors).
+    The rest: as ``flash_attention`` (``kv_segment_ids`` default to ``segment_ids`` when
+    ``T == S``); ``dropout_offsets`` are its ``dropout_batch_offset`` and
+    ``dropout_head_offset``.
+  """
+  mask = masks_lib.as_spec(mask)
+  validation.check_qkv(q, k, v)
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  mask_len = s * kv_shards
+  scale = validation.check_positive("scale", scale, h ** -0.5)
+  softcap = validation.check_positive("softcap", softcap, None)
+  rate = dropout.check_dropout(dropout_rate, dropout_rng)
+  on = rate > 0
+  extras = Extras(validation.normalize_bias(bias, b, n, t, mask_len),
+                  None if alibi_slopes is None else
+                  jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
+                  dropout.seeds(dropout_rng) if on else None,
+                  jnp.asarray(dropout_offsets, jnp.int32) if on else None)
+  if kv_segment_ids is None and segment_ids is not None:
+    if t != s:
+      raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "
+                       "segment ids of the keys.")
+    kv_segment_ids = segment_ids
+  validation.check_token_array("segment_ids", segment_ids, b, t)
+  validation.check_token_array("kv_segment_ids", kv_segment_ids, b, s)
+  validation.check_token_array(names[0], q_positions, b, t, allow_1d=True)
+  validation.check_token_array(names[1], kv_positions, b, s, allow_1d=True)
+  if (segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
+  dense = validation.normalize_dense_mask(dense_mask, b, n, t, mask_len)
+  if sinks is not None:
+    validation.check_sinks(sinks, n)
+  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras)
+  settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
+                      bool(return_lse))
+  arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras)
+  return Checked(settings, arrays, per_platform)
+
+
+__all__ = ["Checked", "Settings", "Arrays", "Extras", "check", "backend_variants"]
