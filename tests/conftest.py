@@ -33,7 +33,7 @@ def rng():
   return np.random.default_rng(0)
 
 
-# A GPU run (PALLAS_RING_TEST_GPU=1) adds the Mosaic GPU backend to test_pitfalls's backends.
+# A GPU run (PALLAS_RING_TEST_GPU=1) runs the kernels natively (test_pallas_mosaic_gpu: Hopper).
 ON_GPU = os.environ.get("PALLAS_RING_TEST_GPU") is not None
 if ON_GPU:
   # On a GPU, JAX's default precision runs float32 matmuls as TF32 (in XLA and in Pallas
@@ -56,7 +56,7 @@ def small_blocks(backend, head_dim=128):
 
 def kernel_dtype(backend, dtype):
   """The dtype a backend is tested in: float32 cases run in bfloat16 on ``pallas_mosaic_gpu``
-  (wgmma takes 16-bit inputs; float32 calls are refused, see test_mosaic_gpu)."""
+  (wgmma takes 16-bit inputs; float32 calls are refused, see test_pallas_mosaic_gpu)."""
   import jax.numpy as jnp
   if backend == "pallas_mosaic_gpu" and dtype == jnp.float32:
     return jnp.bfloat16

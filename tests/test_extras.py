@@ -2,7 +2,6 @@
 and the ring, against the float64 reference."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,6 @@ from pallas_ring import (SequenceParallelConfig, dropout_keep_mask, flash_attent
                          masks, reference, segment_ids_from_cu_seqlens, sharded_attention)
 from conftest import rel_err, small_blocks
 
-# On a GPU (PALLAS_RING_TEST_GPU=1) run e.g. PALLAS_RING_BACKENDS=xla,pallas_triton natively.
-BACKENDS = os.environ.get("PALLAS_RING_BACKENDS", "xla,pallas_triton,pallas_tpu").split(",")
 RATE = 0.2
 # On a GPU float32 matmuls run as TF32 (relative error near 3e-4).
 TF32 = jax.default_backend() == "gpu"
@@ -57,22 +54,6 @@ def _check(f, args, do, ref_kw, fwd_tol=2e-6, grad_tol=2e-5):
       continue
     assert g.shape == rg.shape, name
     assert rel_err(g, rg) < grad_tol, name
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bias_alibi_dropout_softcap_gqa_match_reference(backend):
-  """All extras at once on an odd length (padding), GQA, causal + soft-cap, every lowering."""
-  q, k, v, do = _qkv(0)
-  b, t, n, _ = q.shape
-  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, t, t)), jnp.float32)
-  slopes = jnp.asarray(np.geomspace(0.3, 0.01, n), jnp.float32)
-  rng = jax.random.key(3)
-  keep = dropout_keep_mask(rng, RATE, b, n, jnp.arange(t), jnp.arange(t))
-  f = lambda q, k, v, bias: flash_attention(
-      q, k, v, mask=masks.Causal(), softcap=10.0, bias=bias, alibi_slopes=slopes,
-      dropout_rate=RATE, dropout_rng=rng, backend=backend)
-  _check(f, (q, k, v, bias), do, dict(mask=masks.Causal(), softcap=10.0, alibi_slopes=slopes,
-                                      dropout_rate=RATE, dropout_mask=keep))
 
 
 @pytest.mark.parametrize("n,kh", [(16, 2), (16, 8), (12, 4)],
@@ -163,41 +144,6 @@ def test_bias_of_minus_inf_masks_and_empty_rows_are_zero():
   assert not np.asarray(out[:, :4]).any()
   dq, dbias = vjp(do)
   assert np.isfinite(np.asarray(dq)).all() and np.isfinite(np.asarray(dbias)).all()
-
-
-@pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(300, 200)],
-                         ids=["causal", "bidirectional"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_alibi_per_batch_slopes_on_caller_positions(backend, mask):
-  """Far from 0 (positions near 10**6), per-batch slopes; causal masks take the Triton
-  kernel's split of the ALiBi term into column and row parts, others the direct form."""
-  q, k, v, do = _qkv(7, t=96)
-  slopes = jnp.asarray(np.random.default_rng(8).uniform(0.01, 0.5, (2, 4)), jnp.float32)
-  qpos = np.sort(np.random.default_rng(9).integers(0, 1000, (2, 96))) + 10**6
-  qpos = jnp.asarray(qpos, jnp.int32)
-  f = lambda q, k, v, bias: flash_attention(q, k, v, mask=mask, alibi_slopes=slopes,
-                                            q_positions=qpos, kv_positions=qpos, backend=backend)
-  # ALiBi terms reach ~500 here: float32 rounds them to ~3e-5.
-  _check(f, (q, k, v, None), do, dict(mask=mask, alibi_slopes=slopes, q_positions=qpos,
-                                      kv_positions=qpos), fwd_tol=1e-5, grad_tol=5e-5)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cu_seqlens_equals_segment_ids_and_padding_is_zero(backend):
-  q, k, v, do = _qkv(10, b=1, t=130)
-  cu = jnp.asarray([0, 17, 64, 64, 100], jnp.int32)  # an empty sequence; 30 tokens of padding
-  seg = segment_ids_from_cu_seqlens(cu, 130)
-  assert seg.shape == (1, 130) and int(seg[0, 16]) == 0 and int(seg[0, 17]) == 1
-  assert int(seg[0, 64]) == 3 and int(seg[0, 129]) == 4
-  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), cu_seqlens=cu,
-                                      backend=backend)
-  out, vjp = jax.vjp(f, q, k, v)
-  by_ids = flash_attention(q, k, v, mask=masks.Causal(), segment_ids=seg, backend=backend)
-  np.testing.assert_allclose(out[:, :100], by_ids[:, :100], rtol=1e-6, atol=1e-6)
-  assert not np.asarray(out[:, 100:]).any()  # padding: output 0 ...
-  dq, dk, dv = vjp(do)
-  assert not np.asarray(dq[:, 100:]).any()  # ... and gradients 0
-  assert not np.asarray(dk[:, 100:]).any() and not np.asarray(dv[:, 100:]).any()
 
 
 def test_kv_cu_seqlens_for_cross_attention():
@@ -322,3 +268,61 @@ def test_bad_extras_raise_with_the_fix():
 def test_public_names():
   assert pallas_ring.dropout_keep_mask is dropout_keep_mask
   assert pallas_ring.segment_ids_from_cu_seqlens is segment_ids_from_cu_seqlens
+
+
+class ExtrasCases:
+  """Bias, ALiBi, dropout and packed sequences in one backend (``conformance``)."""
+
+  def test_bias_alibi_dropout_softcap_gqa_match_reference(self):
+    """All extras at once on an odd length (padding), GQA, causal + soft-cap, every lowering."""
+    backend = self.backend
+    if not self.requires("bias", "alibi", "dropout"):
+      return
+    q, k, v, do = _qkv(0)
+    b, t, n, _ = q.shape
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, t, t)), jnp.float32)
+    slopes = jnp.asarray(np.geomspace(0.3, 0.01, n), jnp.float32)
+    rng = jax.random.key(3)
+    keep = dropout_keep_mask(rng, RATE, b, n, jnp.arange(t), jnp.arange(t))
+    f = lambda q, k, v, bias: flash_attention(
+        q, k, v, mask=masks.Causal(), softcap=10.0, bias=bias, alibi_slopes=slopes,
+        dropout_rate=RATE, dropout_rng=rng, backend=backend)
+    _check(f, (q, k, v, bias), do, dict(mask=masks.Causal(), softcap=10.0, alibi_slopes=slopes,
+                                        dropout_rate=RATE, dropout_mask=keep))
+
+  @pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(300, 200)],
+                           ids=["causal", "bidirectional"])
+  def test_alibi_per_batch_slopes_on_caller_positions(self, mask):
+    """Far from 0 (positions near 10**6), per-batch slopes; causal masks take the Triton
+    kernel's split of the ALiBi term into column and row parts, others the direct form."""
+    backend = self.backend
+    if not self.requires("alibi", "float32"):
+      return
+    q, k, v, do = _qkv(7, t=96)
+    slopes = jnp.asarray(np.random.default_rng(8).uniform(0.01, 0.5, (2, 4)), jnp.float32)
+    qpos = np.sort(np.random.default_rng(9).integers(0, 1000, (2, 96))) + 10**6
+    qpos = jnp.asarray(qpos, jnp.int32)
+    f = lambda q, k, v, bias: flash_attention(q, k, v, mask=mask, alibi_slopes=slopes,
+                                              q_positions=qpos, kv_positions=qpos, backend=backend)
+    # ALiBi terms reach ~500 here: float32 rounds them to ~3e-5.
+    _check(f, (q, k, v, None), do, dict(mask=mask, alibi_slopes=slopes, q_positions=qpos,
+                                        kv_positions=qpos), fwd_tol=1e-5, grad_tol=5e-5)
+
+  def test_cu_seqlens_equals_segment_ids_and_padding_is_zero(self):
+    backend = self.backend
+    if not self.requires("float32"):
+      return
+    q, k, v, do = _qkv(10, b=1, t=130)
+    cu = jnp.asarray([0, 17, 64, 64, 100], jnp.int32)  # an empty sequence; 30 tokens of padding
+    seg = segment_ids_from_cu_seqlens(cu, 130)
+    assert seg.shape == (1, 130) and int(seg[0, 16]) == 0 and int(seg[0, 17]) == 1
+    assert int(seg[0, 64]) == 3 and int(seg[0, 129]) == 4
+    f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), cu_seqlens=cu,
+                                        backend=backend)
+    out, vjp = jax.vjp(f, q, k, v)
+    by_ids = flash_attention(q, k, v, mask=masks.Causal(), segment_ids=seg, backend=backend)
+    np.testing.assert_allclose(out[:, :100], by_ids[:, :100], rtol=1e-6, atol=1e-6)
+    assert not np.asarray(out[:, 100:]).any()  # padding: output 0 ...
+    dq, dk, dv = vjp(do)
+    assert not np.asarray(dq[:, 100:]).any()  # ... and gradients 0
+    assert not np.asarray(dk[:, 100:]).any() and not np.asarray(dv[:, 100:]).any()

@@ -312,3 +312,27 @@ def test_layout_plans_are_the_device_plans_of_each_pair(layout, mask):
   one, _ = ring_lib.layout_plans(masks.Full(), 64, "zigzag", r, False, 16, 16, 16, 16, blk, blk)
   assert one.block_class.shape[0] == 1
   assert isinstance(bs.select_plan(one, np.zeros((r, r), np.int32), 0, 0).kv_count, jax.Array)
+
+
+def _ring_jaxpr(dtype):
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  q = jnp.zeros((1, 64, 2, 32), dtype)
+  f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal())
+  fwd = jax.make_jaxpr(lambda *a: jax.vjp(f, *a))(q, q, q)
+  return str(fwd), fwd
+
+
+def test_ring_residuals_are_local_and_kv_rotates_in_its_own_dtype():
+  """The whole ring is one custom_vjp (no per-step K/V saved for autodiff), and K/V are
+  rotated as bf16, not upcast to f32 first."""
+  text, closed = _ring_jaxpr(jnp.bfloat16)
+  # Residuals of the vjp are the local q, the K/V pair (one stacked buffer), lse, positions:
+  # every one is at most two [R=4, T/R=16, heads, H] stacks of shards, never R ring steps of K/V
+  # per device.
+  res = [v.aval for v in closed.jaxpr.outvars[1:]]
+  assert all(np.prod(a.shape) <= 2 * 4 * 16 * 2 * 32 for a in res if hasattr(a, "shape"))
+  permutes = [line for line in text.splitlines() if "ppermute" in line]
+  assert permutes and all("bf16[2,1,16,2,32]" in line or "i32" in line for line in permutes
+                          if "[2,1,16" in line)
+  assert any("bf16[2,1,16,2,32]" in line for line in permutes)

@@ -20,12 +20,12 @@ if [[ $mode == tests ]]; then
   export PALLAS_RING_TEST_GPU=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
   pytest=(python -m pytest -q -p no:cacheprovider -n 8)
   if [[ $which != conformance ]]; then
-    "${pytest[@]}" tests/test_mosaic_gpu.py -k native 2>&1 \
+    "${pytest[@]}" tests/test_pallas_mosaic_gpu.py -k native 2>&1 \
       | tee "$out/tests_mosaic_native.log" | tail -3
   fi
   if [[ $which != native ]]; then
-    PALLAS_RING_BACKENDS=pallas_mosaic_gpu "${pytest[@]}" tests/test_flash_attention.py \
-      tests/test_pitfalls.py 2>&1 | tee "$out/tests_conformance_mosaic.log" | tail -3
+    "${pytest[@]}" tests/test_pallas_mosaic_gpu.py tests/test_pallas_triton.py -k TestPallas 2>&1 \
+      | tee "$out/tests_conformance.log" | tail -3
   fi
   exit 0
 fi

@@ -98,11 +98,16 @@ class Backend:
       return bs.variants
     return None if self.variants_cls is None else self.variants_cls()
 
+  def tile_caps(self, q_len: int, kv_len: int) -> tuple[int, int, int]:
+    """The largest useful query, key and backward key tiles for these sequence lengths."""
+    return q_len, kv_len, kv_len
+
   def clamp(self, tiles: tuple[int, int, int, int], q_len: int, kv_len: int
             ) -> tuple[int, int, int, int]:
-    """``(block_q, block_kv, block_q_bwd, block_kv_bwd)`` clamped to the sequence lengths."""
+    """``(block_q, block_kv, block_q_bwd, block_kv_bwd)`` clamped to ``tile_caps``."""
+    cap_q, cap_k, cap_kb = self.tile_caps(q_len, kv_len)
     bq, bk, bqb, bkb = tiles
-    return min(bq, q_len), min(bk, kv_len), min(bqb, q_len), min(bkb, kv_len)
+    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, cap_kb)
 
   def padded_head_dim(self, head_dim: int) -> int:
     """The head dim this backend's kernels see (inputs are zero-padded to it)."""

@@ -662,10 +662,9 @@ class TpuBackend(backend.Backend):
               "default.")
     return None
 
-  def clamp(self, tiles, q_len, kv_len):
-    cap_q, cap_k = backend.round_up(q_len, 8), backend.round_up(kv_len, LANES)
-    bq, bk, bqb, bkb = tiles
-    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, cap_k)
+  def tile_caps(self, q_len, kv_len):
+    cap_k = backend.round_up(kv_len, LANES)
+    return backend.round_up(q_len, 8), cap_k, cap_k
 
   def padded_head_dim(self, head_dim):
     # Heads are sliced out of lane blocks where they are not a multiple of 8: H is a multiple of

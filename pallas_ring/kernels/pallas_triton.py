@@ -491,10 +491,9 @@ class TritonBackend(backend.Backend):
               f"{max(16, backend.next_pow2(value))}, or None for the tuned default.")
     return None
 
-  def clamp(self, tiles, q_len, kv_len):
-    cap_q, cap_k = max(16, backend.next_pow2(q_len)), max(16, backend.next_pow2(kv_len))
-    bq, bk, bqb, bkb = tiles
-    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, cap_k)
+  def tile_caps(self, q_len, kv_len):
+    cap_k = max(16, backend.next_pow2(kv_len))
+    return max(16, backend.next_pow2(q_len)), cap_k, cap_k
 
   def padded_head_dim(self, head_dim):
     return max(16, backend.next_pow2(head_dim))  # Triton arrays: powers of two >= 16

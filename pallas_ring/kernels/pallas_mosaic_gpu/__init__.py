@@ -95,11 +95,10 @@ class MosaicGpuBackend(backend.Backend):
               f"{max(low, backend.next_pow2(value))}, or None for the tuned default.")
     return None
 
-  def clamp(self, tiles, q_len, kv_len):
-    cap_q, cap_k = max(128, backend.next_pow2(q_len)), max(64, backend.next_pow2(kv_len))
-    bq, bk, bqb, bkb = tiles
+  def tile_caps(self, q_len, kv_len):
+    cap_k = max(64, backend.next_pow2(kv_len))
     # (the backward kernels own 128 keys per CTA)
-    return min(bq, cap_q), min(bk, cap_k), min(bqb, cap_q), min(bkb, max(BWD_BLOCK, cap_k))
+    return max(128, backend.next_pow2(q_len)), cap_k, max(BWD_BLOCK, cap_k)
 
   def padded_head_dim(self, head_dim):
     return padded_head_dim(head_dim)

@@ -1,8 +1,8 @@
 """The Mosaic GPU (Hopper) backend on a CPU machine: every shipped kernel configuration lowers for
 CUDA, ``"auto"`` picks it exactly where it serves the call, and refusals name the reason.
 
-Natively (PALLAS_RING_TEST_GPU=1 on an H100) the conformance and pitfall suites run it too; see
-test_flash_attention.py.
+Natively (PALLAS_RING_TEST_GPU=1 on an H100) the native tests below and the conformance suite
+(``TestPallasMosaicGpu``) run it; ``tools/gpu_regression.sh tests`` runs both.
 """
 
 import dataclasses
@@ -17,6 +17,7 @@ from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
 from pallas_ring.kernels.pallas_mosaic_gpu import Variants, fwd_kernel, pipeline, tiles
 from conftest import ON_GPU, check_ring_step, kernel_call_sites, rel_err, ring_step
+from conformance import Conformance
 
 MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
 TRITON = "__gpu$xla.gpu.triton"
@@ -447,3 +448,12 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
   for a, b, r in zip(got, again, ref):
     assert rel_err(a, r) < 2e-2
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+class TestPallasMosaicGpu(Conformance):
+  """The conformance suite on the Hopper kernels; float32 cases run in bfloat16."""
+
+  backend = "pallas_mosaic_gpu"
+  dense_mask = bias = alibi = dropout = float32 = False
