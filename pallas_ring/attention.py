@@ -12,6 +12,7 @@ from pallas_ring import block_sparse, call, kernels, packing, pair
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _flash(q, k, v, sinks, ops, cfg, backend):
   return _flash_fwd(q, k, v, sinks, ops, cfg, backend)[0]
@@ -19,7 +20,8 @@ def _flash(q, k, v, sinks, ops, cfg, backend):
 
 def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
   plan = pair.make_plan(ops, cfg)
-  o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks, q.dtype)
+  o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
+                               q.dtype)
   return (o, lse), (q, k, v, sinks, ops, o, lse)
 
 
@@ -121,8 +123,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
   checked = call.check(
-      q, k, v, mask=mask, segment_ids=segment_ids,
-      kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
+      q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+      q_positions=q_positions, kv_positions=kv_positions,
       dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
       alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),

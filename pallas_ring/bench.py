@@ -531,7 +531,8 @@ def long_context(total_tokens=2**20, b=1, n=16, h=128, log=print):
   r = jax.device_count()
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
   sh = NamedSharding(mesh, P(None, "sp"))
-  q, k, v, do = jax.jit(lambda: random_inputs(b, total_tokens, n, h, seed=3), out_shardings=(sh,) * 4)()
+  q, k, v, do = jax.jit(lambda: random_inputs(b, total_tokens, n, h, seed=3),
+                        out_shardings=(sh,) * 4)()
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
   f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=masks.Causal())
   secs = timeit(fwd_bwd(f), q, k, v, do, iters=1, reps=3)

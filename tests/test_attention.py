@@ -390,7 +390,8 @@ def test_x64_mode_ring(strategy):
 
 
 class EdgeCases:
-  """The lse cotangent, ``-inf`` sinks, positions at the int32 limits, x64 mode (``conformance``)."""
+  """The lse cotangent, ``-inf`` sinks, positions at the int32 limits, x64 mode
+  (``conformance``)."""
 
   def test_lse_cotangent_reaches_q_k_v_and_sinks(self):
     backend = self.backend
@@ -524,7 +525,8 @@ class NumericsCases:
     q = jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.bfloat16)
     bs = small_blocks(backend)
     f = jax.jit(jax.value_and_grad(lambda x: jnp.sum(flash_attention(
-        x, x, x, mask=masks.SlidingWindow(9), backend=backend, block_sizes=bs).astype(jnp.float32))))
+        x, x, x, mask=masks.SlidingWindow(9), backend=backend,
+        block_sizes=bs).astype(jnp.float32))))
     a, ga = f(q)
     b, gb = f(q)
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,25 +54,20 @@ def family(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def _serves(b: Backend, call: Call) -> Optional[str]:
-  """Why ``b`` cannot serve ``call`` (float64 inputs, features, device, the user's tiles), or
-  None."""
-  if jnp.dtype(call.dtype) == jnp.float64 and not b.computes_float64:
-    return "float64"
-  why = b.supports(call)
-  if why is None:
-    try:
-      b.check_block_sizes(call.block_sizes)
-    except ValueError as e:
-      why = str(e)
-  return why
+def _serves(name: str, call: Call) -> bool:
+  """Whether backend ``name`` can serve ``call`` (``check_explicit`` passes)."""
+  try:
+    check_explicit(name, call)
+  except (TypeError, ValueError):
+    return False
+  return True
 
 
 def auto(family_: str, call: Call) -> str:
   """The backend ``"auto"`` picks on a platform family (``family``) for ``call``."""
   for name in _REGISTRY:
     b = get(name)
-    if b.platform in (family_, None) and b.auto_eligible() and _serves(b, call) is None:
+    if b.platform in (family_, None) and b.auto_eligible() and _serves(name, call):
       return name
   raise AssertionError("no registered backend serves the call")  # (xla serves every call)
 

@@ -88,9 +88,10 @@ def keep_alive(x):
 
 # The forward's consumers schedule their matmuls on two hardware ("named") barriers, id
 # ``NamedBarrier.SCHEDULE + w`` for consumer warpgroup w. H100, T=16k, bf16, against meetings
-# at a shared-memory barrier (as the backward's): dense 0.900x vs 0.877x cuDNN, causal 0.978x vs 0.953x, documents 0.210 vs
-# 0.220 ms. The backward's meetings got slower on hardware barriers (dense forward+backward
-# 0.897x vs 0.931x), so they stay on shared-memory ones (``meet``).
+# at a shared-memory barrier (as the backward's): dense 0.900x vs 0.877x cuDNN, causal 0.978x
+# vs 0.953x, documents 0.210 vs 0.220 ms. The backward's meetings got slower on hardware
+# barriers (dense forward+backward 0.897x vs 0.931x), so they stay on shared-memory ones
+# (``meet``).
 
 
 class NamedBarrier(enum.IntEnum):
