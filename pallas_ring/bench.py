@@ -118,7 +118,8 @@ def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dic
   names = list(calls)
   orders = balanced_orders(len(names))
   samples = []  # (implementation, seconds per call by the host's clock)
-  trace_dir = tempfile.mkdtemp(prefix="pallas_ring_bench_") if _CLOCK.get() == "device" else None
+  device = _CLOCK.get() == "device"
+  trace_dir = tempfile.mkdtemp(prefix="pallas_ring_bench_") if device else None
   try:
     with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
       for rep in range(-(-reps // len(orders)) * len(orders)):
