@@ -9,7 +9,7 @@ not part of the public surface.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax import custom_derivatives
@@ -18,8 +18,6 @@ import jax.numpy as jnp
 from pallas_ring import block_sparse, dropout
 from pallas_ring.kernels import common, tuning
 from pallas_ring.kernels import xla as xla_kernels
-
-Array = Any
 
 
 def merge_sinks(o, lse, sinks):
