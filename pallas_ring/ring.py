@@ -138,7 +138,7 @@ def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int
   that shard, and the dropout keys of its (global) key positions."""
   cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
   alibi, keys = pair.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
-                                          broadcast=st.dropout_broadcast)
+                                     broadcast=st.dropout_broadcast)
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
@@ -454,16 +454,13 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   t = q.shape[1]
   arrays = checked.arrays
   segment_ids, kv_segment_ids = arrays.segment_ids, arrays.kv_segment_ids
-  if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
-    if cu_seqlens is not None:  # (a ring of one: positions are the token indices)
-      segment_ids, kv_segment_ids = (packing.packed_segment_ids(cu_seqlens, jnp.arange(t), pad)
-                                     for pad in (packing.Q_PAD, packing.KV_PAD))
-    arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    return attention.run(q, k, v, checked._replace(arrays=arrays))
   layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
     segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.Q_PAD)
     kv_segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.KV_PAD)
+  if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
+    arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+    return attention.run(q, k, v, checked._replace(arrays=arrays))
   positions = arrays.q_positions
   derived = positions is None
   if derived:

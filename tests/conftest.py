@@ -101,7 +101,7 @@ def ring_step(case, backend, interpret, variants=None):
                               tiles.block_kv_bwd) for x in (t, s))
   hp = tuning.padded_head_dim(backend, h)
   cfg = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=cap, q_len=t,
-                                kv_len=s, out_dtype=jnp.float32, interpret=interpret)
+                           kv_len=s, out_dtype=jnp.float32, interpret=interpret)
   lowering = kernels.get(backend)
 
   def ops_of(seg):

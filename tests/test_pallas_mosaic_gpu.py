@@ -226,7 +226,7 @@ def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq):
   tiles = tuning.resolve("pallas_mosaic_gpu", BlockSizes(variants=Variants(delta_in_dq=in_dq)),
                          t, t, head_dim)
   cfg = pair.kernel_config(tiles, mask=masks.Causal(), scale=0.1, softcap=None, q_len=t,
-                                kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
+                           kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
 
   def grads(q, k, v, do, lse, o, *dlse):
     info = block_sparse.make_token_info(t, b)

@@ -283,7 +283,7 @@ def step(*opts):
   def compile_step(bs, merge):
     tiles = tuning.resolve("pallas_mosaic_gpu", bs, t, t, h)
     cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
-                                  q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
+                             q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
     plan = pair.make_plan(ops, cfg)
     acc = common.Partial(*pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)) if merge else None
     return _compiled(jax.jit(lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg,
@@ -340,7 +340,7 @@ def _contract_call(h, out_dtype, seg=None):
   q, k, v, do = random_inputs(b, t, n, h, kv_heads=kh)
   tiles = tuning.resolve("pallas_mosaic_gpu", None, t, t, h)
   cfg = pair.kernel_config(tiles, mask=masks.Causal(), scale=h ** -0.5, softcap=None,
-                                q_len=t, kv_len=t, out_dtype=out_dtype, interpret=False)
+                           q_len=t, kv_len=t, out_dtype=out_dtype, interpret=False)
   info = block_sparse.make_token_info(t, b, segment_ids=seg)
   ops = common.Operands(info, info)
   o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
@@ -543,7 +543,7 @@ def calls(*only):
   call's three kernels (forward, dK/dV, dQ). Words select shapes as in ``bwd`` (default: dense)."""
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
     f = bench.fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                                       backend="pallas_mosaic_gpu"))
+                                                      backend="pallas_mosaic_gpu"))
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do))
     print(f"{name}: two forward+backward calls", flush=True)

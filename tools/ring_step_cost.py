@@ -46,8 +46,8 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
   tiles = tuning.resolve(backend, None, tokens, tokens, h, dtype=q.dtype, group=1,
                          mask_class="full")
   cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
-                                q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
-                                interpret=False)
+                           q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
+                           interpret=False)
   st = ring.RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
   info = lambda rank: block_sparse.make_token_info(
       tokens, b, jnp.arange(tokens, dtype=jnp.int32) + rank * tokens, None)
@@ -85,9 +85,9 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     traced arguments), its Operands with positions computed on device, and its plan selected
     from those built ahead (``plan_of(rank, src, backward)``)."""
     c = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
-                                kv_len=tokens, out_dtype=f32, interpret=False)
+                           kv_len=tokens, out_dtype=f32, interpret=False)
     s = ring.RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
-                         use_cond=False, pack_sends=True)
+                        use_cond=False, pack_sends=True)
     pos = lambda rank: block_sparse.make_token_info(
         tokens, b, layouts.positions(r * tokens, layout, r, rank))
     dev = lambda rank, src: common.Operands(pos(rank), pos(src), None, None, None, None)
@@ -105,7 +105,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
 
     def run(q, k, v, do, lse, delta, dq_acc, dkv_acc, rank, src):
       dq, dk, dv = ring.pair_backward(s, q, k, v, do, lse, delta, dev(rank, src), dq_acc,
-                                       plan=None if device else plan(rank, src, True))[:3]
+                                      plan=None if device else plan(rank, src, True))[:3]
       return dq, dkv_acc + jnp.stack([dk, dv])
     return run
 

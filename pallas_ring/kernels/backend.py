@@ -1,6 +1,6 @@
 """The interface every kernel lowering implements, and what a backend is asked about a call.
 
-A backend is one object, registered once (``kernels.register``): its name, the platform family
+A backend is one object, registered once (``pallas_ring.kernels``' registry): its name, the platform family
 its kernels run on natively, what it can serve (``supports``), its tile rules (defaults, checks,
 clamps, head-dim padding, tuning candidates), its kernel-variant config, and the kernels of the
 contract in ``kernels.common`` (``forward``, ``backward``). Nothing outside the registry compares
@@ -132,8 +132,6 @@ class Backend:
 
   def __repr__(self) -> str:
     return f"<backend {self.name}>"
-
-
 
 
 __all__ = ["Backend", "Call", "TILE_FIELDS", "next_pow2", "round_up"]

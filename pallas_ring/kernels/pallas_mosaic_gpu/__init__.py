@@ -72,8 +72,8 @@ class MosaicGpuBackend(backend.Backend):
 
   def supports(self, call):
     why = unsupported(call)
-    if why is None and jax.devices()[0].platform == "gpu" and not hopper():
-      dev = jax.devices()[0]
+    dev = jax.devices()[0]
+    if why is None and dev.platform == "gpu" and not hopper():
       why = (f"GPU {dev.device_kind} (compute capability "
              f"{getattr(dev, 'compute_capability', '?')}; it needs sm_90 or newer)")
     return why

@@ -48,8 +48,6 @@ class Variants:
     if self.item_order not in (None, "heads", "blocks"):
       raise ValueError(f"Variants.item_order={self.item_order!r} is invalid: use 'heads', "
                        "'blocks' or None (the rule).")
-    if isinstance(self.dkv_walk_rows, dict):  # (a mapping is accepted, stored hashable)
-      object.__setattr__(self, "dkv_walk_rows", tuple(sorted(self.dkv_walk_rows.items())))
 
 
 def padded_head_dim(head_dim: int) -> int:
