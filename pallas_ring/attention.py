@@ -8,24 +8,24 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, call, kernels, packing, pair
+from pallas_ring import block_sparse, call, kernels, packing, pair, plans
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, sinks, ops, cfg, backend):
-  return _flash_fwd(q, k, v, sinks, ops, cfg, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, sinks, ops, cfg, planner, backend):
+  return _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend)[0]
 
 
-def _flash_fwd(q, k, v, sinks, ops, cfg, backend):
-  plan = pair.make_plan(ops, cfg)
+def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
+  plan = planner.plan(ops)
   o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
                                q.dtype)
   return (o, lse), (q, k, v, sinks, ops, o, lse)
 
 
-def _flash_bwd(cfg, backend, res, cts):
+def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
@@ -34,7 +34,7 @@ def _flash_bwd(cfg, backend, res, cts):
     delta = common.delta_array(delta, do)
 
   def backward(q, k, v, do, lse, delta, ops):
-    plan = pair.make_plan(ops, cfg, backward=True)
+    plan = planner.plan(ops, backward=True)
     return kernels.get(backend).backward(q, k, v, do, lse, delta, ops, plan, cfg)
 
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
@@ -44,7 +44,7 @@ def _flash_bwd(cfg, backend, res, cts):
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
-_flash_jit = jax.jit(_flash, static_argnums=(5, 6))
+_flash_jit = jax.jit(_flash, static_argnums=(5, 6, 7))
 
 
 def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
@@ -158,8 +158,10 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   hp = tuning.padded_head_dim(backend, h)
   cfg = pair.kernel_config(tiles, mask=st.mask, scale=st.scale, softcap=st.softcap, q_len=t,
                            kv_len=s, out_dtype=q.dtype, interpret=interpret,
-                           dropout_rate=st.dropout_rate,
-                           indexed_positions=q_positions is None and kv_positions is None)
+                           dropout_rate=st.dropout_rate)
+  # Default positions are the token indices: the planner builds the plans ahead.
+  indexed = q_positions is None and kv_positions is None
+  planner = plans.for_config(cfg, tp, sp, plans.Indexed() if indexed else None)
   q_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(
@@ -172,7 +174,8 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   ops = common.Operands(q_info, kv_info, dense, bias, *pair.extras_operands(
       extras, q_info, kv_info, b, n, broadcast=st.dropout_broadcast))
   pad = pair.pad_tokens
-  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), sinks, ops, cfg, backend)
+  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), sinks, ops, cfg, planner,
+                        backend)
   out = out[:, :t, :, :h]
   if st.return_lse:
     return out, lse[:, :, :t]

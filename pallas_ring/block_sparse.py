@@ -2,10 +2,10 @@
 
 Everything here runs on device under ``jit`` with static shapes, in O(nq * nk) work from per-block
 summaries (min / max position and segment id of every block). Only a dense mask costs O(T * S),
-because it is that large by nature. Numpy positions (``flash_attention``'s default) give the
-position part in numpy, built while tracing; without segment ids or a dense mask that is the whole
-plan, computed once per configuration (``indexed_plan``); a ring whose positions follow its layout
-builds the plans of all its (rank, source) pairs so and selects one per step (``plan_table``).
+because it is that large by nature. Numpy positions give the position part in numpy, built while
+tracing; without segment ids or a dense mask that is the whole plan. ``plans.Planner`` decides
+when positions are known ahead (``flash_attention``'s default token indices, a ring's layout),
+builds those plans once (``plan_table``: every (rank, source) pair of a ring) and holds them.
 
 Block classes (``block_class``):
 
@@ -39,7 +39,6 @@ positions, segment ids or the dense mask vary along it):
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -104,7 +103,7 @@ class BlockBoundsWithSegments(NamedTuple):
 
 def _xp(*xs):
   """``numpy`` when every one of ``xs`` is a numpy array (a plan part known while tracing, see
-  ``indexed_plan``), else ``jax.numpy``."""
+  ``plans.Planner``), else ``jax.numpy``."""
   return np if all(isinstance(x, np.ndarray) for x in xs) else jnp
 
 
@@ -142,21 +141,6 @@ class BlockPlan(NamedTuple):
   q_count: Array
   q_full: Array
   any_live: Array
-
-
-@functools.lru_cache(maxsize=256)
-def indexed_plan(mask: masks_lib.MaskSpec, q_len: int, kv_len: int, q_padded: int,
-                 kv_padded: int, block_q: int, block_kv: int) -> BlockPlan:
-  """``make_plan`` of tokens at their indices (``indexed_positions``) without segment ids or a
-  dense mask, in numpy, once per configuration: read-only arrays that a traced call takes as
-  constants."""
-  plan = make_plan(mask, TokenInfo(indexed_positions(q_len, q_padded)),
-                   TokenInfo(indexed_positions(kv_len, kv_padded)), block_q=block_q,
-                   block_kv=block_kv, q_len=q_len, kv_len=kv_len)
-  plan = BlockPlan(*map(np.asarray, plan))  # (the step flags come as numpy scalars)
-  for x in plan:
-    x.flags.writeable = False
-  return plan
 
 
 def plan_table(mask: masks_lib.MaskSpec, q_infos, kv_infos, *, block_q: int, block_kv: int,
@@ -248,7 +232,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   qs = summarize(q_info, block_q, q_len)
   ks = summarize(kv_info, block_kv, kv_len)
   # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk]. Numpy positions give numpy
-  # classes, built while tracing (``indexed_plan``; flash_attention's default positions).
+  # classes, built while tracing (``plans.Planner``).
   qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
   kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
   xp = _xp(qb.lo, kb.lo)
@@ -303,6 +287,6 @@ def live_fraction(plan: BlockPlan) -> Array:
   return jnp.mean((plan.block_class > EMPTY).astype(jnp.float32), axis=(-2, -1))
 
 
-__all__ = ["TokenInfo", "BlockPlan", "make_plan", "indexed_plan", "plan_table", "select_plan",
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "plan_table", "select_plan",
            "merge_heads", "make_token_info", "pad_token_info", "indexed_positions", "summarize",
            "live_fraction", "EMPTY", "PARTIAL", "FULL"]

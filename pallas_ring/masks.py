@@ -86,7 +86,7 @@ def as_spec(mask: Optional[MaskSpec], argname: str = "mask") -> MaskSpec:
 
 def _floordiv(x, c: int):
   """Floor division by a positive constant without ``sign`` (which Mosaic cannot lower offline)."""
-  if isinstance(x, np.ndarray):  # (block plans built in numpy: ``block_sparse.indexed_plan``)
+  if isinstance(x, np.ndarray):  # (block plans built in numpy: ``plans.Planner``)
     return x // c
   x = jnp.asarray(x)
   d = jax.lax.div(x, jnp.asarray(c, x.dtype))

@@ -1,6 +1,6 @@
 """One (q shard, kv shard) pair on one device: what ``flash_attention`` and the ring share.
 
-The kernel config and block plan of a pair, its operands, the sinks' merge and gradient, and the
+The kernel config of a pair, its operands, the sinks' merge and gradient, and the
 custom-VJP plumbing (symbolic zero cotangents, first-order-only backward, clear forward-mode
 errors). An internal module: its names are documented for the package's entry points and tools,
 not part of the public surface.
@@ -15,7 +15,7 @@ import jax
 from jax import custom_derivatives
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, dropout
+from pallas_ring import dropout
 from pallas_ring.kernels import common, tuning
 from pallas_ring.kernels import xla as xla_kernels
 
@@ -53,34 +53,6 @@ def pad_tokens(x, length, head_dim):
   """Zero-pads ``x [B, L, heads, H]`` to ``[B, length, heads, head_dim]``."""
   pads = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))
   return x if not any(p for _, p in pads) else jnp.pad(x, pads)
-
-
-# The most tiles (q blocks x kv blocks) of a plan built ahead of the call (``make_plan``):
-# larger ones would put megabytes of constants into the program, and their device ops cost
-# little next to the kernels of such lengths.
-STATIC_PLAN_TILES = 1 << 16
-
-
-def make_plan(ops: common.Operands, cfg: common.KernelConfig, backward: bool = False):
-  """The block plan of one (q, kv) pair for the forward or the backward tile sizes.
-
-  With ``cfg.indexed_positions`` (and at most ``STATIC_PLAN_TILES`` tiles) the plan's position
-  part is built while tracing, in numpy, and enters the program as constants; without segment
-  ids or a dense mask that is the whole plan, built once per configuration
-  (``block_sparse.indexed_plan``), so a call runs no plan ops (H100, T=4096, N=16: a causal
-  forward ran 9 small XLA ops beside its 0.124 ms kernel, 0.135 ms a call).
-  """
-  bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
-  q_info, kv_info = ops.q_info, ops.kv_info
-  tp, sp = q_info.positions.shape[-1], kv_info.positions.shape[-1]
-  if cfg.indexed_positions and (tp // bq) * (sp // bk) <= STATIC_PLAN_TILES:
-    if ops.dense is None and q_info.segment_ids is None and kv_info.segment_ids is None:
-      plan = block_sparse.indexed_plan(cfg.mask, cfg.q_len, cfg.kv_len, tp, sp, bq, bk)
-      return block_sparse.BlockPlan(*(jnp.asarray(x) for x in plan))
-    q_info = q_info._replace(positions=block_sparse.indexed_positions(cfg.q_len, tp))
-    kv_info = kv_info._replace(positions=block_sparse.indexed_positions(cfg.kv_len, sp))
-  return block_sparse.make_plan(cfg.mask, q_info, kv_info, block_q=bq, block_kv=bk,
-                                q_len=cfg.q_len, kv_len=cfg.kv_len, dense_mask=ops.dense)
 
 
 _AUTODIFF_HELP = (
@@ -154,16 +126,14 @@ def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelCo
 
 
 def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
-                  out_dtype, interpret, dropout_rate=0.0,
-                  indexed_positions=False) -> common.KernelConfig:
+                  out_dtype, interpret, dropout_rate=0.0) -> common.KernelConfig:
   """The static KernelConfig of one call (shared by flash_attention and the ring)."""
   return common.KernelConfig(
       mask=mask, scale=float(scale), softcap=None if softcap is None else float(softcap),
       q_len=q_len, kv_len=kv_len, block_q=tiles.block_q, block_kv=tiles.block_kv,
       block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd, out_dtype=out_dtype,
       num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
-      dropout_rate=float(dropout_rate), indexed_positions=indexed_positions,
-      variants=tiles.variants)
+      dropout_rate=float(dropout_rate), variants=tiles.variants)
 
 
 def extras_operands(extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):

@@ -17,8 +17,8 @@ last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps th
 of ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
-the plans of every (rank, source) pair are built while tracing (``_plans_ahead``) and a step
-selects its own; otherwise each step builds its plan on device.
+the ring's ``plans.Planner`` builds the plans of every (rank, source) pair while tracing and a
+step selects its own; otherwise each step builds its plan on device.
 
 On GPU (Triton backend) two measured costs change the schedule: a ``lax.cond`` costs a host round
 trip per step, so empty steps run the kernel, which skips their tiles itself; and XLA:GPU keeps one
@@ -29,7 +29,7 @@ reduce-scatters dK/dV.
 
 Internal API (no underscore; ``tools/ring_step_cost.py`` times a ring step through it):
 ``RingStatic`` (the static description of a ring call), ``pair_forward`` / ``pair_backward`` (one
-step's pair), ``step_plan`` / ``layout_plans`` (its block plan), ``rotate`` and
+step's pair), ``step_plan`` (its block plan, from ``RingStatic.planner``), ``rotate`` and
 ``pack_buffers`` / ``unpack_buffers`` (its sends).
 """
 
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, call, kernels, layouts, packing, pair
+from pallas_ring import attention, block_sparse, call, kernels, layouts, packing, pair, plans
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -62,9 +62,10 @@ class RingStatic:
   strategy: str  # "ring" | "all_gather"
   unroll: int  # scan unroll
   kv_padded: int  # all_gather: padded length of the gathered K/V (ring: padded shard length)
-  # (T, layout) when the kv positions follow the layout: each step derives them from the source
-  # rank instead of receiving them; None when the caller passed positions (they rotate).
-  layout_positions: Optional[Tuple[int, str]] = None
+  # The block plans of every step. Its ``positions`` is a ``plans.RingLayout`` when the kv
+  # positions follow the layout: each step derives them from the source rank instead of
+  # receiving them; None when the caller passed positions (they rotate).
+  planner: plans.Planner
   # Skip steps with no live block by lax.cond. On GPU a conditional costs a host round trip per
   # step, so the Triton backend runs the kernel, which skips empty tiles itself.
   use_cond: bool = True
@@ -72,6 +73,12 @@ class RingStatic:
   # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
   pack_sends: bool = False
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
+
+  @property
+  def layout_positions(self) -> Optional[Tuple[int, str]]:
+    """(T, layout) when the kv positions follow the layout, else None."""
+    pos = self.planner.positions
+    return None if pos is None else (pos.seq_len, pos.layout)
 
 
 class _Fixed(NamedTuple):
@@ -142,60 +149,17 @@ def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
 
 
-# The most (rank, source) pairs whose plans a ring builds ahead (``_plans_ahead``), each of at most
-# ``pair.STATIC_PLAN_TILES`` tiles: the numpy work of tracing grows with their product.
-PLANS_AHEAD_PAIRS = 64
-
-
-@functools.lru_cache(maxsize=64)
-def layout_plans(mask, seq_len: int, layout: str, r: int, gathered: bool, q_len: int,
-                  kv_len: int, q_padded: int, kv_padded: int, block_q: int, block_kv: int):
-  """``block_sparse.plan_table`` of a ring whose positions follow ``layout``: rows are the q
-  ranks, columns the kv source ranks (one column when K/V are gathered)."""
-  order = layouts.global_order(seq_len, layout, r)  # [T] int32, layout order
-  info = lambda pos, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos[None]), padded)
-  shard = lambda i: order[i * q_len:(i + 1) * q_len]
-  q_infos = [info(shard(i), q_padded) for i in range(r)]
-  kv_infos = ([info(order, kv_padded)] if gathered else
-              [info(shard(j), kv_padded) for j in range(r)])
-  plans, table = block_sparse.plan_table(mask, q_infos, kv_infos, block_q=block_q,
-                                         block_kv=block_kv, q_len=q_len, kv_len=kv_len)
-  for x in (*plans, table):
-    x.flags.writeable = False
-  return plans, table
-
-
-def _plans_ahead(st: RingStatic, ops: common.Operands, backward: bool):
-  """``layout_plans`` for this ring's pass when its plans can be built ahead: positions derived
-  from the layout, no segment ids, no dense mask, and a bounded number of tiles; else None."""
-  if (st.layout_positions is None or ops.dense is not None
-      or ops.q_info.segment_ids is not None or ops.kv_info.segment_ids is not None):
-    return None
-  cfg = st.cfg
-  bq, bk = (cfg.block_q_bwd, cfg.block_kv_bwd) if backward else (cfg.block_q, cfg.block_kv)
-  tp, sp = ops.q_info.positions.shape[-1], ops.kv_info.positions.shape[-1]
-  gathered = st.strategy == "all_gather"
-  pairs = st.ring_size * (1 if gathered else st.ring_size)
-  if (tp // bq) * (sp // bk) > pair.STATIC_PLAN_TILES or pairs > PLANS_AHEAD_PAIRS:
-    return None
-  return layout_plans(cfg.mask, *st.layout_positions, st.ring_size, gathered, cfg.q_len,
-                       cfg.kv_len, tp, sp, bq, bk)
-
-
 def step_plan(st: RingStatic, ops: common.Operands, rank, src, backward: bool = False):
-  """The block plan of (q shard ``rank``, kv shard ``src``; 0 when gathered): selected from the
-  plans built ahead, or built on device from ``ops``' positions."""
-  ahead = _plans_ahead(st, ops, backward)
-  if ahead is None:
-    return pair.make_plan(ops, st.cfg, backward)
-  return block_sparse.select_plan(*ahead, rank, src)
+  """The block plan of (q shard ``rank``, kv shard ``src``; 0 when gathered), from the ring's
+  planner: selected from the plans built ahead, or built on device from ``ops``."""
+  return st.planner.plan(ops, backward, rank, src)
 
 
 def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
                   acc: Optional[common.Partial] = None, plan=None) -> common.Partial:
   """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
-  result, or None), skipped when its plan (default: built from ``ops``) has nothing live."""
-  plan = pair.make_plan(ops, st.cfg) if plan is None else plan
+  result, or None), skipped when its plan (default: the planner's for ``ops``) has nothing live."""
+  plan = st.planner.plan(ops) if plan is None else plan
   b, tp, n, h = q.shape
   dt = common.acc_dtype(q.dtype)
 
@@ -216,9 +180,9 @@ def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands,
   """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
   its dq added to ``dq`` (the earlier pairs', or None). ``parts=common.DQ`` computes only dq
   and dbias, ``common.DKV`` only dk and dv (the others None). ``plan``: the backward's (default:
-  built from ``ops``)."""
+  the planner's for ``ops``)."""
   want_dq, want_dkv = common.wants(parts)
-  plan = pair.make_plan(ops, st.cfg, backward=True) if plan is None else plan
+  plan = st.planner.plan(ops, backward=True) if plan is None else plan
   no_bias = ops.bias is None or not want_dq
 
   def run():
@@ -501,9 +465,10 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                            kv_len=t * r if gather else t, out_dtype=common.acc_dtype(q.dtype),
                            interpret=interpret, dropout_rate=cs.dropout_rate)
   gpu = kernels.get(backend).platform == "gpu"
-  st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded,
-                   layout_positions=(t * r, layout) if derived else None, use_cond=not gpu,
-                   pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast)
+  planner = plans.for_config(cfg, tp, kv_padded,
+                             plans.RingLayout(t * r, layout, r, gather) if derived else None)
+  st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
+                  use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast)
 
   def pad_cols(x):
     """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the

@@ -92,7 +92,7 @@ def ring_step(case, backend, interpret, variants=None):
   """
   import jax
   import jax.numpy as jnp
-  from pallas_ring import BlockSizes, block_sparse, kernels, pair
+  from pallas_ring import BlockSizes, block_sparse, kernels, pair, plans
   from pallas_ring.kernels import common, tuning
   mask, t, s, n, kh, h, dt, segs, cap = case
   tiles = tuning.resolve(backend, BlockSizes(variants=variants), t, s, h, dtype=dt,
@@ -111,18 +111,18 @@ def ring_step(case, backend, interpret, variants=None):
 
   def plain(q, k, v, do, seg):
     ops = ops_of(seg)
-    o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
+    o, lse = lowering.forward(q, k, v, ops, plans.on_device(ops, cfg), cfg)
     grads = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              pair.make_plan(ops, cfg, backward=True), cfg)
+                              plans.on_device(ops, cfg, backward=True), cfg)
     return o, lse, grads
 
   def step(q, k, v, do, seg, o_acc, lse_acc, dq_acc):
     ops = ops_of(seg)
-    merged = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg,
+    merged = lowering.forward(q, k, v, ops, plans.on_device(ops, cfg), cfg,
                               common.Partial(o_acc, lse_acc))
-    o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
+    o, lse = lowering.forward(q, k, v, ops, plans.on_device(ops, cfg), cfg)
     added = lowering.backward(q, k, v, do, lse, common.RowTerm(o), ops,
-                              pair.make_plan(ops, cfg, backward=True), cfg, dq_acc)
+                              plans.on_device(ops, cfg, backward=True), cfg, dq_acc)
     return merged, added
 
   sd = jax.ShapeDtypeStruct

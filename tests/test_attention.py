@@ -177,7 +177,7 @@ class FlashCases:
     kernel): the same gradients either way, with and without an lse cotangent. ``parts`` asks for
     dq alone or dk and dv alone: the same results as the full call."""
     backend = self.backend
-    from pallas_ring import block_sparse, kernels, pair
+    from pallas_ring import block_sparse, kernels, pair, plans
     from pallas_ring.kernels import common, tuning
     b, t, n, kh, h = 2, 128, 4, 2, 64
     dt = kernel_dtype(backend, jnp.float32)
@@ -193,8 +193,8 @@ class FlashCases:
     info = block_sparse.make_token_info(t, b, segment_ids=seg)
     ops = common.Operands(info, info)
     lowering = kernels.get(backend)
-    o, lse = lowering.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
-    plan = pair.make_plan(ops, cfg, backward=True)
+    o, lse = lowering.forward(q, k, v, ops, plans.on_device(ops, cfg), cfg)
+    plan = plans.on_device(ops, cfg, backward=True)
     tol = TOL[dt] / 10
     for d in (None, dlse):
       want = lowering.backward(q, k, v, do, lse, common.row_delta(o, do, d), ops, plan, cfg)

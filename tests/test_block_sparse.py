@@ -1,5 +1,3 @@
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,62 +174,3 @@ def test_full_run_is_the_leading_consecutive_full_blocks():
   np.testing.assert_array_equal(np.asarray(plan.kv_index)[0, 0][1], [0, 2, 3, 1])
   # Row 1: FULL blocks 0, 2, 3; only block 0 starts a consecutive run.
   np.testing.assert_array_equal(np.asarray(plan.kv_full)[0, 0], [4, 1, 4, 4])
-
-
-def _block_fn(q_lo, q_hi, k_lo, k_hi):  # (module level: a Custom mask's block test)
-  return k_lo <= q_hi + 3, k_hi <= q_lo - 5
-
-
-def _fn(q, k):
-  return (k <= q + 3) & (k >= q - 40)
-
-
-@given(spec=st.one_of(mask_strategy, st.just(masks.Custom(_fn, _block_fn))),
-       t=st.sampled_from([1, 13, 32, 40]), s=st.sampled_from([5, 32, 47]),
-       bq=st.sampled_from([1, 4, 8]), bk=st.sampled_from([4, 8, 16]))
-def test_indexed_plan_is_the_device_plan_in_numpy(spec, t, s, bq, bk):
-  """``indexed_plan`` (numpy, built ahead) gives the jitted plan's arrays, dtypes and shapes."""
-  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
-  ahead = bs.indexed_plan(spec, t, s, tp, sp, bq, bk)
-  np.testing.assert_array_equal(bs.indexed_positions(t, tp),
-                                bs.pad_token_info(bs.make_token_info(t, 1), tp).positions)
-  device = jax.jit(lambda a, c: bs.make_plan(spec, bs.TokenInfo(a), bs.TokenInfo(c), block_q=bq,
-                                             block_kv=bk, q_len=t, kv_len=s))(
-      jnp.asarray(bs.indexed_positions(t, tp)), jnp.asarray(bs.indexed_positions(s, sp)))
-  for name, a, d in zip(bs.BlockPlan._fields, ahead, device):
-    assert isinstance(a, np.ndarray) and not a.flags.writeable, name
-    assert (a.dtype, a.shape) == (d.dtype, d.shape), name
-    np.testing.assert_array_equal(a, np.asarray(d), err_msg=name)
-
-
-def _sorts(f, *args, op="stablehlo.sort"):
-  """The sort ops (the device plan's lists), or other ``op``, in ``f``'s lowered program."""
-  return jax.jit(f).trace(*args).lower().as_text().count(op)
-
-
-def test_flash_attention_takes_a_static_plan_as_constants(monkeypatch):
-  """Default positions, no segment ids: the plan is built ahead (no plan ops in the program,
-  forward or backward); explicit positions, segment ids or a plan above the tile limit keep
-  the device plan, with segment ids only its segment part (fewer reductions). Results are the
-  same either way."""
-  from pallas_ring import BlockSizes, attention, pair
-  t = 256
-  q = jax.random.normal(jax.random.key(0), (1, t, 2, 32), jnp.float32)
-  seg = (jnp.arange(t) // 100)[None]
-  run = lambda q, **kw: attention.flash_attention(q, q, q, mask=masks.Causal(), backend="xla",
-                                                  block_sizes=BlockSizes(64, 64, 64, 64),
-                                                  **kw)
-  grad = lambda **kw: jax.grad(lambda q: run(q, **kw).sum())
-  assert _sorts(run, q) == _sorts(grad(), q) == 0
-  pos = dict(q_positions=jnp.arange(t), kv_positions=jnp.arange(t))
-  assert _sorts(lambda q: run(q, **pos), q) > 0
-  docs = lambda q, s, **kw: run(q, segment_ids=s, **kw)
-  assert _sorts(docs, q, seg) > 0
-  reductions = lambda f: _sorts(f, q, seg, op="stablehlo.reduce")
-  assert reductions(docs) < reductions(functools.partial(docs, **pos))
-  np.testing.assert_array_equal(jax.jit(docs)(q, seg),
-                                jax.jit(functools.partial(docs, **pos))(q, seg))
-  np.testing.assert_array_equal(jax.jit(run)(q), jax.jit(lambda q: run(q, **pos))(q))
-  np.testing.assert_array_equal(jax.jit(grad())(q), jax.jit(grad(**pos))(q))
-  monkeypatch.setattr(pair, "STATIC_PLAN_TILES", (t // 64) ** 2)
-  assert _sorts(run, jnp.concatenate([q, q[:, :64]], axis=1)) > 0  # (a new length: 5 x 5 tiles)

@@ -218,7 +218,7 @@ def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq):
   """Given delta as a ``common.RowTerm`` the dQ kernel computes it from o (minus dlse when
   given) and hands it to the dK/dV kernel: two Mosaic GPU kernels, no XLA reduction of o * dO
   (H=256: the wide kernels). The variant ``delta_in_dq=False`` brings XLA's back."""
-  from pallas_ring import block_sparse, pair
+  from pallas_ring import block_sparse, pair, plans
   from pallas_ring.kernels import common, tuning
   b, t, n, kh = 2, 256, 4, 2
   sd = jax.ShapeDtypeStruct
@@ -231,7 +231,7 @@ def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq):
   def grads(q, k, v, do, lse, o, *dlse):
     info = block_sparse.make_token_info(t, b)
     ops = common.Operands(info, info)
-    plan = pair.make_plan(ops, cfg, backward=True)
+    plan = plans.on_device(ops, cfg, backward=True)
     return pallas_mosaic_gpu.backward(q, k, v, do, lse, common.RowTerm(o, *dlse), ops, plan, cfg)
 
   text = _lower(grads, q, k, k, q, sd((b, n, t), jnp.float32), q,

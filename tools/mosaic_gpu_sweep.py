@@ -273,7 +273,7 @@ def step(*opts):
   the ring runs it): the kernel alone and merging into a running (o, lse), against the forward
   of one GPU doing the step's work as one call (``flash_attention``); ``field=v1,v2`` compiles
   our kernel once per ``Variants`` value; all timed interleaved."""
-  from pallas_ring import block_sparse, pair
+  from pallas_ring import block_sparse, pair, plans
   from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
   b, t, n, h = 1, 8192, 16, 128
   q, k, v, _ = random_inputs(b, t, n, h)
@@ -284,7 +284,7 @@ def step(*opts):
     tiles = tuning.resolve("pallas_mosaic_gpu", bs, t, t, h)
     cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
                              q_len=t, kv_len=t, out_dtype=jnp.float32, interpret=False)
-    plan = pair.make_plan(ops, cfg)
+    plan = plans.on_device(ops, cfg)
     acc = common.Partial(*pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg)) if merge else None
     return _compiled(jax.jit(lambda q, k, v: pallas_mosaic_gpu.forward(q, k, v, ops, plan, cfg,
                                                                         acc)), q, k, v)
@@ -334,7 +334,7 @@ def _contract_call(h, out_dtype, seg=None):
   """A direct call of the Mosaic GPU lowering's contract (B=2, T=1024, N=4, K=2, causal, segment
   ids ``seg`` or none): ``(q, k, v, do, ops, cfg, o, lse, plan)``, o and lse from its forward
   and ``plan`` for the backward."""
-  from pallas_ring import block_sparse, pair
+  from pallas_ring import block_sparse, pair, plans
   from pallas_ring.kernels import common, pallas_mosaic_gpu, tuning
   b, t, n, kh = 2, 1024, 4, 2
   q, k, v, do = random_inputs(b, t, n, h, kv_heads=kh)
@@ -343,8 +343,8 @@ def _contract_call(h, out_dtype, seg=None):
                            q_len=t, kv_len=t, out_dtype=out_dtype, interpret=False)
   info = block_sparse.make_token_info(t, b, segment_ids=seg)
   ops = common.Operands(info, info)
-  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, pair.make_plan(ops, cfg), cfg)
-  return q, k, v, do, ops, cfg, o, lse, pair.make_plan(ops, cfg, backward=True)
+  o, lse = pallas_mosaic_gpu.forward(q, k, v, ops, plans.on_device(ops, cfg), cfg)
+  return q, k, v, do, ops, cfg, o, lse, plans.on_device(ops, cfg, backward=True)
 
 
 def _row_terms():

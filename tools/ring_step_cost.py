@@ -15,7 +15,7 @@ interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 m
     pack + unpack       the bytes of the step's sends (K/V and dK/dV) packed into one buffer and
                         unpacked (``ring.rotate`` without its ppermute; GPU rings pack)
     ... plan ahead      the same step with its plan selected from those built while tracing
-                        (``ring.layout_plans``; rank and source are arguments, as under
+                        (``plans.Planner``; rank and source are arguments, as under
                         ``shard_map``) instead of built on device from its positions; also for
                         a causal zigzag pair (rank 1, source 0 of 4), whose plans differ by pair
 
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import bench, block_sparse, layouts, masks, pair, ring
+from pallas_ring import bench, block_sparse, layouts, masks, pair, plans, ring
 from pallas_ring.kernels import common, tuning
 
 
@@ -48,7 +48,8 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
   cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None,
                            q_len=tokens, kv_len=tokens, out_dtype=jnp.float32,
                            interpret=False)
-  st = ring.RingStatic(cfg, backend, "x", r, "ring", 1, tokens, use_cond=False, pack_sends=True)
+  st = ring.RingStatic(cfg, backend, "x", r, "ring", 1, tokens,
+                       plans.for_config(cfg, tokens, tokens), use_cond=False, pack_sends=True)
   info = lambda rank: block_sparse.make_token_info(
       tokens, b, jnp.arange(tokens, dtype=jnp.int32) + rank * tokens, None)
   ops = common.Operands(info(1), info(0), None, None, None, None)
@@ -86,7 +87,9 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     from those built ahead (``plan_of(rank, src, backward)``)."""
     c = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
                            kv_len=tokens, out_dtype=f32, interpret=False)
-    s = ring.RingStatic(c, backend, "x", r, "ring", 1, tokens, (r * tokens, layout),
+    planner = plans.for_config(c, tokens, tokens,
+                               plans.RingLayout(r * tokens, layout, r, False))
+    s = ring.RingStatic(c, backend, "x", r, "ring", 1, tokens, planner,
                         use_cond=False, pack_sends=True)
     pos = lambda rank: block_sparse.make_token_info(
         tokens, b, layouts.positions(r * tokens, layout, r, rank))

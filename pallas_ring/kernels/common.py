@@ -93,9 +93,6 @@ class KernelConfig:
   num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
   interpret: bool = False  # run Pallas kernels in interpret mode
   dropout_rate: float = 0.0  # attention-probability dropout rate in [0, 1)
-  # Positions are the token indices (flash_attention's default), so the block plan's position
-  # part depends on static sizes only and is built at trace time (``pair.make_plan``).
-  indexed_positions: bool = False
   # The backend's kernel-variant config (``Backend.variants``; None for a backend without
   # variants): a static field, so a changed variant is a new jit key.
   variants: Any = None
