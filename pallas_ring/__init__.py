@@ -16,6 +16,7 @@ _PUBLIC = {
     "flash_attention": ("pallas_ring.attention", "flash_attention"),
     "ring_attention": ("pallas_ring.ring", "ring_attention"),
     "sharded_attention": ("pallas_ring.sharded", "sharded_attention"),
+    "decode_attention": ("pallas_ring.decode", "decode_attention"),
     "BlockSizes": ("pallas_ring.config", "BlockSizes"),
     "SequenceParallelConfig": ("pallas_ring.config", "SequenceParallelConfig"),
     "TokenInfo": ("pallas_ring.block_sparse", "TokenInfo"),
@@ -44,6 +45,7 @@ def __dir__():
   return sorted(set(globals()) | set(_PUBLIC))
 
 
-__all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "masks", "layouts",
+__all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "decode_attention",
+           "masks", "layouts",
            "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path", "dropout_keep_mask",
            "segment_ids_from_cu_seqlens"]

@@ -457,6 +457,76 @@ def extras_cost(t=16384, b=1, n=16, h=128, log=print):
   return rows
 
 
+DECODE_CACHES = {  # name: (B, S, N, K, H, T): T new tokens against a full cache of S slots
+    "B=1 S=128k GQA 32/8": (1, 131072, 32, 8, 128, 1),
+    "B=1 S=128k MQA 16/1": (1, 131072, 16, 1, 128, 1),
+    "B=8 S=32k GQA 32/8": (8, 32768, 32, 8, 128, 1),
+    "B=16 S=8k GQA 32/8": (16, 8192, 32, 8, 128, 1),
+    "B=1 S=32k GQA 32/8 T=4": (1, 32768, 32, 8, 128, 4),
+    "B=1 S=32k GQA 32/8 T=8": (1, 32768, 32, 8, 128, 8),
+}
+
+# HBM bandwidth by device kind (bytes/s, the vendors' figures), for "% of HBM".
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def _hbm_peak() -> float:
+  kind = jax.devices()[0].device_kind
+  return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in kind), float("nan"))
+
+
+def decode(caches=None, extra_impls=None, log=print):
+  """Decode against a full bf16 cache: cuDNN and XLA (``jax.nn.dot_product_attention``) beside
+  ``decode_attention`` on ``"auto"`` and on Triton; K/V bytes per second and % of HBM.
+
+  Args:
+    caches: ``DECODE_CACHES``-style shapes (default: all of them).
+    extra_impls: more ``name: decode_attention keyword dict`` to time beside (e.g. kv_splits).
+  """
+  from pallas_ring.decode import decode_attention
+  from pallas_ring import kernels
+  rows = []
+  peak = _hbm_peak()
+  for case, (b, s, n, kh, h, t) in (caches or DECODE_CACHES).items():
+    keys = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, kh, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, kh, h), jnp.bfloat16)
+    # The queries are the cache's last T tokens: each sees the slots up to its own.
+    pos = s - t + jnp.arange(t)
+    visible = pos[:, None] >= jnp.arange(s)[None]  # [T, S]
+    # cuDNN reads the whole cache unmasked (its causal mask is aligned top-left); the same for
+    # T = 1, the same bytes for T > 1.
+    impls = {"cudnn": lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_,
+                                                                      implementation="cudnn"),
+             "xla": lambda q_, k_, v_: jax.nn.dot_product_attention(
+                 q_, k_, v_, mask=visible[None, None], implementation="xla"),
+             f"ours {kernels.native_backend()}": lambda q_, k_, v_: decode_attention(q_, k_, v_),
+             "ours triton": lambda q_, k_, v_: decode_attention(q_, k_, v_,
+                                                                backend="pallas_triton")}
+    for name, kw in (extra_impls or {}).items():
+      impls[name] = lambda q_, k_, v_, kw=kw: decode_attention(q_, k_, v_, **kw)
+    ref = jax.jit(impls["xla"])(q, k, v).astype(jnp.float32)
+    calls = {name: (jax.jit(f), (q, k, v)) for name, f in impls.items()}
+    for name, (fn, args) in calls.items():
+      if name == "cudnn" and t > 1:
+        continue
+      err = jnp.linalg.norm(fn(*args).astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+      if not err < 2e-2:
+        log(f"  {case}: {name} differs from XLA: relative error {float(err):.3g}")
+    kv_bytes = 2 * b * s * kh * h * 2
+    for clock_name, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
+      res = timeit_interleaved(calls, reps=12, **kw)
+      for name, secs in res.items():
+        gbs = kv_bytes / secs / 1e9
+        note = f"{gbs:.0f} GB/s, {100 * gbs * 1e9 / peak:.0f}% of HBM"
+        if name != "cudnn":
+          note += f", {res['cudnn'] / secs:.2f}x cuDNN, {res['xla'] / secs:.2f}x XLA"
+        rows.append(Row(case, name, f"decode {clock_name}", secs * 1e3, 0.0, note))
+        log(f"  {case:24s} {clock_name:5s} {name:28s} {secs * 1e3:8.3f} ms  {note}")
+  return rows
+
+
 def _passes(f, args, do):
   """``(pass, jitted function, its arguments)`` of ``f``'s forward and forward+backward."""
   return (("fwd", jax.jit(f), args), ("fwd+bwd", fwd_bwd(f), (*args, do)))
@@ -564,6 +634,8 @@ def main(args) -> None:
       rows, name = extras_cost(log=log), "extras"
     elif args.models:
       rows, name = model_shapes(log=log), "models"
+    elif args.decode:
+      rows, name = decode(log=log), "decode"
     else:
       rows, name = single_device(log=log), "single"
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
@@ -572,6 +644,8 @@ def main(args) -> None:
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r.case} | {r.impl} | {r.pass_} | {r.ms:.3f} | {r.tflops:.1f} | {r.ratio} |")
+  if not any(r.tflops for r in rows):  # (decode: bandwidth, no FLOP/s to plot)
+    return
   try:
     plot(rows, os.path.join(out_dir, f"{name}.png"),
          f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")

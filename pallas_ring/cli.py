@@ -168,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="cost of attention dropout and ALiBi (causal fwd+bwd, T=16k)")
   p.add_argument("--models", action="store_true",
                  help="causal model shapes: Llama GQA 32/8, H=256, H=64 (vs cuDNN)")
+  p.add_argument("--decode", action="store_true",
+                 help="decode (1-8 new tokens against a KV cache) vs cuDNN and XLA: GB/s and %% "
+                      "of HBM bandwidth")
   p.add_argument("--long-context", type=int, default=0, metavar="TOKENS",
                  help="causal zigzag ring fwd+bwd over TOKENS total tokens (e.g. 1048576)")
   p.add_argument("--device-time", action="store_true",

@@ -82,6 +82,9 @@ class BlockSizes:
   block_kv_bwd: Optional[int] = None  # key rows per backward tile
   num_warps: Optional[int] = None  # Triton: warps per program (pallas_mosaic_gpu: its backward's)
   num_stages: Optional[int] = None  # Triton: pipelining depth; pallas_mosaic_gpu: K/V SMEM slots
+  # decode_attention: contiguous chunks the KV cache is split into, each streamed by its own
+  # programs (None: enough to fill the device, ``Backend.decode_programs``).
+  kv_splits: Optional[int] = None
   # A backend's kernel-variant config (a frozen dataclass, e.g. ``pallas_mosaic_gpu.Variants``):
   # part of the jit key, so a changed variant retraces. None: the backend's defaults.
   variants: Any = None

@@ -18,43 +18,14 @@ import contextvars
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
-from pallas_ring.sharded import sharded_attention
+from pallas_ring.sharded import active_mesh, sharded_attention
 
 Array = Any
-
-
-def _mesh_axes(mesh) -> tuple:
-  return tuple(getattr(mesh, "axis_names", ()))
-
-
-def _active_mesh(mesh, config: Optional[SequenceParallelConfig]):
-  """The mesh to run the ring on, or None for single-device attention.
-
-  With a ``config``, a mesh given here or active through ``jax.set_mesh`` must hold
-  ``config.axis_name``: inputs are then in layout order, and attending over them on one device
-  would be silently wrong. Without a config, or without any mesh, attention runs on one device.
-  """
-  if config is None:
-    return None
-  given = mesh is not None
-  if not given:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-      return None
-  if config.axis_name not in _mesh_axes(mesh):
-    where = "the `mesh` given" if given else "the active mesh (jax.set_mesh)"
-    raise ValueError(
-        f"SequenceParallelConfig.axis_name={config.axis_name!r} is not an axis of {where}, whose "
-        f"axes are {_mesh_axes(mesh)}. Name one of those axes in the config, build the mesh with "
-        f"a {config.axis_name!r} axis, or call outside any mesh (and without `mesh=`) to run "
-        "single-device attention on naturally ordered tokens.")
-  return mesh
 
 
 def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
@@ -75,7 +46,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
   bias = flat_bnts(bias)
   dropout = dropout or {}
-  run_mesh = None if single_device else _active_mesh(mesh, config)
+  run_mesh = None if single_device else active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
   if run_mesh is not None:
     out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,35 @@ from pallas_ring import call, layouts, packing, ring
 from pallas_ring.config import SequenceParallelConfig
 
 
-def _check_axes(mesh, config: SequenceParallelConfig):
+def _mesh_axes(mesh) -> tuple:
+  return tuple(getattr(mesh, "axis_names", ()))
+
+
+def active_mesh(mesh, config: Optional[SequenceParallelConfig]):
+  """The mesh to run the ring on, or None for single-device attention.
+
+  With a ``config``, a mesh given here or active through ``jax.set_mesh`` must hold
+  ``config.axis_name``: inputs are then in layout order, and attending over them on one device
+  would be silently wrong. Without a config, or without any mesh, attention runs on one device.
+  """
+  if config is None:
+    return None
+  given = mesh is not None
+  if not given:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      return None
+  if config.axis_name not in _mesh_axes(mesh):
+    where = "the `mesh` given" if given else "the active mesh (jax.set_mesh)"
+    raise ValueError(
+        f"SequenceParallelConfig.axis_name={config.axis_name!r} is not an axis of {where}, whose "
+        f"axes are {_mesh_axes(mesh)}. Name one of those axes in the config, build the mesh with "
+        f"a {config.axis_name!r} axis, or call outside any mesh (and without `mesh=`) to run "
+        "single-device attention on naturally ordered tokens.")
+  return mesh
+
+
+def check_axes(mesh, config: SequenceParallelConfig):
   names = tuple(mesh.axis_names)
   fields = [("axis_name", config.axis_name)] + [("batch_axes", a) for a in config.batch_axes]
   if config.head_axis is not None:
@@ -31,7 +60,7 @@ def _size(mesh, axes):
   return n
 
 
-def _constrain(x, mesh, spec):
+def constrain(x, mesh, spec):
   """Puts ``x`` on ``mesh`` with ``spec`` (Explicit axes: reshard; Auto axes: a constraint)."""
   if x is None:
     return None
@@ -81,7 +110,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     if mesh is None or mesh.empty:
       raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
                        "`with jax.set_mesh(mesh):`.")
-  _check_axes(mesh, config)
+  check_axes(mesh, config)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
       dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
@@ -148,7 +177,7 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
   in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec,
               tiles(arrays.dense), None if arrays.sinks is None else P(head), tiles(ex.bias),
               alibi_spec, None if ex.seeds is None else P(), None if cu_seqlens is None else P())
-  args = [_constrain(x, mesh, s) for x, s in zip(
+  args = [constrain(x, mesh, s) for x, s in zip(
       (q, k, v, arrays.segment_ids, positions, arrays.dense, arrays.sinks, ex.bias, ex.alibi,
        ex.seeds, cu_seqlens), in_specs)]
   fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -156,4 +185,4 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
   return fn(*args)
 
 
-__all__ = ["sharded_attention"]
+__all__ = ["sharded_attention", "active_mesh", "check_axes", "constrain"]

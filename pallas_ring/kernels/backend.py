@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Optional
 
+import jax
+
 from pallas_ring.config import BlockSizes
 
 TILE_FIELDS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
@@ -120,6 +122,12 @@ class Backend:
     return {"fwd": [dict(block_q=q, block_kv=k) for q in sizes for k in sizes],
             "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q in sizes for k in sizes]}
 
+  def decode_programs(self, interpret: bool) -> int:
+    """How many concurrent programs fill the device: ``decode_attention`` splits a cache into
+    chunks until its kernel grid has about this many (1: no split)."""
+    del interpret
+    return 1
+
   # -- kernels (``kernels.common``'s contract) ---------------------------------------------------
 
   def forward(self, q, k, v, ops, plan, cfg, acc=None):
@@ -134,4 +142,16 @@ class Backend:
     return f"<backend {self.name}>"
 
 
-__all__ = ["Backend", "Call", "TILE_FIELDS", "next_pow2", "round_up"]
+def gpu_programs(interpret: bool, per_sm: int = 2) -> int:
+  """``Backend.decode_programs`` of a GPU kernel: ``per_sm`` programs per streaming
+  multiprocessor of the local GPU (1 in interpret mode or without a GPU)."""
+  if interpret:
+    return 1
+  try:
+    gpu = jax.devices("gpu")[0]
+  except RuntimeError:
+    return 1
+  return per_sm * int(getattr(gpu, "core_count", 0) or 132)
+
+
+__all__ = ["Backend", "Call", "TILE_FIELDS", "next_pow2", "round_up", "gpu_programs"]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -303,6 +303,29 @@ def merge(o1, lse1, o2, lse2):
   lse, c1, c2 = merge_weights(lse1, lse2)
   rows = lambda c: jnp.swapaxes(c, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
   return o1 * rows(c1) + o2.astype(o1.dtype) * rows(c2), lse
+
+
+def merge_reduced(o, lse, reduce_max: Callable, reduce_sum: Callable):
+  """Merges many normalised partial results of the same rows over disjoint keys, along an axis
+  that ``reduce_max`` / ``reduce_sum`` reduce (a stacked array axis, or a mesh axis through
+  ``lax.pmax`` / ``lax.psum``).
+
+  Args:
+    o: ``[..., B, T, N, H]`` float32; lse: ``[..., B, N, T]`` float32 (``-inf`` = no keys).
+    reduce_max, reduce_sum: reduce their argument over the partials.
+
+  Returns:
+    ``(o [B, T, N, H], lse [B, N, T])`` over the union of the keys; rows empty in every partial
+    are ``(0, -inf)``, never NaN.
+  """
+  m = reduce_max(lse)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m_safe)  # [..., B, N, T]
+  total = reduce_sum(w)
+  empty = total == 0.0
+  lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+  rows = lambda c: jnp.swapaxes(c, -1, -2)[..., None]  # [.., B, N, T] -> [.., B, T, N, 1]
+  return reduce_sum(o * rows(w)) / rows(jnp.where(empty, 1.0, total)), lse
 
 
 def merged(acc: Optional[Partial], o, lse):

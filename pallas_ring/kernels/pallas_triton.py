@@ -510,6 +510,9 @@ class TritonBackend(backend.Backend):
     return {"fwd": fwd, "bwd": [dict(block_q_bwd=q, block_kv_bwd=k)
                                 for q in bwd_tiles for k in bwd_tiles]}
 
+  def decode_programs(self, interpret):
+    return backend.gpu_programs(interpret)
+
   forward = staticmethod(forward)
   backward = staticmethod(backward)
 

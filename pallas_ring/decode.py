@@ -1,0 +1,270 @@
+"""``decode_attention``: a few new query tokens against a long KV cache (flash-decoding).
+
+One device runs four steps, all around the backends' forward kernels (the same contract as
+``flash_attention``):
+
+1. **Pack.** The ``G = N / K`` query heads that share a kv head, times the ``T`` query tokens,
+   become the rows of that kv head's query tile (``[B, T*G, K, H]``, rows ordered ``(t, g)``),
+   so each K/V tile is read once per kv head. (Not with ALiBi, whose slope is per query head:
+   the kernel then maps its N heads onto the K kv heads itself.)
+2. **Split.** The cache's slots are cut into ``P`` contiguous chunks that become a batch axis of
+   the kernel call (``[B, S, K, H] -> [B * P, S / P, K, H]``, a free reshape), so ``B * K * P``
+   programs stream the cache at once. ``P`` fills the device (``Backend.decode_programs``) or is
+   ``BlockSizes.kv_splits``.
+3. **Attend.** Each chunk runs the forward kernel with its slots' positions. Slots at or past a
+   row's ``kv_lengths`` form another segment, so their tiles are EMPTY in the block plan and are
+   never loaded; a mask spec skips tiles as everywhere (a sliding window reads its window).
+4. **Merge.** The chunks' ``(o, lse)`` merge by the log-sum-exp rule the ring uses, then the
+   sinks.
+
+With a mesh, the cache is sharded along its slots over ``config.axis_name``: each device runs the
+above over its own slot range (global positions) and the devices' results merge the same way
+through one ``pmax`` and two ``psum`` of the small ``[B, T, N, H]`` result.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from pallas_ring import block_sparse, call, kernels, pair, plans, sharded
+from pallas_ring import masks as masks_lib
+from pallas_ring.config import SequenceParallelConfig
+from pallas_ring.kernels import common, tuning
+
+# A chunk streams at least this many slots: shorter ones cost more in launch and merge than
+# their parallelism gains.
+MIN_CHUNK = 512
+
+_NO_GRAD = (
+    "decode_attention is forward only (inference against a KV cache): it has no gradient. To "
+    "train, call pallas_ring.flash_attention (or ring_attention / sharded_attention), which is "
+    "differentiable.")
+
+
+def _forward_only(fn):
+  """``fn`` whose differentiation (any mode) raises ``_NO_GRAD``."""
+  f = jax.custom_jvp(fn)
+
+  def jvp(primals, tangents):
+    raise NotImplementedError(_NO_GRAD)
+
+  f.defjvp(jvp)
+  return f
+
+
+def num_splits(programs: int, base: int, slots: int, block_kv: int) -> int:
+  """The largest power of two ``P`` with ``base * P <= programs`` that cuts ``slots`` into
+  chunks of whole ``block_kv`` tiles of at least ``MIN_CHUNK`` slots (1 when none does)."""
+  p = 1
+  while (base * p * 2 <= programs and slots % (p * 2 * block_kv) == 0
+         and slots // (p * 2) >= MIN_CHUNK):
+    p *= 2
+  return p
+
+
+def _pack(q, kv_heads: int):
+  """``[B, T, N, H] -> [B, T*G, K, H]``: row ``t*G + g`` of kv head k is q head ``k*G + g``."""
+  b, t, n, h = q.shape
+  g = n // kv_heads
+  return q.reshape(b, t, kv_heads, g, h).transpose(0, 1, 3, 2, 4).reshape(b, t * g, kv_heads, h)
+
+
+def _unpack(o, lse, t: int):
+  """Inverse of ``_pack`` on ``o [B, T*G, K, H]`` and ``lse [B, K, T*G]``."""
+  b, rows, kh, h = o.shape
+  g = rows // t
+  o = o.reshape(b, t, g, kh, h).transpose(0, 1, 3, 2, 4).reshape(b, t, kh * g, h)
+  lse = lse.reshape(b, kh, t, g).transpose(0, 1, 3, 2).reshape(b, kh * g, t)
+  return o, lse
+
+
+def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
+              settings: call.Settings):
+  """``(o [B, T, N, H], lse [B, N, T])`` in the accumulation dtype, before sinks, of the queries
+  against this device's cache ``k, v [B, S, K, H]``, whose slot ``j`` has global position
+  ``offset + j``.
+
+  Args:
+    q_pos: int32 ``[B, T]`` query positions.
+    lengths: int32 ``[B]`` visible slots per row (global), or None (every slot).
+    alibi: float32 ``[Ba, N, 1]`` slopes or None.
+  """
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  impl = kernels.get(backend)
+  pack = alibi is None
+  rows, heads = (t * (n // kh), kh) if pack else (t, n)
+  tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)
+  p = settings.block_sizes.kv_splits or num_splits(
+      impl.decode_programs(interpret), b * heads, s, tiles.block_kv)
+  if s % p:
+    raise ValueError(f"block_sizes.kv_splits={p} does not divide the cache's {s} slots (per "
+                     "device); pass a divisor of it, or None to choose automatically.")
+  c = s // p  # slots per chunk
+  acc = common.acc_dtype(q.dtype)
+  if pack:
+    q, q_pos = _pack(q, kh), jnp.repeat(q_pos, rows // t, axis=1)  # [B, T*G, K, H], [B, T*G]
+  split = lambda x: jnp.broadcast_to(x[:, None], (b, p) + x.shape[1:]).reshape(
+      (b * p,) + x.shape[1:])
+  slots = offset + jnp.arange(s, dtype=jnp.int32)  # [S] global positions
+  kv_pos = jnp.broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
+  q_seg = kv_seg = None
+  if lengths is not None:  # slots past a row's length: another segment, never visible
+    q_seg = jnp.zeros((b * p, rows), jnp.int32)
+    kv_seg = (slots[None] >= lengths[:, None]).astype(jnp.int32).reshape(b * p, c)
+  tp = tuning.padded_len(rows, tiles.block_q)
+  sp = tuning.padded_len(c, tiles.block_kv)
+  hp = impl.padded_head_dim(h)
+  cfg = pair.kernel_config(tiles, mask=settings.mask, scale=settings.scale,
+                           softcap=settings.softcap, q_len=rows, kv_len=c, out_dtype=acc,
+                           interpret=interpret)
+  info = lambda pos, seg, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos, seg),
+                                                              padded)
+  if alibi is not None and alibi.shape[0] > 1:
+    alibi = split(alibi)  # [B * P, N, 1]
+  ops = common.Operands(info(split(q_pos), q_seg, tp), info(kv_pos, kv_seg, sp), alibi=alibi)
+  pad = pair.pad_tokens
+  kc, vc = (pad(x.reshape(b * p, c, kh, h), sp, hp) for x in (k, v))
+  planner = plans.for_config(cfg, tp, sp)
+  o, lse = impl.forward(pad(split(q), tp, hp), kc, vc, ops, planner.plan(ops), cfg)
+  o = o[:, :rows, :, :h].astype(acc).reshape(b, p, rows, heads, h)
+  lse = lse[:, :, :rows].reshape(b, p, heads, rows)
+  o, lse = common.merge_reduced(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0),
+                                functools.partial(jnp.max, axis=0),
+                                functools.partial(jnp.sum, axis=0))
+  return _unpack(o, lse, t) if pack else (o, lse)
+
+
+def _check(q, k_cache, kv_lengths, mesh_size: int):
+  """Checks what ``call.check`` does not: cache and query lengths, ``kv_lengths``."""
+  b, t = q.shape[0], q.shape[1]
+  s = k_cache.shape[1]
+  if t > s:
+    raise ValueError(f"`q` has T={t} tokens but the cache has S={s} slots (k_cache shape "
+                     f"{tuple(k_cache.shape)}): decode_attention attends a few new tokens that are "
+                     "already written into a longer cache. Write them into the cache first, or "
+                     "use flash_attention for a whole prompt.")
+  if s % mesh_size:
+    raise ValueError(f"the cache's S={s} slots do not split evenly over the {mesh_size} devices "
+                     "of config.axis_name; allocate a cache whose length is a multiple of it.")
+  if kv_lengths is not None:
+    shape = tuple(jnp.shape(kv_lengths))
+    if shape != (b,):
+      raise ValueError(f"`kv_lengths` has shape {shape}; expected [B] = ({b},): the number of "
+                       "filled cache slots of each batch row.")
+    if not jnp.issubdtype(jnp.result_type(kv_lengths), jnp.integer):
+      raise TypeError(f"`kv_lengths` has dtype {jnp.result_type(kv_lengths)}; it must be an "
+                      "integer array (cast with `.astype(jnp.int32)`).")
+
+
+def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
+                     mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
+                     alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
+                     block_sizes=None, backend: Optional[str] = None, interpret=None,
+                     return_lse: bool = False):
+  """Attention of a few new query tokens against a long KV cache (forward only).
+
+  Args:
+    q: ``[B, T, N, H]``, T small (1 for greedy decoding, a few for speculative decoding).
+    k_cache, v_cache: ``[B, S, K, H]``; ``N % K == 0``. Key positions are the slot indices.
+    kv_lengths: int ``[B]`` filled slots per row (default S); slots at or past a row's length
+      are invisible and never read.
+    q_positions: int ``[T]`` or ``[B, T]``; default ``kv_lengths[:, None] - T + arange(T)`` (the
+      queries are the last T tokens written into the cache).
+    mask: a mask spec in global positions (default ``Causal()``).
+    sinks, softcap, scale, alibi_slopes: as ``flash_attention``.
+    mesh, config: with a mesh (given or active through ``jax.set_mesh``) holding
+      ``config.axis_name``, the caches are sharded along S over that axis in contiguous slot
+      ranges (``config.batch_axes`` shard B); q and kv_lengths are replicated over it.
+    block_sizes: ``BlockSizes`` (its ``kv_splits`` sets the number of cache chunks); default
+      ``config.block_sizes``.
+    backend: a kernel backend or ``"auto"``; default ``config.backend`` (else ``"auto"``).
+    interpret: as ``flash_attention``.
+    return_lse: also return ``lse [B, N, T]``.
+
+  Returns:
+    ``[B, T, N, H]`` in q's dtype (and lse): ``flash_attention`` of the same positions with the
+    slots past each length invisible. Rows with no visible slot are 0.
+  """
+  cfg = config
+  if cfg is not None and not isinstance(cfg, SequenceParallelConfig):
+    raise TypeError(f"`config` must be a SequenceParallelConfig or None, got "
+                    f"{type(cfg).__name__}.")
+  if mesh is not None and cfg is None:
+    raise ValueError("decode_attention(mesh=...) needs config=SequenceParallelConfig(axis_name="
+                     "...) naming the mesh axis the cache is sharded over.")
+  run_mesh = sharded.active_mesh(mesh, cfg)
+  r = 1 if run_mesh is None else run_mesh.shape[cfg.axis_name]
+  _check(q, k_cache, kv_lengths, r)
+  checked = call.check(
+      q, k_cache, v_cache, mask=mask, q_positions=q_positions, sinks=sinks, softcap=softcap,
+      scale=scale, alibi_slopes=alibi_slopes,
+      block_sizes=block_sizes if block_sizes is not None or cfg is None else cfg.block_sizes,
+      backend=backend or (cfg.backend if cfg is not None else "auto"), interpret=interpret,
+      return_lse=return_lse)
+  b, t = q.shape[0], q.shape[1]
+  s = k_cache.shape[1]
+  lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  q_pos = checked.arrays.q_positions
+  if q_pos is None:
+    last = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
+    q_pos = last[:, None] - t + jnp.arange(t, dtype=jnp.int32)
+  q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32).reshape(-1, t), (b, t))
+  args = (q, k_cache, v_cache, q_pos, lengths, checked.arrays.sinks, checked.arrays.extras.alibi)
+  if run_mesh is None:
+    fn = functools.partial(_decode, settings=checked.settings,
+                           platforms=tuple(checked.per_platform.items()))
+  else:
+    sharded.check_axes(run_mesh, cfg)
+    fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, settings=checked.settings,
+                           platforms=tuple(checked.per_platform.items()))
+  return _forward_only(fn)(*args)
+
+
+def _finish(o, lse, sinks, dtype, settings: call.Settings):
+  o, lse = pair.finish_forward(o, lse, sinks, dtype)
+  return (o, lse) if settings.return_lse else o
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "platforms"))
+def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms):
+  """One device: ``_local_on`` on the platform's backend, then the sinks."""
+  local = functools.partial(_local_on, settings=settings)
+  o, lse = kernels.dispatch(local, dict(platforms), q, k, v, q_pos, lengths, 0, alibi)
+  return _finish(o, lse, sinks, q.dtype, settings)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms"))
+def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, settings,
+                    platforms):
+  """shard_map over the cache's slots: each device attends its own, the results merge."""
+  sp = config.axis_name
+  batch = tuple(config.batch_axes or ()) or None
+  batch = batch[0] if batch is not None and len(batch) == 1 else batch
+  rep, cache, rows = P(batch), P(batch, sp), P(batch, None)
+  local = functools.partial(_local_on, settings=settings)
+
+  def per_device(q_, k_, v_, pos_, len_, sinks_, alibi_):
+    offset = lax.axis_index(sp) * k_.shape[1]
+    o, lse = kernels.dispatch(local, dict(platforms), q_, k_, v_, pos_, len_, offset, alibi_)
+    o, lse = common.merge_reduced(o, lse, functools.partial(lax.pmax, axis_name=sp),
+                                  functools.partial(lax.psum, axis_name=sp))
+    return _finish(o, lse, sinks_, q_.dtype, settings)
+
+  alibi_spec = None if alibi is None else P(batch if alibi.shape[0] > 1 else None)
+  in_specs = (rows, cache, cache, rows, None if lengths is None else rep,
+              None if sinks is None else P(), alibi_spec)
+  out_specs = (rows, rows) if settings.return_lse else rows
+  args = [sharded.constrain(x, mesh, s_) for x, s_ in zip((q, k, v, q_pos, lengths, sinks, alibi), in_specs)]
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     check_vma=False)
+  return fn(*args)
+
+
+__all__ = ["decode_attention", "num_splits"]

@@ -1,0 +1,161 @@
+"""decode_attention: a few queries against a KV cache, on every backend, split and sharded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_ring import BlockSizes, SequenceParallelConfig, decode_attention, masks, reference
+from conftest import rel_err
+
+BACKENDS = [("xla", None), ("pallas_triton", True), ("pallas_tpu", True)]
+
+CASES = {  # name: (T, N, K, mask, extra keywords, kv_splits)
+    "greedy_gqa_causal": (1, 8, 2, masks.Causal(), {}, 4),
+    "speculative_mqa_window": (4, 4, 1, masks.SlidingWindow(100), {}, 2),
+    "chunk_mha_full_sinks_softcap": (3, 2, 2, masks.Full(), dict(softcap=5.0), None),
+    "alibi_gqa": (2, 4, 2, masks.Causal(), dict(alibi_slopes=np.linspace(0.01, 0.2, 4)), 4),
+}
+
+
+def _problem(seed, t, n, kh, b=2, s=512, h=32, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+  k = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+  lengths = jnp.asarray(rng.integers(t, s + 1, b), jnp.int32).at[0].set(s)
+  return q, k, v, lengths
+
+
+def _reference(q, k, v, lengths, mask, q_positions=None, **kw):
+  """Dense attention over the slots below each row's length."""
+  b, t = q.shape[:2]
+  s = k.shape[1]
+  if q_positions is None:
+    q_positions = lengths[:, None] - t + jnp.arange(t)
+  kv_seg = (jnp.arange(s)[None] >= lengths[:, None]).astype(jnp.int32)
+  return reference.attention(q, k, v, mask=mask, q_positions=q_positions,
+                             kv_positions=jnp.arange(s), segment_ids=jnp.zeros((b, t), jnp.int32),
+                             kv_segment_ids=kv_seg, **kw)
+
+
+@pytest.mark.parametrize("backend, interpret", BACKENDS, ids=[b for b, _ in BACKENDS])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference(case, backend, interpret):
+  """Ragged lengths, GQA / MQA / MHA, T = 1 to 4, masks, sinks, soft-cap and ALiBi, the cache
+  split into chunks or not: the dense reference's output and lse."""
+  t, n, kh, mask, extra, splits = CASES[case]
+  q, k, v, lengths = _problem(sum(map(ord, case)), t, n, kh)
+  sinks = jnp.linspace(-1.0, 1.0, n) if "sinks" in case else None
+  out, lse = decode_attention(q, k, v, kv_lengths=lengths, mask=mask, sinks=sinks,
+                              backend=backend, interpret=interpret, return_lse=True,
+                              block_sizes=BlockSizes(kv_splits=splits), **extra)
+  ref, ref_lse = _reference(q, k, v, lengths, mask, sinks=sinks, **extra)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert rel_err(out, ref) < 1e-5
+  assert rel_err(lse, ref_lse) < 1e-5
+
+
+def test_default_lengths_positions_and_bfloat16():
+  """No ``kv_lengths``: every slot is filled and the queries are its last T tokens; explicit
+  ``q_positions`` are honoured; bfloat16 stays within 2x of a bfloat16 reference's error."""
+  q, k, v, _ = _problem(3, 2, 4, 2, dtype=jnp.bfloat16)
+  full = jnp.full((2,), 512, jnp.int32)
+  out = decode_attention(q, k, v, backend="xla", block_sizes=BlockSizes(kv_splits=4))
+  f32 = lambda x: x.astype(jnp.float32)
+  exact, _ = _reference(f32(q), f32(k), f32(v), full, masks.Causal())
+  ref, _ = _reference(q, k, v, full, masks.Causal())
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(out, exact) <= 2 * rel_err(ref, exact) + 1e-3
+  pos = jnp.asarray([100, 300])
+  got = decode_attention(f32(q), f32(k), f32(v), q_positions=pos, kv_lengths=full,
+                         backend="xla")
+  want, _ = _reference(f32(q), f32(k), f32(v), full, masks.Causal(), q_positions=pos)
+  assert rel_err(got, want) < 1e-5
+
+
+def test_a_row_with_nothing_visible_is_zero():
+  """A row of length 0 (and a query before every slot) returns 0 and an lse of -inf."""
+  q, k, v, _ = _problem(4, 1, 4, 2)
+  out, lse = decode_attention(q, k, v, kv_lengths=jnp.asarray([0, 512]), backend="xla",
+                              return_lse=True, block_sizes=BlockSizes(kv_splits=4))
+  assert not jnp.any(jnp.isnan(out))
+  assert jnp.all(out[0] == 0) and jnp.all(lse[0] == -jnp.inf)
+  assert jnp.all(jnp.isfinite(lse[1]))
+
+
+@pytest.mark.parametrize("shape, batch_axes", [((8,), ()), ((2, 4), ("dp",))],
+                         ids=["sp8", "dp2_sp4"])
+def test_a_cache_sharded_along_its_slots_matches_one_device(shape, batch_axes):
+  """The cache sharded over ``axis_name`` (and the batch over ``batch_axes``): each device
+  attends its own slot range and the results merge; equal to one device (output and lse)."""
+  names = ("dp", "sp")[-len(shape):]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=batch_axes, backend="xla")
+  q, k, v, lengths = _problem(5, 2, 8, 2, s=1024)
+  lengths = lengths.at[1].set(100)  # (most devices hold none of this row's slots)
+  kw = dict(kv_lengths=lengths, mask=masks.SlidingWindow(300), return_lse=True)
+  out, lse = jax.jit(lambda *a: decode_attention(*a, mesh=mesh, config=cfg, **kw))(q, k, v)
+  one, one_lse = decode_attention(q, k, v, backend="xla", **kw)
+  assert rel_err(out, one) < 1e-6 and rel_err(lse, one_lse) < 1e-6
+  with jax.set_mesh(mesh):  # the active mesh serves as well
+    np.testing.assert_array_equal(decode_attention(q, k, v, config=cfg, **kw)[0], out)
+
+
+def test_differentiating_it_raises_naming_flash_attention():
+  q, k, v, _ = _problem(6, 1, 2, 2, s=128)
+  f = lambda q: decode_attention(q, k, v, backend="xla").sum()
+  with pytest.raises(NotImplementedError, match="flash_attention"):
+    jax.grad(f)(q)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.jvp(f, (q,), (q,))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(kv_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"`kv_lengths` has shape \(3,\)"),
+    (dict(kv_lengths=jnp.ones((2,))), TypeError, "`kv_lengths` has dtype float32"),
+    (dict(q=jnp.ones((2, 200, 2, 32))), ValueError, "T=200 tokens but the cache has S=128"),
+    (dict(mesh="mesh"), ValueError, "needs config=SequenceParallelConfig"),
+    (dict(block_sizes=BlockSizes(kv_splits=3)), ValueError, "kv_splits=3 does not divide"),
+    (dict(q_positions=jnp.ones((5,), jnp.int32)), ValueError, "`q_positions` has shape"),
+], ids=["lengths_shape", "lengths_dtype", "query_longer_than_cache", "mesh_without_config",
+        "splits", "positions"])
+def test_mistakes_raise_naming_the_argument(change, error, match):
+  q, k, v, _ = _problem(7, 1, 2, 2, s=128)
+  kw = dict(q=q, backend="xla") | change
+  with pytest.raises(error, match=match):
+    decode_attention(kw.pop("q"), k, v, **kw)
+
+
+@pytest.mark.parametrize("backend, marker", [("pallas_triton", "__gpu$xla.gpu.triton"),
+                                             ("pallas_mosaic_gpu", "@mosaic_gpu")])
+def test_lowers_to_one_gpu_kernel_for_cuda(backend, marker):
+  """GQA and MQA caches, split into chunks: one kernel call, lowered for CUDA on this host."""
+  sd = jax.ShapeDtypeStruct
+  for n, kh in ((32, 8), (16, 1)):
+    args = (sd((2, 1, n, 128), jnp.bfloat16), sd((2, 4096, kh, 128), jnp.bfloat16),
+            sd((2, 4096, kh, 128), jnp.bfloat16), sd((2,), jnp.int32))
+    f = lambda q, k, v, n: decode_attention(q, k, v, kv_lengths=n, backend=backend,
+                                            interpret=False,
+                                            block_sizes=BlockSizes(kv_splits=8))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(marker) == 1
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_default_arguments_compile_a_mosaic_kernel_for_tpu():
+  """v5e, default arguments: one Mosaic kernel, and no temporary as large as the cache (no
+  ``[B, N, T, S]`` scores)."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
+      shape, dt, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  b, s, n, kh, h = 2, 32768, 32, 8, 128
+  args = (sd((b, 1, n, h)), sd((b, s, kh, h)), sd((b, s, kh, h)), sd((b,), jnp.int32))
+  f = lambda q, k, v, n: decode_attention(q, k, v, kv_lengths=n)
+  compiled = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+  assert compiled.as_text().count("custom_call_target=\"tpu_custom_call\"") == 1
+  cache_bytes = b * s * kh * h * 2
+  assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 8

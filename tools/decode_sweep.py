@@ -1,0 +1,36 @@
+"""Decode on one GPU: ``bench.decode``'s caches with the cache split into other numbers of chunks
+(``BlockSizes.kv_splits``) beside the automatic choice, device clock.
+
+    PYTHONPATH=. python tools/decode_sweep.py [CASE_SUBSTRING]
+
+Prints one line per (cache, implementation, clock): milliseconds, GB/s of K/V read, % of HBM,
+and the ratio to cuDNN and XLA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from pallas_ring import bench, decode, kernels
+from pallas_ring.config import BlockSizes
+
+
+def main(only: str = "") -> None:
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  impl = kernels.get(kernels.native_backend())
+  for case, (b, s, n, kh, h, t) in bench.DECODE_CACHES.items():
+    if only not in case:
+      continue
+    block_kv = impl.default_block_sizes(h, "").block_kv
+    auto = decode.num_splits(impl.decode_programs(False), b * kh, s, block_kv)
+    print(f"{case}: automatic kv_splits={auto}", flush=True)
+    extra = {f"ours kv_splits={p}": dict(block_sizes=BlockSizes(kv_splits=p))
+             for p in (auto // 4, auto * 2, auto * 4) if p >= 1 and s % p == 0}
+    with bench.clock("device"):
+      bench.decode({case: (b, s, n, kh, h, t)}, extra, log=lambda x: print(x, flush=True))
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
