@@ -501,13 +501,19 @@ def decode(caches=None, extra_impls=None, log=print):
                                                                       implementation="cudnn"),
              "xla": lambda q_, k_, v_: jax.nn.dot_product_attention(
                  q_, k_, v_, mask=visible[None, None], implementation="xla"),
-             f"ours {kernels.native_backend()}": lambda q_, k_, v_: decode_attention(q_, k_, v_),
-             "ours triton": lambda q_, k_, v_: decode_attention(q_, k_, v_,
-                                                                backend="pallas_triton")}
+             "ours auto": lambda q_, k_, v_: decode_attention(q_, k_, v_)}
+    if kernels.native_backend() != "pallas_triton":  # (what "auto" trains with on this GPU)
+      impls[f"ours {kernels.native_backend()}"] = lambda q_, k_, v_: decode_attention(
+          q_, k_, v_, backend=kernels.native_backend())
     for name, kw in (extra_impls or {}).items():
       impls[name] = lambda q_, k_, v_, kw=kw: decode_attention(q_, k_, v_, **kw)
+    # As in generation: the lengths are data (a traced argument).
+    impls["ours, kv_lengths"] = lambda q_, k_, v_, n_: decode_attention(q_, k_, v_,
+                                                                       kv_lengths=n_)
     ref = jax.jit(impls["xla"])(q, k, v).astype(jnp.float32)
-    calls = {name: (jax.jit(f), (q, k, v)) for name, f in impls.items()}
+    full = jnp.full((b,), s, jnp.int32)
+    calls = {name: (jax.jit(f), (q, k, v, full) if "kv_lengths" in name else (q, k, v))
+             for name, f in impls.items()}
     for name, (fn, args) in calls.items():
       if name == "cudnn" and t > 1:
         continue

@@ -85,17 +85,18 @@ class Checked(NamedTuple):
 
 
 def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
-                     extras: Optional[Extras] = None):
+                     extras: Optional[Extras] = None, decode: bool = False):
   """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
 
   ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
-  ``"auto"`` and refused (with the reason and the fallback) when asked for by name.
+  ``"auto"`` and refused (with the reason and the fallback) when asked for by name. ``decode``:
+  the call is ``decode_attention``'s.
   """
   block_sizes = tuning.as_block_sizes(block_sizes)
   ex = extras or Extras()
   call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
                       bias=ex.bias is not None, alibi=ex.alibi is not None,
-                      dropout=ex.seeds is not None, block_sizes=block_sizes)
+                      dropout=ex.seeds is not None, decode=decode, block_sizes=block_sizes)
   if backend != "auto":
     kernels.check_explicit(backend, call)
   return block_sizes, kernels.variants(backend, interpret, call)
@@ -106,7 +107,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
           scale=None, bias=None, alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
           dropout_offsets=(0, 0), dropout_broadcast: bool = False, block_sizes=None,
           backend: str = "auto", interpret=None, return_lse: bool = False,
-          names=("q_positions", "kv_positions")) -> Checked:
+          names=("q_positions", "kv_positions"), decode: bool = False) -> Checked:
   """Checks and normalizes the arguments of an attention call once.
 
   Args:
@@ -114,6 +115,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
     kv_shards: the K/V shards the dense mask and the bias span along their key axis (a ring
       shard's: the ring size R; their key axis is then ``R * S`` long).
     names: how the caller names its two position arguments (for errors).
+    decode: the call is ``decode_attention``'s (``auto`` may pick another kernel).
     The rest: as ``flash_attention`` (``kv_segment_ids`` default to ``segment_ids`` when
     ``T == S``); ``dropout_offsets`` are its ``dropout_batch_offset`` and
     ``dropout_head_offset``.
@@ -146,7 +148,8 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   dense = validation.normalize_dense_mask(dense_mask, b, n, t, mask_len)
   if sinks is not None:
     validation.check_sinks(sinks, n)
-  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras)
+  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras,
+                                               decode)
   settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
                       bool(return_lse))
   arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras)

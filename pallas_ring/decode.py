@@ -29,6 +29,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -85,15 +86,19 @@ def _unpack(o, lse, t: int):
 
 
 def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
-              settings: call.Settings):
+              settings: call.Settings, total: int):
   """``(o [B, T, N, H], lse [B, N, T])`` in the accumulation dtype, before sinks, of the queries
   against this device's cache ``k, v [B, S, K, H]``, whose slot ``j`` has global position
   ``offset + j``.
 
   Args:
-    q_pos: int32 ``[B, T]`` query positions.
+    q_pos: int32 ``[B, T]`` query positions, or None for the default: the last T slots below
+      each row's length (known while tracing without ``lengths``, so that the block plan is
+      built ahead, in numpy, when ``offset`` is too).
     lengths: int32 ``[B]`` visible slots per row (global), or None (every slot).
+    offset: the global position of this device's first slot (an int, or traced on a mesh).
     alibi: float32 ``[Ba, N, 1]`` slopes or None.
+    total: the cache's slots over every device (global S).
   """
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -108,12 +113,16 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
                      "device); pass a divisor of it, or None to choose automatically.")
   c = s // p  # slots per chunk
   acc = common.acc_dtype(q.dtype)
-  if pack:
-    q, q_pos = _pack(q, kh), jnp.repeat(q_pos, rows // t, axis=1)  # [B, T*G, K, H], [B, T*G]
-  split = lambda x: jnp.broadcast_to(x[:, None], (b, p) + x.shape[1:]).reshape(
+  if q_pos is None:
+    last = np.full((b, 1), total, np.int32) if lengths is None else lengths[:, None]
+    q_pos = last - t + np.arange(t, dtype=np.int32)  # [B, T]
+  xp = lambda x: np if isinstance(x, (np.ndarray, int)) else jnp  # (numpy: known ahead)
+  if pack:  # [B, T*G, K, H], [B, T*G]
+    q, q_pos = _pack(q, kh), xp(q_pos).repeat(q_pos, rows // t, axis=1)
+  split = lambda x: xp(x).broadcast_to(x[:, None], (b, p) + x.shape[1:]).reshape(
       (b * p,) + x.shape[1:])
-  slots = offset + jnp.arange(s, dtype=jnp.int32)  # [S] global positions
-  kv_pos = jnp.broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
+  slots = offset + xp(offset).arange(s, dtype=np.int32)  # [S] global positions
+  kv_pos = xp(slots).broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
   q_seg = kv_seg = None
   if lengths is not None:  # slots past a row's length: another segment, never visible
     q_seg = jnp.zeros((b * p, rows), jnp.int32)
@@ -207,22 +216,20 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
       scale=scale, alibi_slopes=alibi_slopes,
       block_sizes=block_sizes if block_sizes is not None or cfg is None else cfg.block_sizes,
       backend=backend or (cfg.backend if cfg is not None else "auto"), interpret=interpret,
-      return_lse=return_lse)
+      return_lse=return_lse, decode=True)
   b, t = q.shape[0], q.shape[1]
   s = k_cache.shape[1]
   lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
   q_pos = checked.arrays.q_positions
-  if q_pos is None:
-    last = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
-    q_pos = last[:, None] - t + jnp.arange(t, dtype=jnp.int32)
-  q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32).reshape(-1, t), (b, t))
+  if q_pos is not None:
+    q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32).reshape(-1, t), (b, t))
   args = (q, k_cache, v_cache, q_pos, lengths, checked.arrays.sinks, checked.arrays.extras.alibi)
   if run_mesh is None:
-    fn = functools.partial(_decode, settings=checked.settings,
+    fn = functools.partial(_decode, settings=checked.settings, total=s,
                            platforms=tuple(checked.per_platform.items()))
   else:
     sharded.check_axes(run_mesh, cfg)
-    fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, settings=checked.settings,
+    fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, total=s, settings=checked.settings,
                            platforms=tuple(checked.per_platform.items()))
   return _forward_only(fn)(*args)
 
@@ -232,23 +239,23 @@ def _finish(o, lse, sinks, dtype, settings: call.Settings):
   return (o, lse) if settings.return_lse else o
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "platforms"))
-def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms):
+@functools.partial(jax.jit, static_argnames=("settings", "platforms", "total"))
+def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms, total):
   """One device: ``_local_on`` on the platform's backend, then the sinks."""
-  local = functools.partial(_local_on, settings=settings)
+  local = functools.partial(_local_on, settings=settings, total=total)
   o, lse = kernels.dispatch(local, dict(platforms), q, k, v, q_pos, lengths, 0, alibi)
   return _finish(o, lse, sinks, q.dtype, settings)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms"))
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "total"))
 def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, settings,
-                    platforms):
+                    platforms, total):
   """shard_map over the cache's slots: each device attends its own, the results merge."""
   sp = config.axis_name
   batch = tuple(config.batch_axes or ()) or None
   batch = batch[0] if batch is not None and len(batch) == 1 else batch
   rep, cache, rows = P(batch), P(batch, sp), P(batch, None)
-  local = functools.partial(_local_on, settings=settings)
+  local = functools.partial(_local_on, settings=settings, total=total)
 
   def per_device(q_, k_, v_, pos_, len_, sinks_, alibi_):
     offset = lax.axis_index(sp) * k_.shape[1]
@@ -257,11 +264,13 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
                                   functools.partial(lax.psum, axis_name=sp))
     return _finish(o, lse, sinks_, q_.dtype, settings)
 
-  alibi_spec = None if alibi is None else P(batch if alibi.shape[0] > 1 else None)
-  in_specs = (rows, cache, cache, rows, None if lengths is None else rep,
-              None if sinks is None else P(), alibi_spec)
+  optional = lambda x, spec: None if x is None else spec
+  alibi_spec = optional(alibi, P(batch if alibi is not None and alibi.shape[0] > 1 else None))
+  in_specs = (rows, cache, cache, optional(q_pos, rows), optional(lengths, rep),
+              optional(sinks, P()), alibi_spec)
   out_specs = (rows, rows) if settings.return_lse else rows
-  args = [sharded.constrain(x, mesh, s_) for x, s_ in zip((q, k, v, q_pos, lengths, sinks, alibi), in_specs)]
+  args = [sharded.constrain(x, mesh, s_)
+          for x, s_ in zip((q, k, v, q_pos, lengths, sinks, alibi), in_specs)]
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

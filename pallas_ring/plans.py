@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Optional, Tuple, Union
 
+import jax.numpy as jnp
 
 from pallas_ring import block_sparse, layouts
 from pallas_ring import masks as masks_lib
@@ -101,8 +102,9 @@ class Planner:
     if known and isinstance(self.positions, Indexed):  # only the segment part runs on device
       q_info = q_info._replace(positions=_indexed(self.q_len, self.q_padded))
       kv_info = kv_info._replace(positions=_indexed(self.kv_len, self.kv_padded))
-    return block_sparse.make_plan(self.mask, q_info, kv_info, block_q=bq, block_kv=bk,
+    plan = block_sparse.make_plan(self.mask, q_info, kv_info, block_q=bq, block_kv=bk,
                                   q_len=self.q_len, kv_len=self.kv_len, dense_mask=ops.dense)
+    return block_sparse.BlockPlan(*map(jnp.asarray, plan))  # (numpy positions: constants)
 
   def _tiles_ahead(self, bq: int, bk: int) -> int:
     return (self.q_padded // bq) * (self.kv_padded // bk)

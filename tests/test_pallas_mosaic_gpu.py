@@ -310,6 +310,8 @@ def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   assert pick(jnp.float32) == "pallas_triton"
   assert pick(jnp.bfloat16, bias=True) == "pallas_triton"
   assert pick(jnp.bfloat16, block_sizes=BlockSizes(block_q=64)) == "pallas_triton"
+  assert pick(jnp.bfloat16, decode=True) == "pallas_triton"  # (it serves, but slower)
+  kernels.check_explicit("pallas_mosaic_gpu", kernels.Call(jnp.bfloat16, 128, decode=True))
   assert kernels.variants("auto", None, kernels.Call(jnp.bfloat16, 128))["tpu"][0] == "pallas_tpu"
   monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: False)
   assert pick(jnp.bfloat16) == "pallas_triton"

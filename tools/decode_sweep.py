@@ -27,7 +27,11 @@ def main(only: str = "") -> None:
     auto = decode.num_splits(impl.decode_programs(False), b * kh, s, block_kv)
     print(f"{case}: automatic kv_splits={auto}", flush=True)
     extra = {f"ours kv_splits={p}": dict(block_sizes=BlockSizes(kv_splits=p))
-             for p in (auto // 4, auto * 2, auto * 4) if p >= 1 and s % p == 0}
+             for p in (auto // 2, auto * 2) if p >= 1 and s % p == 0}
+    for bk, warps, stages in ((128, 4, 3), (64, 4, 4), (128, 8, 3)):
+      extra[f"ours triton kv={bk} w={warps} s={stages}"] = dict(
+          backend="pallas_triton",
+          block_sizes=BlockSizes(block_kv=bk, num_warps=warps, num_stages=stages))
     with bench.clock("device"):
       bench.decode({case: (b, s, n, kh, h, t)}, extra, log=lambda x: print(x, flush=True))
 

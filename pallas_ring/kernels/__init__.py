@@ -67,7 +67,8 @@ def auto(family_: str, call: Call) -> str:
   """The backend ``"auto"`` picks on a platform family (``family``) for ``call``."""
   for name in _REGISTRY:
     b = get(name)
-    if b.platform in (family_, None) and b.auto_eligible() and _serves(name, call):
+    if (b.platform in (family_, None) and b.auto_eligible() and b.auto_prefers(call)
+        and _serves(name, call)):
       return name
   raise AssertionError("no registered backend serves the call")  # (xla serves every call)
 

@@ -39,6 +39,7 @@ class Call:
   bias: bool = False  # an additive bias is given
   alibi: bool = False  # ALiBi slopes are given
   dropout: bool = False  # dropout_rate > 0
+  decode: bool = False  # decode_attention: a few query rows against a long KV cache
   block_sizes: BlockSizes = BlockSizes()  # the user's tile overrides (and kernel variants)
 
   @property
@@ -66,6 +67,12 @@ class Backend:
 
   def auto_eligible(self) -> bool:
     """Whether ``backend="auto"`` may pick this backend in this process (e.g. a device check)."""
+    return True
+
+  def auto_prefers(self, call: Call) -> bool:
+    """Whether ``backend="auto"`` picks this backend for a call it serves (False: a later one
+    in the registry serves it faster; an explicit request still gets this one)."""
+    del call
     return True
 
   # -- tiles -------------------------------------------------------------------------------------

@@ -81,6 +81,11 @@ class MosaicGpuBackend(backend.Backend):
   def auto_eligible(self):
     return hopper()
 
+  def auto_prefers(self, call):
+    # Decode: a CTA's query tile is 128 rows (two warpgroups) for the few rows of a GQA group,
+    # where Triton's 16-row tiles stream the cache faster (BENCHMARKS.md, "Decode").
+    return not call.decode
+
   def default_block_sizes(self, head_dim, device_kind):
     # 2 x 64 rows per CTA; the backward kernels take 128 x 128.
     block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
