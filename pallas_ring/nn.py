@@ -19,11 +19,13 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
-from pallas_ring.sharded import active_mesh, sharded_attention
+from pallas_ring.decode import decode_attention
+from pallas_ring.sharded import active_mesh, constrain, sharded_attention
 
 Array = Any
 
@@ -70,7 +72,10 @@ class _Tokens(NamedTuple):
   segment_ids: Optional[Array]  # [B, T]
   q_positions: Optional[Array]  # [T] / [B, T]
   kv_positions: Optional[Array]  # [S] (decode: the cache slots)
-  single_device: bool  # decoding: one query token, never a ring
+  single_device: bool  # decoding with a dense mask of the caller's: flash_attention, one device
+  # Decoding: the slot of the query token (Flax's cache_index before the call). Slots up to it
+  # are visible: decode_attention runs, on the cache sharded along its slots under a mesh.
+  cache_index: Optional[Array] = None
 
 
 _CALL = contextvars.ContextVar("pallas_ring_ring_attention_call", default=None)
@@ -105,6 +110,15 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
+  if t.cache_index is not None and bias is None and not dropout:
+    # (Flax's dense mask here is the cache's own, slots <= cache_index: kv_lengths says it.)
+    batch_shape = query.shape[:-3]
+    flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+    b = flat(query).shape[0]
+    out = decode_attention(flat(query), flat(key), flat(value), mask=m, mesh=t.mesh,
+                           config=t.config,
+                           kv_lengths=jnp.broadcast_to(t.cache_index + 1, (b,)).astype(jnp.int32))
+    return out.reshape(batch_shape + out.shape[1:]).astype(dtype)
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
                 kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
@@ -221,7 +235,7 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("RingAttention(attention_fn=...) with a custom attention_fn cannot take "
                        "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
                        "attention_fn=None for pallas_ring attention.")
-    q_pos, kv_pos = positions, None
+    q_pos, kv_pos, index = positions, None, None
     decoding = self.decode and self.has_variable("cache", "cache_index")
     if decoding:
       if positions is not None or segment_ids is not None:
@@ -230,15 +244,32 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       max_len = self.get_variable("cache", "cached_key").shape[-3]
       q_pos = self.get_variable("cache", "cache_index")[None]
       kv_pos = jnp.arange(max_len, dtype=jnp.int32)
+      index = q_pos[0] if mask is None else None
     tokens = _Tokens(self.config, self.mask, self.mesh, segment_ids, q_pos, kv_pos,
-                     single_device=bool(self.decode))
+                     single_device=bool(self.decode), cache_index=index)
     reset = _CALL.set(tokens)
     try:
-      return super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
-                              deterministic=deterministic, dropout_rng=dropout_rng,
-                              sow_weights=sow_weights)
+      out = super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
+                             deterministic=deterministic, dropout_rng=dropout_rng,
+                             sow_weights=sow_weights)
     finally:
       _CALL.reset(reset)
+    if self.decode:
+      self._shard_cache()
+    return out
+
+  def _shard_cache(self):
+    """Under a mesh holding ``config.axis_name``: the cache ``[..., S, N, H]`` sharded along its
+    slots over that axis (and its batch over ``config.batch_axes``), a sharding constraint that
+    holds under ``jit`` and in checkpoints; decode steps attend it where it lies."""
+    mesh = active_mesh(self.mesh, self.config)
+    if mesh is None or not self.is_mutable_collection("cache"):
+      return
+    batch = tuple(self.config.batch_axes or ()) or None
+    for name in ("cached_key", "cached_value"):
+      x = self.get_variable("cache", name)
+      spec = P(batch, *([None] * (x.ndim - 4)), self.config.axis_name, None, None)
+      self.put_variable("cache", name, constrain(x, mesh, spec))
 
 
 __all__ = ["RingAttention", "make_attention_fn"]

@@ -213,6 +213,33 @@ def test_ring_attention_decode_matches_stock():
     assert rel_err(out, ref) < 1e-5, t
 
 
+def test_ring_attention_decodes_a_cache_sharded_along_its_slots():
+  """Under a mesh holding ``config.axis_name``, decode=True keeps the cache sharded along its
+  slots (a constraint that survives jit) and each step equals stock Flax's, token by token; the
+  step runs decode_attention over the shards (a shard_map), not a dense mask."""
+  x = _x(12, t=16)
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  ours = RingAttention(num_heads=N, decode=True, mask=masks.Causal(), config=cfg, mesh=mesh)
+  init = stock.init(jax.random.key(0), x)
+  params, cache_s = init["params"], init["cache"]
+  cache_o = ours.init(jax.random.key(0), x)["cache"]
+  step = lambda m: jax.jit(lambda c, xt: m.apply({"params": params, "cache": c}, xt,
+                                                  mutable=["cache"]))
+  ours_step, stock_step = step(ours), step(stock)
+  spec = lambda c: c["cached_key"].sharding.spec
+  assert tuple(spec(cache_o))[1] == "sp"
+  for t in range(16):
+    ref, vs = stock_step(cache_s, x[:, t:t + 1])
+    out, vo = ours_step(cache_o, x[:, t:t + 1])
+    cache_s, cache_o = vs["cache"], vo["cache"]
+    assert rel_err(out, ref) < 1e-5, t
+    assert tuple(spec(cache_o))[1] == "sp", t
+  text = ours_step.trace(cache_o, x[:, :1]).lower().as_text()
+  assert "manual_computation" in text or "shard_map" in text
+
+
 def test_ring_attention_under_a_mesh_without_its_axis_raises():
   x = _x(10)
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
