@@ -60,13 +60,15 @@ def _forward_only(fn):
 
 
 def num_splits(programs: int, base: int, slots: int, block_kv: int) -> int:
-  """The largest power of two ``P`` with ``base * P <= programs`` that cuts ``slots`` into
-  chunks of whole ``block_kv`` tiles of at least ``MIN_CHUNK`` slots (1 when none does)."""
-  p = 1
-  while (base * p * 2 <= programs and slots % (p * 2 * block_kv) == 0
-         and slots // (p * 2) >= MIN_CHUNK):
-    p *= 2
-  return p
+  """The most chunks ``P`` (with ``base * P <= programs``) that cut ``slots`` into equal chunks of
+  whole ``block_kv`` tiles, each of at least ``MIN_CHUNK`` slots; 1 when none does (or when
+  ``slots`` is not a multiple of ``block_kv``). ``P`` divides ``slots / block_kv``, so the
+  split is a reshape, never a copy."""
+  if slots % block_kv:
+    return 1
+  tiles = slots // block_kv
+  fits = lambda p: tiles % p == 0 and base * p <= programs and slots // p >= MIN_CHUNK
+  return max([p for p in range(1, tiles + 1) if fits(p)], default=1)
 
 
 def _pack(q, kv_heads: int):
