@@ -229,6 +229,44 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
   Returns:
     A BlockPlan (see the module docstring for shapes).
   """
+  cls, xp = _classes(mask, q_info, kv_info, block_q, block_kv, q_len, kv_len, dense_mask)
+  return _plan_of_classes(cls, xp)
+
+
+def range_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *,
+               block_q: int, block_kv: int, q_len: int, kv_len: int) -> BlockPlan:
+  """A forward-only plan without sorting: each q block lists the kv tiles from its first live one
+  to its last, every one PARTIAL (the kernel applies the elementwise mask in each).
+
+  It skips what lies outside that range (a window's far past, slots past a cache's length)
+  with a few fused ops where ``make_plan``'s compaction sorts; tiles inside the range that are
+  EMPTY are visited, and FULL ones masked, which is correct, just slower, and cheap where the
+  kernel is bound by reading K/V (``decode_attention``). The transposed lists (``q_*``), which
+  only a backward pass reads, are zeros.
+  """
+  cls, xp = _classes(mask, q_info, kv_info, block_q, block_kv, q_len, kv_len, None)
+  live = cls > EMPTY  # [Bp, Np, nq, nk]
+  nk = cls.shape[-1]
+  any_live = xp.any(live, axis=-1)
+  lo = xp.where(any_live, xp.argmax(live, axis=-1), 0).astype(xp.int32)
+  hi = xp.where(any_live, nk - xp.argmax(live[..., ::-1], axis=-1), 0).astype(xp.int32)
+  count = hi - lo
+  slot = xp.arange(nk, dtype=xp.int32)
+  inside = slot < count[..., None]
+  # Past the count the list repeats its last tile (no copy issued for it).
+  kv_index = xp.minimum(lo[..., None] + slot, xp.maximum(hi - 1, 0)[..., None])
+  kv_class = xp.where(inside, PARTIAL, EMPTY).astype(xp.int32)
+  in_range = (slot >= lo[..., None]) & (slot < hi[..., None])
+  block_class = xp.where(in_range, PARTIAL, EMPTY).astype(xp.int32)
+  q_lists = xp.zeros(cls.shape[:-2] + (nk, cls.shape[-2]), xp.int32)
+  q_rows = xp.zeros(cls.shape[:-2] + (nk,), xp.int32)
+  return BlockPlan(block_class, kv_index, kv_class, count, xp.zeros_like(count), q_lists,
+                   q_lists, q_rows, q_rows, any_live=xp.any(any_live))
+
+
+def _classes(mask, q_info, kv_info, block_q, block_kv, q_len, kv_len, dense_mask):
+  """``(block_class [Bp, Np, nq, nk] int32, xp)``: every tile's class, in numpy when every
+  input is known while tracing (``xp``), else on device."""
   qs = summarize(q_info, block_q, q_len)
   ks = summarize(kv_info, block_kv, kv_len)
   # Mask spec on position bounds: [Bp, nq, 1] against [Bp, 1, nk]. Numpy positions give numpy
@@ -252,7 +290,7 @@ def make_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, *
                                        q_info.positions.shape[-1], kv_info.positions.shape[-1])
     any_, all_ = jnp.asarray(any_) & d_any, jnp.asarray(all_) & d_all
     xp = jnp
-  return _plan_of_classes(xp.where(any_, xp.where(all_, FULL, PARTIAL), EMPTY), xp)
+  return xp.where(any_, xp.where(all_, FULL, PARTIAL), EMPTY).astype(xp.int32), xp
 
 
 def merge_heads(plan: BlockPlan, heads_per_block: int) -> BlockPlan:
@@ -287,6 +325,6 @@ def live_fraction(plan: BlockPlan) -> Array:
   return jnp.mean((plan.block_class > EMPTY).astype(jnp.float32), axis=(-2, -1))
 
 
-__all__ = ["TokenInfo", "BlockPlan", "make_plan", "plan_table", "select_plan",
+__all__ = ["TokenInfo", "BlockPlan", "make_plan", "range_plan", "plan_table", "select_plan",
            "merge_heads", "make_token_info", "pad_token_info", "indexed_positions", "summarize",
            "live_fraction", "EMPTY", "PARTIAL", "FULL"]

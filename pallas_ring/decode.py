@@ -12,8 +12,9 @@ One device runs four steps, all around the backends' forward kernels (the same c
    programs stream the cache at once. ``P`` fills the device (``Backend.decode_programs``) or is
    ``BlockSizes.kv_splits``.
 3. **Attend.** Each chunk runs the forward kernel with its slots' positions. Slots at or past a
-   row's ``kv_lengths`` form another segment, so their tiles are EMPTY in the block plan and are
-   never loaded; a mask spec skips tiles as everywhere (a sliding window reads its window).
+   row's ``kv_lengths`` form another segment; the plan lists each chunk's tiles from its first
+   live one to its last (``block_sparse.range_plan``: no sort, a few fused ops), so tiles past
+   a length or outside a sliding window are never loaded.
 4. **Merge.** The chunks' ``(o, lse)`` merge by the log-sum-exp rule the ring uses, then the
    sinks.
 
@@ -33,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_ring import block_sparse, call, kernels, pair, plans, sharded
+from pallas_ring import block_sparse, call, kernels, pair, sharded
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.kernels import common, tuning
@@ -142,8 +143,11 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   ops = common.Operands(info(split(q_pos), q_seg, tp), info(kv_pos, kv_seg, sp), alibi=alibi)
   pad = pair.pad_tokens
   kc, vc = (pad(x.reshape(b * p, c, kh, h), sp, hp) for x in (k, v))
-  planner = plans.for_config(cfg, tp, sp)
-  o, lse = impl.forward(pad(split(q), tp, hp), kc, vc, ops, planner.plan(ops), cfg)
+  # (no sort: a few fused ops, or numpy constants when the positions are known while tracing)
+  plan = block_sparse.BlockPlan(*map(jnp.asarray, block_sparse.range_plan(
+      settings.mask, ops.q_info, ops.kv_info, block_q=tiles.block_q, block_kv=tiles.block_kv,
+      q_len=rows, kv_len=c)))
+  o, lse = impl.forward(pad(split(q), tp, hp), kc, vc, ops, plan, cfg)
   o = o[:, :rows, :, :h].astype(acc).reshape(b, p, rows, heads, h)
   lse = lse[:, :, :rows].reshape(b, p, heads, rows)
   o, lse = common.merge_reduced(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0),

@@ -174,3 +174,35 @@ def test_full_run_is_the_leading_consecutive_full_blocks():
   np.testing.assert_array_equal(np.asarray(plan.kv_index)[0, 0][1], [0, 2, 3, 1])
   # Row 1: FULL blocks 0, 2, 3; only block 0 starts a consecutive run.
   np.testing.assert_array_equal(np.asarray(plan.kv_full)[0, 0], [4, 1, 4, 4])
+
+
+@given(spec=mask_strategy, t=st.sampled_from([1, 4, 13]), s=st.sampled_from([32, 47]),
+       bq=st.sampled_from([1, 8]), bk=st.sampled_from([4, 8]), offset=st.integers(-8, 40),
+       docs=st.booleans(), seed=st.integers(0, 2**16))
+def test_range_plan_lists_every_live_tile_between_the_first_and_the_last(spec, t, s, bq, bk,
+                                                                        offset, docs, seed):
+  """``range_plan`` (decode's forward plan) lists, per q block, the consecutive tiles from the
+  first live one to the last live one of ``make_plan``, all PARTIAL, padded with the last."""
+  rng = np.random.default_rng(seed)
+  qpos = jnp.arange(t, dtype=jnp.int32) + offset
+  kpos = jnp.arange(s, dtype=jnp.int32)
+  qseg = kseg = None
+  if docs:  # a cache's length: slots past it are another segment
+    qseg = jnp.zeros((1, t), jnp.int32)
+    kseg = (jnp.arange(s)[None] >= rng.integers(0, s + 1)).astype(jnp.int32)
+  exact = _plan(spec, qpos, kpos, bq, bk, qseg, kseg)
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  qi = bs.pad_token_info(bs.make_token_info(t, 1, qpos, qseg), tp)
+  ki = bs.pad_token_info(bs.make_token_info(s, 1, kpos, kseg), sp)
+  ranged = bs.range_plan(spec, qi, ki, block_q=bq, block_kv=bk, q_len=t, kv_len=s)
+  live = np.asarray(exact.block_class)[0, 0] > bs.EMPTY  # [nq, nk]
+  count = np.asarray(ranged.kv_count)[0, 0]
+  index = np.asarray(ranged.kv_index)[0, 0]
+  for i, row in enumerate(live):
+    cols = np.flatnonzero(row)
+    want = np.arange(cols[0], cols[-1] + 1) if cols.size else np.arange(0)
+    np.testing.assert_array_equal(index[i, :count[i]], want, err_msg=f"q block {i}")
+    if cols.size:
+      assert np.all(index[i, count[i]:] == cols[-1])
+    assert np.all(np.asarray(ranged.kv_class)[0, 0, i, :count[i]] == bs.PARTIAL)
+  assert bool(ranged.any_live) == bool(live.any())

@@ -2,9 +2,11 @@
 (``BlockSizes.kv_splits``) beside the automatic choice, device clock.
 
     PYTHONPATH=. python tools/decode_sweep.py [CASE_SUBSTRING]
+    PYTHONPATH=. python tools/decode_sweep.py profile TRACE_DIR
 
 Prints one line per (cache, implementation, clock): milliseconds, GB/s of K/V read, % of HBM,
-and the ratio to cuDNN and XLA.
+and the ratio to cuDNN and XLA. ``profile``: the GPU ops of one decode call (lengths traced, as
+in generation) and their time, for a GQA cache and a Flax-sized MHA cache.
 """
 
 from __future__ import annotations
@@ -36,5 +38,23 @@ def main(only: str = "") -> None:
       bench.decode({case: (b, s, n, kh, h, t)}, extra, log=lambda x: print(x, flush=True))
 
 
+def profile(trace_dir: str) -> None:
+  """``mosaic_gpu_sweep.profile`` of decode calls with traced lengths."""
+  import jax.numpy as jnp
+  from mosaic_gpu_sweep import profile as gpu_profile
+  for name, (b, s, n, kh, h) in {"GQA 32/8 S=128k": (1, 131072, 32, 8, 128),
+                                 "MHA 16 S=33k": (1, 33024, 16, 16, 128)}.items():
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, 1, n, h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, kh, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, kh, h), jnp.bfloat16)
+    lengths = jnp.full((b,), s - 100, jnp.int32)
+    f = jax.jit(lambda q, k, v, n_: decode.decode_attention(q, k, v, kv_lengths=n_))
+    gpu_profile(name, f, (q, k, v, lengths), f"{trace_dir}/{name.replace(' ', '_')}")
+
+
 if __name__ == "__main__":
-  main(*sys.argv[1:])
+  if sys.argv[1:2] == ["profile"]:
+    profile(*sys.argv[2:])
+  else:
+    main(*sys.argv[1:])
