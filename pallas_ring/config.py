@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
 
-STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "all_gather", "ulysses")
 
 
 def _check_keys(cls, data: Mapping[str, Any]) -> None:
@@ -117,7 +117,8 @@ class SequenceParallelConfig:
 
   axis_name: str = "sp"  # mesh axis the sequence is sharded over (the ring)
   layout: str = "contiguous"  # token order: contiguous | zigzag | striped (see layouts)
-  strategy: str = "ring"  # ring: rotate K/V with ppermute; all_gather: gather K/V once
+  # ring: rotate K/V with ppermute; all_gather: gather K/V once; ulysses: all-to-all to heads
+  strategy: str = "ring"
   batch_axes: Optional[tuple[str, ...]] = ()  # mesh axes the batch is sharded over (None: none)
   head_axis: Optional[str] = None  # mesh axis the head dimension is sharded over (tensor par.)
   block_sizes: Optional[BlockSizes] = None  # kernel tiles; None = backend heuristic

@@ -49,6 +49,7 @@ from pallas_ring.kernels import common, tile_cache, tuning
 
 
 merge = common.merge  # (o, lse) of two partial results over disjoint keys
+RING_STRATEGIES = ("ring", "all_gather")  # the strategies run by ``run``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,8 +382,11 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
   """
   layouts.check_layout(layout)
-  if strategy not in STRATEGIES:
-    raise ValueError(f"`strategy`={strategy!r} is not known; use one of {STRATEGIES}.")
+  if strategy not in RING_STRATEGIES:
+    hint = (" Ulysses exchanges heads across the axis: run it through sharded_attention."
+            if strategy in STRATEGIES else "")
+    raise ValueError(f"ring_attention(strategy={strategy!r}) is not one of {RING_STRATEGIES}."
+                     f"{hint}")
   try:
     r = lax.axis_size(axis_name)
   except NameError as e:

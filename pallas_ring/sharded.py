@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import call, layouts, packing, ring
+from pallas_ring import call, layouts, packing, ring, ulysses
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -137,6 +137,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     if n % hs or k.shape[2] % hs:
       raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
                        f"{k.shape[2]}: both must be multiples of {hs}.")
+  if config.strategy == "ulysses":
+    ulysses.check_heads(n // (1 if head is None else mesh.shape[head]), r, config.axis_name)
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
@@ -155,9 +157,13 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
   pos_spec = None
   if positions is not None:
     pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
-  # [B|1, N|1, T, T] arrays: rows sharded with the queries, columns whole.
+  uly = config.strategy == "ulysses"
+  # [B|1, N|1, T, T] arrays. Ring: rows sharded with the queries, columns whole. Ulysses: every
+  # row and column of this device's heads (the heads sharded over the axis).
+  heads = (head, sp) if uly and head is not None else sp if uly else head
   tiles = lambda x: None if x is None else P(batch if x.shape[0] > 1 else None,
-                                             head if x.shape[1] > 1 else None, sp, None)
+                                             heads if x.shape[1] > 1 else None,
+                                             None if uly else sp, None)
   ex = arrays.extras
   alibi_spec = None if ex.alibi is None else P(batch if ex.alibi.shape[0] > 1 else None, head,
                                                None)
@@ -170,9 +176,12 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
       offsets = jnp.asarray([index(batch, q_.shape[0]), index(head, q_.shape[2])], jnp.int32)
     shard = call.Arrays(seg_, seg_, pos_, pos_, dense_, sinks_,
                         call.Extras(bias_, alibi_, seeds_, offsets))
-    return ring.run(q_, k_, v_, call.Checked(settings, shard, dict(platforms)), axis_name=sp,
-                    layout=config.layout, strategy=config.strategy,
-                    scan_unroll=config.scan_unroll, cu_seqlens=cu_)
+    checked = call.Checked(settings, shard, dict(platforms))
+    if uly:
+      return ulysses.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
+                         cu_seqlens=cu_)
+    return ring.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
+                    strategy=config.strategy, scan_unroll=config.scan_unroll, cu_seqlens=cu_)
 
   in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec,
               tiles(arrays.dense), None if arrays.sinks is None else P(head), tiles(ex.bias),

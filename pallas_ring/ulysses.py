@@ -1,0 +1,107 @@
+"""Ulysses sequence parallelism: all-to-all from sequence-sharded to head-sharded, attend locally.
+
+Each device holds a sequence shard ``[B, T/R, N, H]`` in layout order. One all-to-all over the
+axis trades it for every token of ``N/R`` heads (``[B, T, N/R, H]``, tokens in layout order),
+``flash_attention`` attends the whole sequence of those heads with the call's mask, segment
+ids, positions and extras, and a second all-to-all returns the output to sequence shards. The
+backward is JAX's transpose of the same program (all-to-alls both ways, the kernels' custom VJP
+between), so nothing here has its own gradient.
+
+K/V heads: with ``K % R != 0`` (MQA, or GQA with fewer kv heads than devices) each kv head is
+repeated ``R / gcd(K, R)`` times before the exchange, the fewest copies that let every device
+hold whole kv heads of its own query heads (K/V traffic and memory grow by that factor).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_ring import attention, call, layouts, packing
+
+
+def check_heads(n: int, r: int, axis_name: str) -> None:
+  """Ulysses' rule: query heads split evenly over the axis."""
+  if n % r:
+    raise ValueError(f"strategy='ulysses' shards the {n} query heads over the {r} devices of "
+                     f"axis_name={axis_name!r}, so N must be a multiple of {r}. Use a mesh axis "
+                     f"whose size divides {n}, or strategy='ring'.")
+
+
+def kv_repeats(kv_heads: int, r: int) -> int:
+  """How many times each kv head is repeated so that ``R`` divides the kv heads."""
+  return r // math.gcd(kv_heads, r)
+
+
+def _to_heads(x, axis_name):
+  """``[B, T/R, M, H] -> [B, T, M/R, H]`` (tokens of every device in layout order)."""
+  return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _to_tokens(x, axis_name):
+  """``[B, T, M/R, H] -> [B, T/R, M, H]``, the inverse of ``_to_heads``."""
+  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _gather_tokens(x, axis_name, axis=1):
+  return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def _local_heads(x, axis: int, r: int, rank):
+  """This device's ``1/R`` of ``x`` along a head ``axis`` (unchanged if that axis is 1)."""
+  if x is None or x.shape[axis] == 1:
+    return x
+  size = x.shape[axis] // r
+  return lax.dynamic_slice_in_dim(x, rank * size, size, axis=axis)
+
+
+def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None):
+  """Ulysses attention of a checked call over this device's shards (``call.check``: dense mask
+  and bias hold this device's heads, all rows and columns; see ``sharded``).
+
+  Args:
+    q: ``[B, T/R, N, H]``; k, v: ``[B, T/R, K, H]``, this device's shard in layout order.
+    checked: the call; its positions and segment ids are this device's shard.
+    axis_name: the mesh axis of the sequence shards (R devices).
+    layout: the token layout over the axis.
+    cu_seqlens: int ``[D + 1]`` packed sequences of the natural order (B = 1), or None.
+
+  Returns:
+    ``[B, T/R, N, H]`` (and lse ``[B, N, T/R]`` when the call asks).
+  """
+  r = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  t = q.shape[1] * r
+  arrays, ex = checked.arrays, checked.arrays.extras
+  rep = kv_repeats(k.shape[2], r)
+  if rep > 1:
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
+  positions = _gather_tokens(arrays.q_positions, axis_name, axis=-1)
+  if positions is None and layout != "contiguous":
+    positions = layouts.global_order(t, layout, r)  # [T], known while tracing
+  segment_ids = _gather_tokens(arrays.segment_ids, axis_name)
+  if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
+    order = layouts.global_order(t, layout, r)
+    segment_ids = packing.packed_segment_ids(cu_seqlens, order, packing.Q_PAD)
+    kv_segment_ids = packing.packed_segment_ids(cu_seqlens, order, packing.KV_PAD)
+  else:
+    kv_segment_ids = segment_ids
+  offsets = ex.offsets
+  if offsets is not None:  # dropout hashes the global query head
+    offsets = offsets + jnp.asarray([0, 1], offsets.dtype) * rank * q.shape[2]
+  local = call.Arrays(
+      segment_ids, kv_segment_ids, positions, positions, arrays.dense,
+      _local_heads(arrays.sinks, 0, r, rank),
+      ex._replace(alibi=_local_heads(ex.alibi, 1, r, rank), offsets=offsets))
+  out = attention.run(q, k, v, checked._replace(arrays=local))
+  if checked.settings.return_lse:
+    o, lse = out
+    lse = lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)
+    return _to_tokens(o, axis_name), lse
+  return _to_tokens(out, axis_name)
+
+
+__all__ = ["run", "check_heads", "kv_repeats"]

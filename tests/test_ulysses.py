@@ -1,0 +1,112 @@
+"""Ulysses (all-to-all) sequence parallelism on 4 / 8 virtual CPU devices against the reference
+and against the ring."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_ring import SequenceParallelConfig, layouts, masks, reference, sharded_attention
+from conftest import rel_err
+
+R = 4
+
+
+def _mesh(shape=(R,), names=("sp",)):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _problem(seed, b=2, t=64, n=8, kh=2, h=16):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  seg = jnp.asarray(np.sort(rng.integers(0, 4, (b, t)), axis=1), jnp.int32)
+  return q, k, v, seg
+
+
+def _ulysses(mesh, layout, r=R, **cfg_kw):
+  """``f(q, k, v, **kw)`` on naturally ordered arrays: permuted to ``layout``, Ulysses, back."""
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy="ulysses", backend="xla",
+                               **cfg_kw)
+  perm = lambda x: None if x is None else layouts.permute(x, layout, r)
+
+  def f(q, k, v, segment_ids=None, **kw):
+    out = sharded_attention(perm(q), perm(k), perm(v), mesh=mesh, config=cfg,
+                            segment_ids=perm(segment_ids), **kw)
+    if kw.get("return_lse"):
+      return layouts.unpermute(out[0], layout, r), layouts.unpermute(out[1], layout, r, axis=2)
+    return layouts.unpermute(out, layout, r)
+
+  return f
+
+
+@pytest.mark.parametrize("layout, kv_heads", [("contiguous", 8), ("zigzag", 2), ("striped", 1)],
+                         ids=["contiguous_mha", "zigzag_gqa_fewer_than_devices", "striped_mqa"])
+def test_matches_the_reference_forward_and_gradients(layout, kv_heads):
+  """Causal with documents, sinks, soft-cap and ALiBi; kv heads repeated just enough when
+  fewer than the devices (GQA 8/2 and MQA on 4 devices)."""
+  q, k, v, seg = _problem(1, kh=kv_heads)
+  kw = dict(mask=masks.Causal(), sinks=jnp.linspace(-1.0, 1.0, 8), softcap=20.0,
+            alibi_slopes=jnp.linspace(0.05, 0.4, 8))
+  ours = lambda q, k, v: _ulysses(_mesh(), layout)(q, k, v, segment_ids=seg, **kw)
+  ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, **kw)[0]
+  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-6
+  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
+  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+    assert rel_err(got, want) < 2e-6
+
+
+def test_dense_mask_bias_dropout_and_lse_equal_the_ring():
+  """Per-head bias and a dense mask (heads sharded over the axis), dropout (the same global keep
+  mask) and the lse: equal to the ring's, gradients included."""
+  q, k, v, _ = _problem(2)
+  rng = np.random.default_rng(3)
+  bias = jnp.asarray(rng.standard_normal((1, 8, 64, 64)), jnp.float32)
+  dense = jnp.asarray(rng.random((2, 1, 64, 64)) > 0.2)
+  kw = dict(mask=masks.SlidingWindow(40), bias=bias, dense_mask=dense, dropout_rate=0.2,
+            dropout_rng=jax.random.key(4))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla")
+  perm = lambda x: layouts.permute(x, "zigzag", R)
+  perm2 = lambda x: layouts.permute(layouts.permute(x, "zigzag", R, axis=2), "zigzag", R,
+                                    axis=3)  # rows and columns
+
+  def run(strategy):
+    c = cfg.replace(strategy=strategy)
+    return lambda q, k, v, b: sharded_attention(
+        perm(q), perm(k), perm(v), mesh=_mesh(), config=c, return_lse=True,
+        **(kw | dict(bias=perm2(b), dense_mask=perm2(dense))))
+
+  for a, b_ in zip(run("ulysses")(q, k, v, bias), run("ring")(q, k, v, bias)):
+    assert rel_err(a, b_) < 2e-6
+  grads = lambda s: jax.grad(lambda *a: jnp.sum(jnp.sin(run(s)(*a)[0])), argnums=(0, 1, 2, 3))
+  for a, b_ in zip(grads("ulysses")(q, k, v, bias), grads("ring")(q, k, v, bias)):
+    assert rel_err(a, b_) < 2e-6
+
+
+def test_positions_cu_seqlens_and_a_head_axis():
+  """Caller positions, packed sequences (cu_seqlens) and a (2 heads x 4 sequence) mesh with the
+  batch on neither: the reference's results."""
+  q, k, v, _ = _problem(5, b=1)
+  mesh = _mesh((2, R), ("tp", "sp"))
+  f = _ulysses(mesh, "striped", head_axis="tp")
+  cu = jnp.asarray([0, 20, 45, 64], jnp.int32)
+  seg = jnp.asarray(np.repeat([0, 1, 2], [20, 25, 19])[None], jnp.int32)
+  ref = reference.attention(q, k, v, mask=masks.Causal(), segment_ids=seg)[0]
+  assert rel_err(f(q, k, v, mask=masks.Causal(), cu_seqlens=cu), ref) < 2e-6
+  pos = layouts.permute(jnp.arange(64) * 3, "striped", R, axis=0)  # (layout order)
+  got = f(q, k, v, mask=masks.SlidingWindow(30), positions=pos)
+  want = reference.attention(q, k, v, mask=masks.SlidingWindow(30), q_positions=jnp.arange(64) * 3,
+                             kv_positions=jnp.arange(64) * 3)[0]
+  assert rel_err(got, want) < 2e-6
+
+
+def test_heads_that_do_not_split_over_the_axis_raise_with_the_fix():
+  q, k, v, _ = _problem(6, n=6, kh=2)
+  cfg = SequenceParallelConfig(axis_name="sp", strategy="ulysses", backend="xla")
+  with pytest.raises(ValueError, match=r"6 query heads over the 4 devices.*strategy='ring'"):
+    sharded_attention(q, k, v, mesh=_mesh(), config=cfg)
+  from pallas_ring import ring_attention
+  with pytest.raises(ValueError, match="run it through sharded_attention"):
+    ring_attention(q, k, v, axis_name="sp", strategy="ulysses")
