@@ -110,3 +110,13 @@ def test_heads_that_do_not_split_over_the_axis_raise_with_the_fix():
   from pallas_ring import ring_attention
   with pytest.raises(ValueError, match="run it through sharded_attention"):
     ring_attention(q, k, v, axis_name="sp", strategy="ulysses")
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_compiles_for_a_tpu_slice_with_mosaic_kernels():
+  """``python -m pallas_ring compile``'s path for a v5e:2x4 slice: forward and backward compile
+  to the Mosaic kernels between all-to-alls."""
+  from pallas_ring.aot import compile_ring
+  cfg = SequenceParallelConfig(axis_name="sp", strategy="ulysses")
+  rep = compile_ring("v5e:2x4", cfg, seq_len=8192, heads=8, kv_heads=2)
+  assert rep.num_devices == 8 and rep.kernels == 3  # the forward and the two backward kernels
