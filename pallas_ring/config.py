@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
 
-STRATEGIES = ("ring", "all_gather", "ulysses")
+STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
 
 def _check_keys(cls, data: Mapping[str, Any]) -> None:
@@ -118,9 +118,13 @@ class SequenceParallelConfig:
   axis_name: str = "sp"  # mesh axis the sequence is sharded over (the ring)
   layout: str = "contiguous"  # token order: contiguous | zigzag | striped (see layouts)
   # ring: rotate K/V with ppermute; all_gather: gather K/V once; ulysses: all-to-all to heads
+  # over axis_name; ulysses_ring: all-to-all over ulysses_axis, ring over axis_name
   strategy: str = "ring"
   batch_axes: Optional[tuple[str, ...]] = ()  # mesh axes the batch is sharded over (None: none)
   head_axis: Optional[str] = None  # mesh axis the head dimension is sharded over (tensor par.)
+  # ulysses_ring: the mesh axis of the all-to-all (inside a node); the sequence is sharded over
+  # (axis_name, ulysses_axis): the layout over axis_name, each ring chunk split contiguously
+  ulysses_axis: Optional[str] = None
   block_sizes: Optional[BlockSizes] = None  # kernel tiles; None = backend heuristic
   backend: str = "auto"  # auto | pallas_tpu | pallas_triton | xla
   scan_unroll: int = 1  # unroll factor of the ring scan
@@ -157,6 +161,16 @@ class SequenceParallelConfig:
             f"{name}.{field}={axis!r} is also in batch_axes={self.batch_axes!r}; each mesh axis "
             f"may shard only one dimension. Use different mesh axes for the batch and the "
             f"{'heads' if field == 'head_axis' else 'sequence'}.")
+    if (self.strategy == "ulysses_ring") != (self.ulysses_axis is not None):
+      raise ValueError(
+          f"{name}.ulysses_axis={self.ulysses_axis!r} with strategy={self.strategy!r}: "
+          "strategy='ulysses_ring' needs ulysses_axis (the mesh axis of its all-to-all, e.g. "
+          "'ulysses'), and only it takes one. Set both, or neither (strategy='ulysses' runs its "
+          "all-to-all over axis_name).")
+    if self.ulysses_axis is not None and self.ulysses_axis in (
+        self.axis_name, self.head_axis, *self.batch_axes):
+      raise ValueError(f"{name}.ulysses_axis={self.ulysses_axis!r} is also the axis_name, "
+                       "head_axis or a batch axis; each mesh axis may shard only one dimension.")
     if self.axis_name == self.head_axis:
       raise ValueError(f"{name}.axis_name={self.axis_name!r} is also the head_axis; each mesh axis "
                        "may shard only one dimension. Use a different mesh axis for the heads.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -44,8 +45,9 @@ def active_mesh(mesh, config: Optional[SequenceParallelConfig]):
 def check_axes(mesh, config: SequenceParallelConfig):
   names = tuple(mesh.axis_names)
   fields = [("axis_name", config.axis_name)] + [("batch_axes", a) for a in config.batch_axes]
-  if config.head_axis is not None:
-    fields.append(("head_axis", config.head_axis))
+  for field in ("head_axis", "ulysses_axis"):
+    if getattr(config, field) is not None:
+      fields.append((field, getattr(config, field)))
   for field, axis in fields:
     if axis not in names:
       raise ValueError(f"SequenceParallelConfig.{field}={axis!r} is not an axis of the mesh, whose "
@@ -137,8 +139,15 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     if n % hs or k.shape[2] % hs:
       raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
                        f"{k.shape[2]}: both must be multiples of {hs}.")
-  if config.strategy == "ulysses":
-    ulysses.check_heads(n // (1 if head is None else mesh.shape[head]), r, config.axis_name)
+  uly_axis = config.axis_name if config.strategy == "ulysses" else config.ulysses_axis
+  if uly_axis is not None:
+    u = mesh.shape[uly_axis]
+    ulysses.check_heads(n // (1 if head is None else mesh.shape[head]), u, uly_axis)
+    if config.strategy == "ulysses_ring" and (t // r) % u:
+      raise ValueError(f"strategy='ulysses_ring' splits each of the {r} ring chunks of "
+                       f"{t // r} tokens over the {u} devices of ulysses_axis="
+                       f"{config.ulysses_axis!r}: the sequence length {t} must be a multiple of "
+                       f"{math.lcm(r * u, layouts.divisor(config.layout, r))}. Pad the sequence.")
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
@@ -150,24 +159,26 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
 @functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "batch"))
 def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, platforms, batch):
   """shard_map of the ring over a checked call's global arrays (``call.check``)."""
-  sp, head = config.axis_name, config.head_axis
-  tok = P(batch, sp, head, None)
-  seq = P(batch, sp)
+  sp, head, ua = config.axis_name, config.head_axis, config.ulysses_axis
+  tokens = sp if ua is None else (sp, ua)  # the axes the sequence is sharded over
+  tok = P(batch, tokens, head, None)
+  seq = P(batch, tokens)
   positions = arrays.q_positions
   pos_spec = None
   if positions is not None:
-    pos_spec = P(sp) if positions.ndim == 1 else P(batch, sp)
+    pos_spec = P(tokens) if positions.ndim == 1 else P(batch, tokens)
   uly = config.strategy == "ulysses"
-  # [B|1, N|1, T, T] arrays. Ring: rows sharded with the queries, columns whole. Ulysses: every
-  # row and column of this device's heads (the heads sharded over the axis).
-  heads = (head, sp) if uly and head is not None else sp if uly else head
+  a2a = sp if uly else ua  # the all-to-all's axis, or None
+  # [B|1, N|1, T, T] arrays: columns whole; rows sharded with the ring's queries (ring axis),
+  # heads with the all-to-all's (Ulysses: every row of this device's heads).
+  heads = tuple(a for a in (head, a2a) if a is not None) or None
   tiles = lambda x: None if x is None else P(batch if x.shape[0] > 1 else None,
                                              heads if x.shape[1] > 1 else None,
                                              None if uly else sp, None)
   ex = arrays.extras
   alibi_spec = None if ex.alibi is None else P(batch if ex.alibi.shape[0] > 1 else None, head,
                                                None)
-  out_specs = (tok, P(batch, head, sp)) if settings.return_lse else tok
+  out_specs = (tok, P(batch, head, tokens)) if settings.return_lse else tok
 
   def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_, bias_, alibi_, seeds_, cu_):
     offsets = None
@@ -177,9 +188,10 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
     shard = call.Arrays(seg_, seg_, pos_, pos_, dense_, sinks_,
                         call.Extras(bias_, alibi_, seeds_, offsets))
     checked = call.Checked(settings, shard, dict(platforms))
-    if uly:
-      return ulysses.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
-                         cu_seqlens=cu_)
+    if a2a is not None:
+      return ulysses.run(q_, k_, v_, checked, axis_name=a2a, layout=config.layout,
+                         cu_seqlens=cu_, ring_axis=None if uly else sp,
+                         scan_unroll=config.scan_unroll)
     return ring.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
                     strategy=config.strategy, scan_unroll=config.scan_unroll, cu_seqlens=cu_)
 

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism: all-to-all from sequence-sharded to head-sharded, attend locally.
+"""Ulysses sequence parallelism: all-to-all from sequence-sharded to head-sharded, attend locally
+(or, in the 2-D ``ulysses_ring`` scheme, run the ring over another axis on the exchanged chunk).
 
 Each device holds a sequence shard ``[B, T/R, N, H]`` in layout order. One all-to-all over the
 axis trades it for every token of ``N/R`` heads (``[B, T, N/R, H]``, tokens in layout order),
@@ -19,7 +20,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, call, layouts, packing
+from pallas_ring import attention, call, layouts, packing, ring
 
 
 def check_heads(n: int, r: int, axis_name: str) -> None:
@@ -57,46 +58,55 @@ def _local_heads(x, axis: int, r: int, rank):
   return lax.dynamic_slice_in_dim(x, rank * size, size, axis=axis)
 
 
-def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None):
+def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None,
+        ring_axis=None, ring_strategy: str = "ring", scan_unroll: int = 1):
   """Ulysses attention of a checked call over this device's shards (``call.check``: dense mask
-  and bias hold this device's heads, all rows and columns; see ``sharded``).
+  and bias hold this device's heads and query rows; see ``sharded``).
 
   Args:
-    q: ``[B, T/R, N, H]``; k, v: ``[B, T/R, K, H]``, this device's shard in layout order.
-    checked: the call; its positions and segment ids are this device's shard.
-    axis_name: the mesh axis of the sequence shards (R devices).
-    layout: the token layout over the axis.
+    q: ``[B, L, N, H]``; k, v: ``[B, L, K, H]``, this device's tokens in layout order.
+    checked: the call; its positions and segment ids are this device's tokens.
+    axis_name: the mesh axis of the all-to-all (U devices).
+    layout: the token layout over the sequence-parallel axis (``axis_name``, or ``ring_axis``).
     cu_seqlens: int ``[D + 1]`` packed sequences of the natural order (B = 1), or None.
+    ring_axis: None: the U devices hold the whole sequence (``L = T / U``) and each attends all
+      of it for ``N / U`` heads. A mesh axis: the 2-D scheme, the U devices hold one ring
+      rank's chunk, split contiguously, and after the all-to-all the ring runs over this axis
+      (``ring_strategy``, ``scan_unroll``) on that chunk.
 
   Returns:
-    ``[B, T/R, N, H]`` (and lse ``[B, N, T/R]`` when the call asks).
+    ``[B, L, N, H]`` (and lse ``[B, N, L]`` when the call asks).
   """
-  r = lax.axis_size(axis_name)
+  u = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
-  t = q.shape[1] * r
   arrays, ex = checked.arrays, checked.arrays.extras
-  rep = kv_repeats(k.shape[2], r)
+  rep = kv_repeats(k.shape[2], u)
   if rep > 1:
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
   positions = _gather_tokens(arrays.q_positions, axis_name, axis=-1)
-  if positions is None and layout != "contiguous":
-    positions = layouts.global_order(t, layout, r)  # [T], known while tracing
   segment_ids = _gather_tokens(arrays.segment_ids, axis_name)
-  if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
-    order = layouts.global_order(t, layout, r)
-    segment_ids = packing.packed_segment_ids(cu_seqlens, order, packing.Q_PAD)
-    kv_segment_ids = packing.packed_segment_ids(cu_seqlens, order, packing.KV_PAD)
-  else:
-    kv_segment_ids = segment_ids
   offsets = ex.offsets
   if offsets is not None:  # dropout hashes the global query head
     offsets = offsets + jnp.asarray([0, 1], offsets.dtype) * rank * q.shape[2]
   local = call.Arrays(
-      segment_ids, kv_segment_ids, positions, positions, arrays.dense,
-      _local_heads(arrays.sinks, 0, r, rank),
-      ex._replace(alibi=_local_heads(ex.alibi, 1, r, rank), offsets=offsets))
-  out = attention.run(q, k, v, checked._replace(arrays=local))
+      segment_ids, segment_ids, positions, positions, arrays.dense,
+      _local_heads(arrays.sinks, 0, u, rank),
+      ex._replace(alibi=_local_heads(ex.alibi, 1, u, rank), offsets=offsets))
+  if ring_axis is not None:  # (the ring derives positions and packed segments of its chunk)
+    out = ring.run(q, k, v, checked._replace(arrays=local), axis_name=ring_axis, layout=layout,
+                   strategy=ring_strategy, scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
+  else:
+    t = q.shape[1]
+    order = layouts.global_order(t, layout, u)  # [T] positions in layout order
+    if positions is None and layout != "contiguous":
+      local = local._replace(q_positions=order, kv_positions=order)
+    if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
+      local = local._replace(segment_ids=packing.packed_segment_ids(cu_seqlens, order,
+                                                                    packing.Q_PAD),
+                             kv_segment_ids=packing.packed_segment_ids(cu_seqlens, order,
+                                                                       packing.KV_PAD))
+    out = attention.run(q, k, v, checked._replace(arrays=local))
   if checked.settings.return_lse:
     o, lse = out
     lse = lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)

@@ -28,8 +28,8 @@ def _problem(seed, b=2, t=64, n=8, kh=2, h=16):
 
 def _ulysses(mesh, layout, r=R, **cfg_kw):
   """``f(q, k, v, **kw)`` on naturally ordered arrays: permuted to ``layout``, Ulysses, back."""
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy="ulysses", backend="xla",
-                               **cfg_kw)
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
+                               **({"strategy": "ulysses"} | cfg_kw))
   perm = lambda x: None if x is None else layouts.permute(x, layout, r)
 
   def f(q, k, v, segment_ids=None, **kw):
@@ -120,3 +120,39 @@ def test_compiles_for_a_tpu_slice_with_mosaic_kernels():
   cfg = SequenceParallelConfig(axis_name="sp", strategy="ulysses")
   rep = compile_ring("v5e:2x4", cfg, seq_len=8192, heads=8, kv_heads=2)
   assert rep.num_devices == 8 and rep.kernels == 3  # the forward and the two backward kernels
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ulysses_ring_matches_the_reference(layout):
+  """2-D: all-to-all over ``ulysses_axis`` (2 devices), ring over ``axis_name`` (4 devices); a
+  global array in layout order over the ring axis, each ring chunk split contiguously over the
+  Ulysses devices. Documents, sinks, ALiBi, MQA (its kv head repeated for the Ulysses
+  devices) and the lse; forward and gradients."""
+  mesh = _mesh((R, 2), ("sp", "u"))
+  q, k, v, seg = _problem(7, kh=1)
+  kw = dict(mask=masks.Causal(), sinks=jnp.linspace(-1.0, 1.0, 8),
+            alibi_slopes=jnp.linspace(0.05, 0.4, 8))
+  ours = lambda q, k, v: _ulysses(mesh, layout, strategy="ulysses_ring", ulysses_axis="u")(
+      q, k, v, segment_ids=seg, return_lse=True, **kw)
+  ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, **kw)
+  for got, want in zip(ours(q, k, v), ref(q, k, v)):
+    assert rel_err(got, want) < 2e-6
+  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2))
+  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+    assert rel_err(got, want) < 2e-6
+
+
+def test_ulysses_ring_dense_bias_and_positions_equal_the_ring():
+  """A per-head bias and a dense mask (rows over the ring axis, heads over the Ulysses axis) and
+  caller positions: the 1-D ring's results."""
+  q, k, v, _ = _problem(8)
+  rng = np.random.default_rng(9)
+  bias = jnp.asarray(rng.standard_normal((1, 8, 64, 64)), jnp.float32)
+  dense = jnp.asarray(rng.random((1, 8, 64, 64)) > 0.3)
+  pos = jnp.arange(64) * 2
+  kw = dict(mask=masks.SlidingWindow(50), bias=bias, dense_mask=dense, positions=pos)
+  ring_cfg = SequenceParallelConfig(axis_name="sp", layout="contiguous", backend="xla")
+  two_d = ring_cfg.replace(strategy="ulysses_ring", ulysses_axis="u")
+  ring = sharded_attention(q, k, v, mesh=_mesh((R,)), config=ring_cfg, **kw)
+  ours = sharded_attention(q, k, v, mesh=_mesh((R, 2), ("sp", "u")), config=two_d, **kw)
+  assert rel_err(ours, ring) < 2e-6
