@@ -43,16 +43,26 @@ def permutes_overlap(hlo_text: str) -> bool:
 
 def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int, batch: int = 1,
                  heads: int = 16, kv_heads: int = 16, head_dim: int = 128,
-                 mask=None, backward: bool = True, dtype=jnp.bfloat16) -> CompileReport:
-  """Compiles ``sharded_attention`` (forward, or forward+backward) for ``topology``."""
+                 mask=None, backward: bool = True, dtype=jnp.bfloat16,
+                 ulysses_size: int = 2) -> CompileReport:
+  """Compiles ``sharded_attention`` (forward, or forward+backward) for ``topology``: a 1-D mesh
+  over the slice's chips (``config.axis_name``), or for ``strategy="ulysses_ring"`` a 2-D one,
+  ``(chips / ulysses_size, ulysses_size)`` over ``(axis_name, ulysses_axis)``."""
   from jax.experimental import topologies
   topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
   devices = np.array(topo.devices)
   if config.batch_axes or config.head_axis:
-    raise ValueError("compile_ring builds a 1-D mesh over the slice: use a config with only "
-                     "axis_name (no batch_axes / head_axis).")
-  mesh = jax.sharding.Mesh(devices, (config.axis_name,))
-  sharding = NamedSharding(mesh, P(None, config.axis_name))
+    raise ValueError("compile_ring builds a mesh of the sequence axes only: use a config without "
+                     "batch_axes / head_axis.")
+  axes = (config.axis_name,)
+  if config.ulysses_axis is not None:
+    if devices.size % ulysses_size:
+      raise ValueError(f"ulysses_size={ulysses_size} does not divide the {devices.size} chips "
+                       f"of {topology}.")
+    axes = (config.axis_name, config.ulysses_axis)
+    devices = devices.reshape(devices.size // ulysses_size, ulysses_size)
+  mesh = jax.sharding.Mesh(devices, axes)
+  sharding = NamedSharding(mesh, P(None, axes))
   q = jax.ShapeDtypeStruct((batch, seq_len, heads, head_dim), dtype, sharding=sharding)
   kv = jax.ShapeDtypeStruct((batch, seq_len, kv_heads, head_dim), dtype, sharding=sharding)
   mask = masks_lib.Causal() if mask is None else mask

@@ -104,12 +104,16 @@ def compile_cmd(args) -> int:
   cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
   cfg = cfg.replace(batch_axes=(), head_axis=None)
   topology = args.topology or (preset and preset.topology) or DEFAULT_TOPOLOGY
+  ulysses = {}
+  if cfg.ulysses_axis is not None and preset and preset.mesh_axes:
+    ulysses = dict(ulysses_size=preset.mesh_shape[preset.mesh_axes.index(cfg.ulysses_axis)])
   for backward in (False, True):
     print(f"compiling ring {'forward+backward' if backward else 'forward'} for {topology} "
           f"(T={args.seq_len}, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
-          f"layout={cfg.layout}) ...", flush=True)
+          f"layout={cfg.layout}, strategy={cfg.strategy}) ...", flush=True)
     rep = compile_ring(topology, cfg, seq_len=args.seq_len, heads=args.heads,
-                       kv_heads=args.kv_heads, head_dim=args.head_dim, backward=backward)
+                       kv_heads=args.kv_heads, head_dim=args.head_dim, backward=backward,
+                       **ulysses)
     gib = lambda x: f"{x / 2**30:.3f} GiB"
     print(f"  {rep.num_devices} x {rep.device_kind}: {rep.kernels} Mosaic kernels; per device: "
           f"arguments {gib(rep.argument_bytes)}, outputs {gib(rep.output_bytes)}, "
