@@ -18,6 +18,7 @@ import contextvars
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
+from flax.linen import module as flax_module
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -217,6 +218,17 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   def __post_init__(self):
     if self.attention_fn is None:
       object.__setattr__(self, "attention_fn", _ring_attention_fn)
+    parent = self.parent
+    if parent is flax_module._unspecified_parent:  # (as Flax resolves it, below)
+      parent = flax_module._context.module_stack[-1]
+    if (self.name is None and isinstance(parent, nn.Module) and not parent._state.in_setup
+        and parent._initialization_allowed):
+      # Auto-named as the stock module is (MultiHeadDotProductAttention_<i>, one counter with
+      # it), so a stock model's checkpoint loads into the swapped one unchanged.
+      prefix = nn.MultiHeadDotProductAttention.__name__
+      cursor = parent._state.autoname_cursor.get(prefix, 0)
+      object.__setattr__(self, "name", f"{prefix}_{cursor}")
+      parent._state.autoname_cursor[prefix] = cursor + 1
     super().__post_init__()
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,

@@ -335,3 +335,26 @@ def test_nn_is_reachable_from_the_package():
   import pallas_ring
   assert pallas_ring.nn.RingAttention is RingAttention
   assert pallas_ring.nn.make_attention_fn is make_attention_fn
+
+
+def test_an_auto_named_ring_attention_loads_a_stock_checkpoint():
+  """Inside a parent module, an unnamed RingAttention takes the stock module's auto name
+  (MultiHeadDotProductAttention_<i>, counted with stock ones), so the stock parameter tree loads
+  unchanged."""
+  class Model(nn.Module):
+    ring: bool
+
+    @nn.compact
+    def __call__(self, x):
+      cls = RingAttention if self.ring else nn.MultiHeadDotProductAttention
+      x = nn.MultiHeadDotProductAttention(num_heads=N)(x)  # a stock one first: one counter
+      return cls(num_heads=N)(x) + cls(num_heads=N)(x)
+
+  x = _x(13)
+  stock = Model(False).init(jax.random.key(0), x)
+  ours = Model(True).init(jax.random.key(0), x)
+  assert jax.tree.structure(stock) == jax.tree.structure(ours)
+  assert sorted(stock["params"]) == ["MultiHeadDotProductAttention_0",
+                                     "MultiHeadDotProductAttention_1",
+                                     "MultiHeadDotProductAttention_2"]
+  assert rel_err(Model(True).apply(stock, x), Model(False).apply(stock, x)) < 1e-5
