@@ -41,6 +41,48 @@ def permutes_overlap(hlo_text: str) -> bool:
   return False
 
 
+def bytes_moved(strategy: str, *, seq_len: int, ring: int, ulysses: int = 1, heads: int,
+                kv_heads: int, head_dim: int, itemsize: int = 2) -> tuple[int, int]:
+  """``(forward, forward+backward)`` bytes each device sends for one attention layer, on paper.
+
+  Args:
+    strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"`` or ``"ulysses_ring"``.
+    seq_len: T, the whole sequence.
+    ring: R, devices of ``axis_name`` (for ``"ulysses"``: its all-to-all's devices).
+    ulysses: U, devices of ``ulysses_axis`` (``"ulysses_ring"`` only).
+    heads, kv_heads, head_dim: N, K, H.
+    itemsize: bytes of the inputs' dtype (dK/dV travel in float32 in the ring).
+
+  What moves: the ring sends its K/V shard R-1 times each pass and its float32 dK/dV R-1 times
+  in the backward; all_gather gathers K/V once per pass and reduce-scatters float32 dK/dV (the
+  same bytes); Ulysses' all-to-alls send (U-1)/U of q, k, v and o (forward) and of do, dq, dk
+  and dv (backward), with kv heads repeated to a multiple of U (``ulysses.kv_repeats``);
+  ulysses_ring runs Ulysses inside each ring chunk and a ring of R over N/U heads.
+  """
+  from pallas_ring import ulysses as ulysses_lib
+  t, n, k, h, b = seq_len, heads, kv_heads, head_dim, itemsize
+
+  def ring_bytes(r, kv):
+    kv_shard = 2 * (t // r) * kv * h  # K and V elements of one shard
+    return (r - 1) * kv_shard * b, (r - 1) * kv_shard * (2 * b + 4)
+
+  def a2a_bytes(u, tokens):  # one all-to-all round trip of q, k, v / o (and the backward's)
+    kv = k * ulysses_lib.kv_repeats(k, u)
+    once = (u - 1) * (tokens // u) * h * b * (2 * n + 2 * kv) // u
+    return once, 2 * once, kv
+
+  if strategy in ("ring", "all_gather"):
+    return ring_bytes(ring, k)
+  if strategy == "ulysses":
+    fwd, both, _ = a2a_bytes(ring, t)
+    return fwd, both
+  if strategy == "ulysses_ring":
+    fwd, both, kv = a2a_bytes(ulysses, t // ring)
+    r_fwd, r_both = ring_bytes(ring, kv // ulysses)
+    return fwd + r_fwd, both + r_both
+  raise ValueError(f"strategy={strategy!r}: use one of ring, all_gather, ulysses, ulysses_ring.")
+
+
 def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int, batch: int = 1,
                  heads: int = 16, kv_heads: int = 16, head_dim: int = 128,
                  mask=None, backward: bool = True, dtype=jnp.bfloat16,

@@ -119,7 +119,26 @@ def compile_cmd(args) -> int:
           f"arguments {gib(rep.argument_bytes)}, outputs {gib(rep.output_bytes)}, "
           f"temporaries {gib(rep.temp_bytes)}; permutes overlap kernels: "
           f"{'yes' if rep.permutes_overlap_kernels else 'NO'}")
+  _print_bytes_moved(rep.num_devices, ulysses.get("ulysses_size", 2), args)
   return 0
+
+
+def _print_bytes_moved(chips: int, u: int, args) -> None:
+  """Bytes each device sends per attention layer, per strategy, on paper (bf16)."""
+  from pallas_ring.aot import bytes_moved
+  shape = dict(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
+               head_dim=args.head_dim)
+  print(f"bytes each device sends per layer (on paper, bf16; T={args.seq_len}, N={args.heads}, "
+        f"K={args.kv_heads}, H={args.head_dim}, {chips} chips):")
+  rows = [("ring", dict(ring=chips)), ("all_gather", dict(ring=chips))]
+  if args.heads % chips == 0:
+    rows.append(("ulysses", dict(ring=chips)))
+  if chips % u == 0 and args.heads % u == 0:
+    rows.append((f"ulysses_ring ({chips // u} x {u})", dict(ring=chips // u, ulysses=u)))
+  mib = lambda x: f"{x / 2**20:9.1f} MiB"
+  for name, kw in rows:
+    fwd, both = bytes_moved(name.split()[0], **kw, **shape)
+    print(f"  {name:22s} forward {mib(fwd)}, forward+backward {mib(both)}")
 
 
 DEFAULT_TOPOLOGY = "v5e:2x4"

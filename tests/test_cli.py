@@ -31,6 +31,10 @@ def test_compile_reports_memory_and_overlap(capsys):
   assert e.value.code == 0
   assert "4 x TPU v5 lite" in out and "permutes overlap kernels: yes" in out
   assert "temporaries" in out
+  # Bytes per strategy: the ring sends its 1k-token K/V shard (4 heads of 128, bf16) 3 times.
+  ring = [l for l in out.splitlines() if l.strip().startswith("ring ")][0]
+  assert f"forward {3 * 2 * 1024 * 4 * 128 * 2 / 2**20:9.1f} MiB" in ring
+  assert "ulysses " in out and "ulysses_ring (2 x 2)" in out
 
 
 def test_help_for_each_command(capsys):

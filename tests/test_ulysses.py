@@ -156,3 +156,18 @@ def test_ulysses_ring_dense_bias_and_positions_equal_the_ring():
   ring = sharded_attention(q, k, v, mesh=_mesh((R,)), config=ring_cfg, **kw)
   ours = sharded_attention(q, k, v, mesh=_mesh((R, 2), ("sp", "u")), config=two_d, **kw)
   assert rel_err(ours, ring) < 2e-6
+
+
+def test_bytes_moved_on_paper():
+  """The 2-D scheme is the ring when U = 1 and Ulysses when R = 1; Ulysses moves less than the
+  ring when heads are few and shards long; MQA's kv head is repeated to U."""
+  from pallas_ring.aot import bytes_moved
+  shape = dict(seq_len=1 << 16, heads=8, kv_heads=8, head_dim=128)
+  ring = bytes_moved("ring", ring=8, **shape)
+  assert ring == bytes_moved("ulysses_ring", ring=8, ulysses=1, **shape)
+  assert ring == bytes_moved("all_gather", ring=8, **shape)
+  uly = bytes_moved("ulysses", ring=8, **shape)
+  assert uly == bytes_moved("ulysses_ring", ring=1, ulysses=8, **shape)
+  assert uly[0] < ring[0] and uly[1] < ring[1]
+  mqa = bytes_moved("ulysses", ring=8, **(shape | dict(kv_heads=1)))
+  assert mqa == uly  # (one kv head repeated to 8 moves what 8 kv heads do)
