@@ -27,8 +27,11 @@ def demo(args) -> int:
 
   r = jax.device_count()
   t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, args.head_dim, 16
+  if args.strategy == "ulysses":  # (its heads split over the devices)
+    n = r * 4 // np.gcd(r, 4)
   print(f"devices: {r} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"jax {jax.__version__}; T={t}, N={n}, K={kh}, H={h}, {args.dtype}, tile {blk}")
+        f"jax {jax.__version__}; T={t}, N={n}, K={kh}, H={h}, {args.dtype}, tile {blk}, "
+        f"strategy {args.strategy}")
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(args.dtype)
@@ -70,7 +73,8 @@ def demo(args) -> int:
             block_sparse.make_token_info(tl, b, layouts.positions(t, layout, r, src), kv_seg),
             block_q=blk, block_kv=blk, q_len=tl, kv_len=tl)
         per_device[d, s] = float(block_sparse.live_fraction(plan).mean())
-    cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend=args.backend)
+    cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend=args.backend,
+                                 strategy=args.strategy)
     ours = lambda q_, k_, v_: layouts.unpermute(sharded_attention(
         *(perm(x).astype(dtype) for x in (q_, k_, v_)), mesh=mesh, config=cfg, mask=mask,
         segment_ids=seg_l), layout, r).astype(jnp.float32)
@@ -180,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=256, help="total tokens")
   p.add_argument("--head-dim", type=int, default=64, help="head dim H")
   p.add_argument("--backend", default="auto", help="kernel backend")
+  p.add_argument("--strategy", default="ring", choices=["ring", "all_gather", "ulysses"],
+                 help="sequence-parallel strategy (the work columns are the ring's schedule)")
   p.add_argument("--verbose", action="store_true", help="print the device x step live matrix")
   p.add_argument("--dtype", default="float32",
                  help="float32, bfloat16 or float16 (on Hopper GPUs, 16-bit inputs run the "

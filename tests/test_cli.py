@@ -37,6 +37,14 @@ def test_compile_reports_memory_and_overlap(capsys):
   assert "ulysses " in out and "ulysses_ring (2 x 2)" in out
 
 
+@pytest.mark.slow
+def test_demo_runs_ulysses(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["demo", "--strategy", "ulysses", "--seq-len", "128"])
+  out = capsys.readouterr().out
+  assert e.value.code == 0 and "strategy ulysses" in out and "-> OK" in out
+
+
 def test_help_for_each_command(capsys):
   for cmd in ("demo", "bench", "compile", "tune"):
     with pytest.raises(SystemExit) as e:
