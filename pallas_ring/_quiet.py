@@ -1,10 +1,15 @@
-"""Keeps libtpu quiet on machines without a TPU.
+"""Keeps libtpu quiet, and out of other processes' way, on machines without a TPU.
 
 With ``jax[tpu]`` installed (used here to compile TPU programs on a CPU host), libtpu prints a
 screen of errors on any machine without TPU chips ("Failed to find host bounds", "unexpected worker
 hostname", a source trace). Naming a local worker and an accelerator type silences it; the
 variables only matter to libtpu, are set only when unset, and only where no TPU chip exists, so
 a real TPU host is never affected. Compiling for any TPU topology still works.
+
+libtpu also takes a host-wide lock file when it loads (``/tmp/libtpu_lockfile``), so a second JAX
+process of an environment with ``jax[tpu]`` failed to compile TPU programs ("Internal error when
+accessing libtpu multi-process lockfile") while the first lived. Without TPU chips there is no
+device to guard: ``ALLOW_MULTIPLE_LIBTPU_LOAD`` lets libtpu load beside other processes.
 """
 
 from __future__ import annotations
@@ -35,3 +40,4 @@ def quiet_libtpu() -> None:
     return
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

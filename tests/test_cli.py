@@ -85,6 +85,30 @@ def test_compile_takes_the_presets_topology_and_libtpu_is_quiet():
     assert noise not in proc.stderr and noise not in proc.stdout
 
 
+@pytest.mark.xdist_group("libtpu")
+def test_compile_runs_beside_another_jax_process():
+  """A live JAX process of the same environment (it loaded libtpu and holds its lock file) does
+  not stop `compile` (libtpu refused with "multi-process lockfile" before)."""
+  import os
+  import subprocess
+  import sys
+  # (as a user's shell has it: conftest's settings for the test workers left out)
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+  holder = subprocess.Popen([sys.executable, "-c", "import jax, sys, time; jax.devices(); "
+                             "print('up', flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+  try:
+    assert holder.stdout.readline().strip() == "up"
+    proc = subprocess.run([sys.executable, "-m", "pallas_ring", "compile", "--topology",
+                           "v5e:2x2", "--seq-len", "2048", "--heads", "4", "--kv-heads", "4"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "lockfile" not in proc.stderr
+  finally:
+    holder.kill()
+
+
 def test_importing_and_using_jax_is_quiet_on_a_host_without_tpu():
   import subprocess
   import sys
