@@ -128,7 +128,7 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   kv_pos = xp(slots).broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
   q_seg = kv_seg = None
   if lengths is not None:  # slots past a row's length: another segment, never visible
-    q_seg = jnp.zeros((b * p, rows), jnp.int32)
+    q_seg = np.zeros((b * p, rows), np.int32)  # (numpy: its block bounds are constants)
     kv_seg = (slots[None] >= lengths[:, None]).astype(jnp.int32).reshape(b * p, c)
   tp = tuning.padded_len(rows, tiles.block_q)
   sp = tuning.padded_len(c, tiles.block_kv)
