@@ -462,6 +462,7 @@ DECODE_CACHES = {  # name: (B, S, N, K, H, T): T new tokens against a full cache
     "B=1 S=128k MQA 16/1": (1, 131072, 16, 1, 128, 1),
     "B=8 S=32k GQA 32/8": (8, 32768, 32, 8, 128, 1),
     "B=16 S=8k GQA 32/8": (16, 8192, 32, 8, 128, 1),
+    "B=1 S=32k GQA 32/8": (1, 32768, 32, 8, 128, 1),  # (the T=1 base of the next two)
     "B=1 S=32k GQA 32/8 T=4": (1, 32768, 32, 8, 128, 4),
     "B=1 S=32k GQA 32/8 T=8": (1, 32768, 32, 8, 128, 8),
 }
