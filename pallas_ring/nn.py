@@ -116,8 +116,8 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
     batch_shape = query.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
     b = flat(query).shape[0]
-    out = decode_attention(flat(query), flat(key), flat(value), mask=m, mesh=t.mesh,
-                           config=t.config,
+    out = decode_attention(flat(query), flat(key), flat(value), mask=m, config=t.config,
+                           mesh=None if t.config is None else t.mesh,
                            kv_lengths=jnp.broadcast_to(t.cache_index + 1, (b,)).astype(jnp.int32))
     return out.reshape(batch_shape + out.shape[1:]).astype(dtype)
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,

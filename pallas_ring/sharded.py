@@ -139,10 +139,11 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     if n % hs or k.shape[2] % hs:
       raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
                        f"{k.shape[2]}: both must be multiples of {hs}.")
-  uly_axis = config.axis_name if config.strategy == "ulysses" else config.ulysses_axis
+  uly_field = "axis_name" if config.strategy == "ulysses" else "ulysses_axis"
+  uly_axis = getattr(config, uly_field)
   if uly_axis is not None:
     u = mesh.shape[uly_axis]
-    ulysses.check_heads(n // (1 if head is None else mesh.shape[head]), u, uly_axis)
+    ulysses.check_heads(n // (1 if head is None else mesh.shape[head]), u, uly_field, uly_axis)
     if config.strategy == "ulysses_ring" and (t // r) % u:
       raise ValueError(f"strategy='ulysses_ring' splits each of the {r} ring chunks of "
                        f"{t // r} tokens over the {u} devices of ulysses_axis="

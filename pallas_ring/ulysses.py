@@ -23,11 +23,12 @@ from jax import lax
 from pallas_ring import attention, call, layouts, packing, ring
 
 
-def check_heads(n: int, r: int, axis_name: str) -> None:
-  """Ulysses' rule: query heads split evenly over the axis."""
+def check_heads(n: int, r: int, field: str, axis: str) -> None:
+  """Ulysses' rule: query heads split evenly over its all-to-all's axis (the config ``field``
+  naming it)."""
   if n % r:
-    raise ValueError(f"strategy='ulysses' shards the {n} query heads over the {r} devices of "
-                     f"axis_name={axis_name!r}, so N must be a multiple of {r}. Use a mesh axis "
+    raise ValueError(f"Ulysses shards the {n} query heads over the {r} devices of "
+                     f"{field}={axis!r}, so N must be a multiple of {r}. Use a mesh axis "
                      f"whose size divides {n}, or strategy='ring'.")
 
 

@@ -105,7 +105,7 @@ def test_positions_cu_seqlens_and_a_head_axis():
 def test_heads_that_do_not_split_over_the_axis_raise_with_the_fix():
   q, k, v, _ = _problem(6, n=6, kh=2)
   cfg = SequenceParallelConfig(axis_name="sp", strategy="ulysses", backend="xla")
-  with pytest.raises(ValueError, match=r"6 query heads over the 4 devices.*strategy='ring'"):
+  with pytest.raises(ValueError, match=r"6 query heads over the 4 devices of axis_name='sp'.*strategy='ring'"):
     sharded_attention(q, k, v, mesh=_mesh(), config=cfg)
   from pallas_ring import ring_attention
   with pytest.raises(ValueError, match="run it through sharded_attention"):
