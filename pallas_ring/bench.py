@@ -503,9 +503,9 @@ def decode(caches=None, extra_impls=None, log=print):
              "xla": lambda q_, k_, v_: jax.nn.dot_product_attention(
                  q_, k_, v_, mask=visible[None, None], implementation="xla"),
              "ours auto": lambda q_, k_, v_: decode_attention(q_, k_, v_)}
-    if kernels.native_backend() != "pallas_triton":  # (what "auto" trains with on this GPU)
-      impls[f"ours {kernels.native_backend()}"] = lambda q_, k_, v_: decode_attention(
-          q_, k_, v_, backend=kernels.native_backend())
+    trains = kernels.native_backend()  # (what "auto" trains with here, if it decodes otherwise)
+    if trains != kernels.auto("gpu", kernels.Call(jnp.bfloat16, h, decode=True)):
+      impls[f"ours {trains}"] = lambda q_, k_, v_: decode_attention(q_, k_, v_, backend=trains)
     for name, kw in (extra_impls or {}).items():
       impls[name] = lambda q_, k_, v_, kw=kw: decode_attention(q_, k_, v_, **kw)
     # As in generation: the lengths are data (a traced argument).
