@@ -385,8 +385,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if strategy not in RING_STRATEGIES:
     hint = (" Ulysses exchanges heads across the axis: run it through sharded_attention."
             if strategy in STRATEGIES else "")
-    raise ValueError(f"ring_attention(strategy={strategy!r}) is not one of {RING_STRATEGIES}."
-                     f"{hint}")
+    raise ValueError(f"`strategy`={strategy!r} is not a strategy of ring_attention; use one of "
+                     f"{RING_STRATEGIES}.{hint}")
   try:
     r = lax.axis_size(axis_name)
   except NameError as e:
