@@ -88,6 +88,34 @@ def _unpack(o, lse, t: int):
   return o, lse
 
 
+def _xp(x):
+  """numpy for what is known while tracing (numpy arrays, Python ints), else jax.numpy."""
+  return np if isinstance(x, (np.ndarray, int)) else jnp
+
+
+def _split(x, p: int):
+  """``[B, ...] -> [B * P, ...]``: each row repeated for the P chunks of its cache."""
+  return _xp(x).broadcast_to(x[:, None], (x.shape[0], p) + x.shape[1:]).reshape(
+      (x.shape[0] * p,) + x.shape[1:])
+
+
+def _chunk_infos(q_pos, lengths, offset, p: int, c: int, tp: int, sp: int):
+  """TokenInfo of the queries of every chunk (``[B * P, Tp]``) and of the chunks' slots
+  (``[B * P, Sp]``): global positions, and with ``lengths`` the slots past a row's length as
+  another segment (never visible). Numpy where known while tracing, so their block bounds are
+  constants."""
+  b, rows = q_pos.shape
+  slots = offset + _xp(offset).arange(p * c, dtype=np.int32)  # [S] global positions
+  kv_pos = _xp(slots).broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
+  q_seg = kv_seg = None
+  if lengths is not None:
+    q_seg = np.zeros((b * p, rows), np.int32)
+    kv_seg = (slots[None] >= lengths[:, None]).astype(jnp.int32).reshape(b * p, c)
+  info = lambda pos, seg, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos, seg),
+                                                              padded)
+  return info(_split(q_pos, p), q_seg, tp), info(kv_pos, kv_seg, sp)
+
+
 def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
               settings: call.Settings, total: int):
   """``(o [B, T, N, H], lse [B, N, T])`` in the accumulation dtype, before sinks, of the queries
@@ -119,35 +147,24 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   if q_pos is None:
     last = np.full((b, 1), total, np.int32) if lengths is None else lengths[:, None]
     q_pos = last - t + np.arange(t, dtype=np.int32)  # [B, T]
-  xp = lambda x: np if isinstance(x, (np.ndarray, int)) else jnp  # (numpy: known ahead)
   if pack:  # [B, T*G, K, H], [B, T*G]
-    q, q_pos = _pack(q, kh), xp(q_pos).repeat(q_pos, rows // t, axis=1)
-  split = lambda x: xp(x).broadcast_to(x[:, None], (b, p) + x.shape[1:]).reshape(
-      (b * p,) + x.shape[1:])
-  slots = offset + xp(offset).arange(s, dtype=np.int32)  # [S] global positions
-  kv_pos = xp(slots).broadcast_to(slots.reshape(1, p, c), (b, p, c)).reshape(b * p, c)
-  q_seg = kv_seg = None
-  if lengths is not None:  # slots past a row's length: another segment, never visible
-    q_seg = np.zeros((b * p, rows), np.int32)  # (numpy: its block bounds are constants)
-    kv_seg = (slots[None] >= lengths[:, None]).astype(jnp.int32).reshape(b * p, c)
+    q, q_pos = _pack(q, kh), _xp(q_pos).repeat(q_pos, rows // t, axis=1)
   tp = tuning.padded_len(rows, tiles.block_q)
   sp = tuning.padded_len(c, tiles.block_kv)
   hp = impl.padded_head_dim(h)
   cfg = pair.kernel_config(tiles, mask=settings.mask, scale=settings.scale,
                            softcap=settings.softcap, q_len=rows, kv_len=c, out_dtype=acc,
                            interpret=interpret)
-  info = lambda pos, seg, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos, seg),
-                                                              padded)
   if alibi is not None and alibi.shape[0] > 1:
-    alibi = split(alibi)  # [B * P, N, 1]
-  ops = common.Operands(info(split(q_pos), q_seg, tp), info(kv_pos, kv_seg, sp), alibi=alibi)
+    alibi = _split(alibi, p)  # [B * P, N, 1]
+  ops = common.Operands(*_chunk_infos(q_pos, lengths, offset, p, c, tp, sp), alibi=alibi)
   pad = pair.pad_tokens
   kc, vc = (pad(x.reshape(b * p, c, kh, h), sp, hp) for x in (k, v))
   # (no sort: a few fused ops, or numpy constants when the positions are known while tracing)
   plan = block_sparse.BlockPlan(*map(jnp.asarray, block_sparse.range_plan(
       settings.mask, ops.q_info, ops.kv_info, block_q=tiles.block_q, block_kv=tiles.block_kv,
       q_len=rows, kv_len=c)))
-  o, lse = impl.forward(pad(split(q), tp, hp), kc, vc, ops, plan, cfg)
+  o, lse = impl.forward(pad(_split(q, p), tp, hp), kc, vc, ops, plan, cfg)
   o = o[:, :rows, :, :h].astype(acc).reshape(b, p, rows, heads, h)
   lse = lse[:, :, :rows].reshape(b, p, heads, rows)
   o, lse = common.merge_reduced(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0),
