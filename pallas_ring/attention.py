@@ -79,8 +79,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) int positions the mask compares;
       default ``arange``.
     dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest. A
-      float mask is read as 0/1 (nonzero = attend): an additive ``-inf`` mask is not a dense
-      mask (it is a bias).
+      float mask must hold 0/1 (1 = attend): other values raise when they are concrete (an
+      additive ``0 / -inf`` mask belongs in ``bias``); under ``jit`` they are not checked.
     sinks: ``[N]`` per-head sink logits, counted once in each row's denominator.
     softcap: logit soft-cap ``cap * tanh(s / cap)``.
     scale: logit scale, default ``H ** -0.5``.

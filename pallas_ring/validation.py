@@ -110,6 +110,14 @@ def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):
     return None
   full = _bnts_shape("dense_mask", dense_mask, b, n, t, s)
   m = jnp.asarray(dense_mask)
+  if m.dtype != bool and not isinstance(m, jax.core.Tracer):  # (traced values go unchecked)
+    values = np.unique(np.asarray(m))
+    if not np.all((values == 0) | (values == 1)):
+      raise ValueError(
+          f"`dense_mask` has dtype {m.dtype} with values other than 0 and 1 (e.g. "
+          f"{values[~((values == 0) | (values == 1))][0]}): a non-boolean dense mask is read as "
+          "0 = masked, 1 = visible. An additive mask (0 visible, -inf masked) belongs in `bias`; "
+          "or pass a bool mask (True = visible).")
   m = m.reshape(full) if m.dtype == bool else (m.reshape(full) != 0)
   return jnp.broadcast_to(m, (full[0], full[1], t, s))
 

@@ -228,3 +228,15 @@ def test_unsupported_autodiff_in_the_ring():
     jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))(q)
   # (Forward mode through shard_map fails at lowering, outside pallas_ring's reach, with JAX's
   # generic "can't apply forward-mode autodiff (jvp) to a custom_vjp function".)
+
+
+def test_an_additive_float_mask_as_dense_mask_raises_naming_bias():
+  """A 0 / -inf mask passed as ``dense_mask`` would be read inverted (nonzero = visible): when
+  its values are concrete it raises naming ``bias``; 0/1 floats are a dense mask."""
+  q = jnp.ones((1, 16, 2, 16))
+  causal = jnp.tril(jnp.ones((16, 16)))
+  additive = jnp.where(causal > 0, 0.0, -jnp.inf)
+  with pytest.raises(ValueError, match=r"values other than 0 and 1 \(e.g. -inf\).*`bias`"):
+    flash_attention(q, q, q, dense_mask=additive, backend="xla")
+  np.testing.assert_array_equal(flash_attention(q, q, q, dense_mask=causal, backend="xla"),
+                                flash_attention(q, q, q, dense_mask=causal > 0, backend="xla"))
