@@ -32,8 +32,10 @@ Array = Any
 
 
 def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
-            q_positions=None, kv_positions=None, single_device=False, bias=None, dropout=None):
-  """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh) or to flash_attention.
+            q_positions=None, kv_positions=None, single_device=False, bias=None, dropout=None,
+            cache_index=None):
+  """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh), to flash_attention, or (decoding
+  against a cache whose slots up to ``cache_index`` are filled) to decode_attention.
 
   ``dense_mask`` / ``bias`` are ``[..., N, T, S]`` (Flax's layout); ``dropout`` holds the
   ``dropout_rate`` / ``dropout_rng`` / ``dropout_broadcast`` keywords (or None).
@@ -49,6 +51,12 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
   bias = flat_bnts(bias)
   dropout = dropout or {}
+  if cache_index is not None and bias is None and not dropout:
+    # (Flax's dense mask here is the cache's own, slots <= cache_index: kv_lengths says it.)
+    lengths = jnp.broadcast_to(cache_index + 1, q.shape[:1]).astype(jnp.int32)
+    out = decode_attention(q, k, v, mask=mask, kv_lengths=lengths, config=config,
+                           mesh=None if config is None else mesh)
+    return out.reshape(batch_shape + out.shape[1:])
   run_mesh = None if single_device else active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
   if run_mesh is not None:
@@ -111,19 +119,10 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
-  if t.cache_index is not None and bias is None and not dropout:
-    # (Flax's dense mask here is the cache's own, slots <= cache_index: kv_lengths says it.)
-    batch_shape = query.shape[:-3]
-    flat = lambda x: x.reshape((-1,) + x.shape[-3:])
-    b = flat(query).shape[0]
-    out = decode_attention(flat(query), flat(key), flat(value), mask=m, config=t.config,
-                           mesh=None if t.config is None else t.mesh,
-                           kv_lengths=jnp.broadcast_to(t.cache_index + 1, (b,)).astype(jnp.int32))
-    return out.reshape(batch_shape + out.shape[1:]).astype(dtype)
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
                 kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
-                dropout=dropout)
+                dropout=dropout, cache_index=t.cache_index)
   return out.astype(dtype)
 
 
