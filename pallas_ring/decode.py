@@ -275,8 +275,7 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
                     platforms, total):
   """shard_map over the cache's slots: each device attends its own, the results merge."""
   sp = config.axis_name
-  batch = tuple(config.batch_axes or ()) or None
-  batch = batch[0] if batch is not None and len(batch) == 1 else batch
+  batch = sharded.batch_spec(config)
   rep, cache, rows = P(batch), P(batch, sp), P(batch, None)
   local = functools.partial(_local_on, settings=settings, total=total)
 

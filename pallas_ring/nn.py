@@ -26,7 +26,7 @@ from pallas_ring import masks as masks_lib
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import active_mesh, constrain, sharded_attention
+from pallas_ring.sharded import active_mesh, batch_spec, constrain, sharded_attention
 
 Array = Any
 
@@ -276,7 +276,7 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     mesh = active_mesh(self.mesh, self.config)
     if mesh is None or not self.is_mutable_collection("cache"):
       return
-    batch = tuple(self.config.batch_axes or ()) or None
+    batch = batch_spec(self.config)
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
       spec = P(batch, *([None] * (x.ndim - 4)), self.config.axis_name, None, None)

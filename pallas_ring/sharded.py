@@ -42,6 +42,12 @@ def active_mesh(mesh, config: Optional[SequenceParallelConfig]):
   return mesh
 
 
+def batch_spec(config: SequenceParallelConfig):
+  """The PartitionSpec entry of the batch dimension: None, one axis, or a tuple of axes."""
+  batch = config.batch_axes or None
+  return batch[0] if batch is not None and len(batch) == 1 else batch
+
+
 def check_axes(mesh, config: SequenceParallelConfig):
   names = tuple(mesh.axis_names)
   fields = [("axis_name", config.axis_name)] + [("batch_axes", a) for a in config.batch_axes]
@@ -127,9 +133,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                      f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
                      f"{tuple(k.shape)}). Use flash_attention for cross-attention.")
   layouts.check_length(t, config.layout, r, argname="q.shape[1] (sequence length)")
-  batch = config.batch_axes or None
-  if batch is not None and len(batch) == 1:
-    batch = batch[0]
+  batch = batch_spec(config)
   if batch is not None and b % _size(mesh, batch):
     raise ValueError(f"batch size {b} is not divisible by the {_size(mesh, batch)} devices of "
                      f"batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
@@ -207,4 +211,4 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
   return fn(*args)
 
 
-__all__ = ["sharded_attention", "active_mesh", "check_axes", "constrain"]
+__all__ = ["sharded_attention", "active_mesh", "batch_spec", "check_axes", "constrain"]
