@@ -198,7 +198,7 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
                      mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
                      alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
-                     block_sizes=None, backend: Optional[str] = None, interpret=None,
+                     block_sizes=None, backend: str = "auto", interpret=None,
                      return_lse: bool = False):
   """Attention of a few new query tokens against a long KV cache (forward only).
 
@@ -216,7 +216,7 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
       ranges (``config.batch_axes`` shard B); q and kv_lengths are replicated over it.
     block_sizes: ``BlockSizes`` (its ``kv_splits`` sets the number of cache chunks); default
       ``config.block_sizes``.
-    backend: a kernel backend or ``"auto"``; default ``config.backend`` (else ``"auto"``).
+    backend: a kernel backend, or ``"auto"`` (with a ``config``: its ``backend``).
     interpret: as ``flash_attention``.
     return_lse: also return ``lse [B, N, T]``.
 
@@ -238,8 +238,8 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
       q, k_cache, v_cache, mask=mask, q_positions=q_positions, sinks=sinks, softcap=softcap,
       scale=scale, alibi_slopes=alibi_slopes,
       block_sizes=block_sizes if block_sizes is not None or cfg is None else cfg.block_sizes,
-      backend=backend or (cfg.backend if cfg is not None else "auto"), interpret=interpret,
-      return_lse=return_lse, decode=True)
+      backend=cfg.backend if backend == "auto" and cfg is not None else backend,
+      interpret=interpret, return_lse=return_lse, decode=True)
   b, t = q.shape[0], q.shape[1]
   s = k_cache.shape[1]
   lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)

@@ -2,7 +2,7 @@
 (``BlockSizes.kv_splits``) beside the automatic choice, device clock.
 
     PYTHONPATH=. python tools/decode_sweep.py [CASE_SUBSTRING]
-    PYTHONPATH=. python tools/decode_sweep.py profile TRACE_DIR
+    PYTHONPATH=.:tools python tools/decode_sweep.py profile TRACE_DIR
 
 Prints one line per (cache, implementation, clock): milliseconds, GB/s of K/V read, % of HBM,
 and the ratio to cuDNN and XLA. ``profile``: the GPU ops of one decode call (lengths traced, as
