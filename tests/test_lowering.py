@@ -85,6 +85,26 @@ def test_mosaic_compiles_every_head_dim(topology, head_dim):
   assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
 
 
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("heads, kv_heads, dtype", [(16, 8, jnp.bfloat16), (8, 8, jnp.float32),
+                                                    (8, 1, jnp.bfloat16)])
+def test_mosaic_compiles_heads_read_in_place(heads, kv_heads, dtype):
+  """Operands with a multiple of 8 heads are read in place by a traced head index (uint32 words
+  of head pairs for 16-bit dtypes): every kernel compiles, with masked and unmasked tiles."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = lambda n: jax.ShapeDtypeStruct((1, 1000, n, 128), dtype, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_tpu",
+                                      interpret=False, dropout_rate=0.1,
+                                      dropout_rng=jax.random.key(0))
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  args = sd(heads), sd(kv_heads), sd(kv_heads)
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+  assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_lowers_for_cuda(case):
   args = _structs(300)

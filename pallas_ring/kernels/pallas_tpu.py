@@ -118,23 +118,29 @@ def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_by
 
 
 class _View(NamedTuple):
-  """How a kernel sees one ``[B, L, heads, H]`` operand: blocks of ``block_heads`` heads.
+  """How a kernel sees one ``[B, L, heads, H]`` operand: blocks of ``block_heads`` heads, read
+  and written one head at a time by a traced head index (the body loops over a block's heads
+  instead of unrolling them: unrolled, compile time grew with the heads; BENCHMARKS.md, "TPU
+  compile time").
 
-  In place (``heads % 8 == 0``): ``(rows, 8, H)`` blocks of the array as it is, head ``c`` read as
-  ``ref[:, c, :]`` (a sublane-strided load). Otherwise as ``[B, L, heads * H]`` with
+  In place (``heads % 8 == 0`` and a 16- or 32-bit dtype): ``(rows, 8, H)`` blocks of the array
+  as it is; head ``c`` is a sublane-strided row set. Mosaic cannot index the packed rows of a
+  16-bit block by a traced head, so 16-bit blocks are read as ``uint32`` words holding heads
+  ``(2c, 2c + 1)`` (low, high half; Pallas TPU's bitcast of the second-minor axis) and the half is
+  picked by a shift. Otherwise the operand is viewed as ``[B, L, heads * H]`` with
   ``(rows, block_heads * H)`` lane blocks: XLA relayouts the array once (its TPU tiling is
-  ``(heads, H)``), but Mosaic compiles the strided loads of 1-7-row head tiles into enormous code
-  (minutes per kernel, measured), so only 8-head tiles are read in place.
+  ``(heads, H)``), and head ``c`` is a 128-aligned lane slice.
   """
 
   in_place: bool
   block_heads: int
   head_dim: int
+  interpret: bool  # interpret mode has no ref bitcast: the block is bitcast as a value
 
   @staticmethod
-  def of(heads: int, head_dim: int) -> "_View":
-    in_place = heads % HEAD_BLOCK == 0
-    return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim)
+  def of(heads: int, head_dim: int, dtype, interpret: bool) -> "_View":
+    in_place = heads % HEAD_BLOCK == 0 and jnp.dtype(dtype).itemsize in (2, 4)
+    return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim, interpret)
 
   def array(self, x):
     """The operand as the kernels take it."""
@@ -152,19 +158,61 @@ class _View(NamedTuple):
   def spec(self, rows, where):
     """BlockSpec of the block ``where(*grid ids) = (b, row block, head block)``."""
     if self.in_place:
-      return pl.BlockSpec((None, rows, self.block_heads, self.head_dim),
+      # (The batch axis stays a unit axis: Mosaic cannot bitcast a squeezed block.)
+      return pl.BlockSpec((1, rows, self.block_heads, self.head_dim),
                           lambda *a: (*where(*a), 0))
     return pl.BlockSpec((None, rows, self.block_heads * self.head_dim), where)
 
-  def get(self, ref, c: int):
-    """Head ``c`` of a block: ``(rows, H)``."""
-    return ref[:, c, :] if self.in_place else ref[:, c * self.head_dim:(c + 1) * self.head_dim]
+  def _lanes(self, c):
+    return pl.ds(pl.multiple_of(c * self.head_dim, LANES), self.head_dim)
 
-  def put(self, ref, c: int, x):
-    if self.in_place:
-      ref[:, c, :] = x
-    else:
-      ref[:, c * self.head_dim:(c + 1) * self.head_dim] = x
+  def _words(self, ref):
+    """A 16-bit in-place ``(1, rows, heads, H)`` block as ``uint32 (1, rows, heads / 2, H)``
+    words (a value in interpret mode, a ref otherwise)."""
+    if self.interpret:
+      return pltpu.bitcast(ref[...], jnp.uint32)
+    return ref.bitcast(jnp.uint32)
+
+  def get(self, ref, c):
+    """Head ``c`` (traced) of a block: ``(rows, H)``."""
+    if not self.in_place:
+      return ref[:, self._lanes(c)]
+    if ref.dtype.itemsize == 4:
+      return ref[0, :, c, :]
+    words = self._words(ref)[0, :, lax.shift_right_logical(c, 1), :]
+    half = lax.shift_right_logical(words, (c & 1).astype(jnp.uint32) * 16)
+    return lax.bitcast_convert_type(half.astype(jnp.uint16), ref.dtype)
+
+  def put_all(self, ref, scratch, scale=None):
+    """Writes float32 head-major ``scratch [heads, rows, H]`` (times ``scale``) into a block."""
+    value = lambda c: (scratch[c] if scale is None else scratch[c] * scale).astype(ref.dtype)
+    if not self.in_place or ref.dtype.itemsize == 4:
+      def put(c):
+        if self.in_place:
+          ref[0, :, c, :] = value(c)
+        else:
+          ref[:, self._lanes(c)] = value(c)
+      _head_loop(self.block_heads, put)
+      return
+    bits = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+
+    def put_pair(p):
+      word = bits(value(2 * p)) | lax.shift_left(bits(value(2 * p + 1)), jnp.uint32(16))
+      if self.interpret:
+        words = pltpu.bitcast(ref[...], jnp.uint32)
+        words = lax.dynamic_update_index_in_dim(words, word[None, :, None, :], p, 2)
+        ref[...] = pltpu.bitcast(words, ref.dtype)
+      else:
+        ref.bitcast(jnp.uint32)[0, :, p, :] = word
+    _head_loop(self.block_heads // 2, put_pair)
+
+
+def _head_loop(n: int, body):
+  """Runs ``body(h)`` for ``h`` in ``range(n)`` (traced) in a loop the compiler keeps rolled."""
+  def step(h, carry):
+    body(h)
+    return carry
+  lax.fori_loop(jnp.int32(0), jnp.int32(n), step, 0)  # (int32 indices under x64 too)
 
 
 class _Heads(NamedTuple):
@@ -180,8 +228,11 @@ class _Heads(NamedTuple):
   group: int  # query heads per kv head (N // K)
 
   @staticmethod
-  def of(n: int, kv_heads: int, head_dim: int) -> "_Heads":
-    return _Heads(_View.of(n, head_dim), _View.of(kv_heads, head_dim), n // kv_heads)
+  def of(q, k, interpret: bool) -> "_Heads":
+    """The tiling of q ``[B, T, N, H]`` against k ``[B, S, K, H]``."""
+    n, kv_heads, h = q.shape[2], k.shape[2], q.shape[3]
+    return _Heads(_View.of(n, h, q.dtype, interpret), _View.of(kv_heads, h, k.dtype, interpret),
+                  n // kv_heads)
 
   @property
   def hb(self) -> int:  # query heads per program: 8, or N when N % 8
@@ -205,27 +256,10 @@ class _Heads(NamedTuple):
     """Inverse of ``(kv_block, rank)``: the query head block."""
     return kv_block * jnp.asarray(self.per_kv, kv_block.dtype) + rank
 
-  def _kv_heads(self, h: int) -> list[int]:
-    """Index inside its kv block of query head ``h``'s kv head, for each rank."""
-    return [(r * self.hb + h) // self.group for r in range(self.per_kv)]
-
-  def kv_head(self, rank, h: int):
-    """Index inside its kv block of the kv head of query head ``h`` of a block of this rank:
-    a Python int when every rank agrees, else a traced scalar."""
-    if len(set(self._kv_heads(h))) == 1:
-      return self._kv_heads(h)[0]
-    return lax.div(rank * self.hb + h, jnp.asarray(self.group, rank.dtype))
-
-  def kv_tile(self, ref, rank, h: int):
-    """The ``(bk, H)`` tile of query head ``h``'s kv head from a kv block.
-
-    Mosaic cannot index packed (16-bit) rows dynamically, so a rank-dependent head is picked by
-    a switch over the ranks' static indices.
-    """
-    c = self.kv_head(rank, h)
-    if isinstance(c, int):
-      return self.kv.get(ref, c)
-    return lax.switch(rank, [functools.partial(self.kv.get, ref, c_) for c_ in self._kv_heads(h)])
+  def kv_head(self, rank, h):
+    """Index inside its kv block of the kv head of query head ``h`` (traced) of a query head
+    block of this rank."""
+    return lax.div(rank * self.hb + h, jnp.asarray(self.group, h.dtype))
 
 
 class _Info(NamedTuple):
@@ -386,35 +420,44 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   slot = lists.slot(b, j, i, s_)
   klass = _Lists.at(cls_ref, slot)
+  k_block = _Lists.at(idx_ref, slot)
 
-  def compute(masked):
-    for h in range(heads.hb):
-      s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv_tile(k_ref, rank, h))
-      s, vis, keep = _tile(cfg, info, h, s, _Lists.at(idx_ref, slot), cfg.block_kv, masked)
-      if masked:
-        s = jnp.where(vis, s, common.NEG_INF)
-      m_prev = m_sc[h]  # [bq, 128]
-      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.exp(s - m_new[:, :1])
-      if masked:
-        p = jnp.where(vis, p, 0.0)
-      alpha = jnp.exp(m_prev - m_new)
-      l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
-      pv = p if keep is None else jnp.where(keep, p, 0.0)
-      v = heads.kv_tile(v_ref, rank, h)
-      pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
-      m_sc[h] = m_new
+  def compute(masked, h):
+    c = heads.kv_head(rank, h)
+    s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv.get(k_ref, c))
+    s, vis, keep = _tile(cfg, info, h, s, k_block, cfg.block_kv, masked)
+    if masked:
+      s = jnp.where(vis, s, common.NEG_INF)
+    m_prev = m_sc[h]  # [bq, 128]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new[:, :1])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
+    pv = p if keep is None else jnp.where(keep, p, 0.0)
+    v = heads.kv.get(v_ref, c)
+    pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
+    m_sc[h] = m_new
 
-  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
-  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
+  _per_class(klass, heads.hb, compute)
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
-    for h in range(heads.hb):
+    def finish(h):
       o, lse = common.finalize(acc_sc[h], m_sc[h][:, :1], l_sc[h][:, :1], cfg.keep_scale)
-      heads.q.put(o_ref, h, o.astype(o_ref.dtype))
+      acc_sc[h] = o
       stats.store(lse_ref, h, lse)
+    _head_loop(heads.hb, finish)
+    heads.q.put_all(o_ref, acc_sc)
+
+
+def _per_class(klass, n_heads: int, compute):
+  """Runs ``compute(masked, h)`` over the heads of a FULL (unmasked) or PARTIAL (masked) tile."""
+  for masked, cls in ((False, block_sparse.FULL), (True, block_sparse.PARTIAL)):
+    body = functools.partial(compute, masked)
+    pl.when(klass == cls)(functools.partial(_head_loop, n_heads, body))
 
 
 def _capped_logits(cfg, q, k):
@@ -447,7 +490,7 @@ def _q_row_specs(plan, r0, r1, info, stats, heads, bq, bk):
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
   b, tp, n, h = q.shape
-  heads = _Heads.of(n, k.shape[2], h)
+  heads = _Heads.of(q, k, cfg.interpret)
   plan = block_sparse.merge_heads(plan, heads.hb)
   bq, bk = cfg.block_q, cfg.block_kv
   info = _info_arrays(ops)
@@ -502,25 +545,24 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
 
   slot = lists.slot(b, j, i, s_)
   klass = _Lists.at(cls_ref, slot)
+  k_block = _Lists.at(idx_ref, slot)
 
-  def compute(masked):
-    for h in range(heads.hb):
-      k = heads.kv_tile(k_ref, rank, h)
-      p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
-                          _Lists.at(idx_ref, slot), masked)
-      dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv_tile(v_ref, rank, h), _NT,
-                               preferred_element_type=jnp.float32)
-      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
-            * common.softcap_grad(s, cfg))
-      dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  def compute(masked, h):
+    c = heads.kv_head(rank, h)
+    k = heads.kv.get(k_ref, c)
+    p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
+                        k_block, masked)
+    dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv.get(v_ref, c), _NT,
+                             preferred_element_type=jnp.float32)
+    ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+          * common.softcap_grad(s, cfg))
+    dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
-  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
+  _per_class(klass, heads.hb, compute)
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
-    for h in range(heads.hb):
-      heads.q.put(dq_ref, h, (dq_sc[h] * cfg.scale).astype(dq_ref.dtype))
+    heads.q.put_all(dq_ref, dq_sc, cfg.scale)
 
 
 def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
@@ -538,29 +580,25 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
   slot = lists.slot(b, heads.head_block(kvb, rank), jk, i)
   klass = _Lists.at(cls_ref, slot)
 
-  def compute(masked):
-    for h in range(heads.hb):
-      c = heads.kv_head(rank, h)
-      q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)
-      p, s, keep = _probs(cfg, info, h, q, heads.kv_tile(k_ref, rank, h),
-                          stats.load(lse_ref, h), lists.r0 + jk, masked)
-      dv_sc[c] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
-                                      preferred_element_type=jnp.float32)
-      dp = jax.lax.dot_general(do, heads.kv_tile(v_ref, rank, h), _NT,
-                               preferred_element_type=jnp.float32)
-      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
-            * common.softcap_grad(s, cfg))
-      dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
-                                      preferred_element_type=jnp.float32)
+  def compute(masked, h):
+    c = heads.kv_head(rank, h)
+    q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)
+    p, s, keep = _probs(cfg, info, h, q, heads.kv.get(k_ref, c), stats.load(lse_ref, h),
+                        lists.r0 + jk, masked)
+    dv_sc[c] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
+                                    preferred_element_type=jnp.float32)
+    dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c), _NT, preferred_element_type=jnp.float32)
+    ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+          * common.softcap_grad(s, cfg))
+    dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
+                                    preferred_element_type=jnp.float32)
 
-  pl.when(klass == block_sparse.FULL)(lambda: compute(False))
-  pl.when(klass == block_sparse.PARTIAL)(lambda: compute(True))
+  _per_class(klass, heads.hb, compute)
 
   @pl.when(step == heads.per_kv * lists.slots - 1)
   def _finish():
-    for c in range(heads.hk):
-      heads.kv.put(dk_ref, c, (dk_sc[c] * cfg.scale).astype(dk_ref.dtype))
-      heads.kv.put(dv_ref, c, dv_sc[c].astype(dv_ref.dtype))
+    heads.kv.put_all(dk_ref, dk_sc, cfg.scale)
+    heads.kv.put_all(dv_ref, dv_sc)
 
 
 def _dkv_step(step, slots: int):
@@ -578,7 +616,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
-  heads = _Heads.of(n, kh, h)
+  heads = _Heads.of(q, k, cfg.interpret)
   plan = block_sparse.merge_heads(plan, heads.hb)
   bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
   stats = _RowStats(bq, heads.hb)
