@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,28 @@ class CompileReport:
   temp_bytes: int  # per device scratch
   kernels: int  # Pallas (Mosaic) custom calls in the program
   permutes_overlap_kernels: bool  # a collective-permute-start ... kernel ... -done sequence
+  compile_seconds: float  # tracing, lowering and compiling, on this host
+
+
+GENERATIONS = ("v4", "v5e", "v5p", "v6e")  # TPU generations whose compiles are tested
+
+
+def topology_devices(topology: str) -> np.ndarray:
+  """The chips of a TPU topology such as ``"v5e:2x4"`` (libtpu; no TPU needed).
+
+  Raises:
+    ValueError: one line naming the topology, libtpu's reason and the valid form.
+  """
+  from jax.experimental import topologies
+  try:
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  except Exception as e:  # noqa: BLE001 - libtpu raises JaxRuntimeError / RuntimeError
+    reason = str(e).splitlines()[0].split(": ", 1)[-1] if str(e) else type(e).__name__
+    raise ValueError(
+        f"topology={topology!r}: libtpu rejects it ({reason}). Use GENERATION:CHIPS with a "
+        f"generation of {', '.join(GENERATIONS)} and a chip grid libtpu knows, e.g. v4:2x2x1, "
+        f"v5e:2x2, v5e:2x4, v5p:2x2x1, v6e:2x4.") from None
+  return np.array(topo.devices)
 
 
 def permutes_overlap(hlo_text: str) -> bool:
@@ -90,9 +113,7 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
   """Compiles ``sharded_attention`` (forward, or forward+backward) for ``topology``: a 1-D mesh
   over the slice's chips (``config.axis_name``), or for ``strategy="ulysses_ring"`` a 2-D one,
   ``(chips / ulysses_size, ulysses_size)`` over ``(axis_name, ulysses_axis)``."""
-  from jax.experimental import topologies
-  topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-  devices = np.array(topo.devices)
+  devices = topology_devices(topology)
   if config.batch_axes or config.head_axis:
     raise ValueError("compile_ring builds a mesh of the sequence axes only: use a config without "
                      "batch_axes / head_axis.")
@@ -116,7 +137,9 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
   fn = fwd
   if backward:
     fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  start = time.perf_counter()
   compiled = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile()
+  seconds = time.perf_counter() - start
   text = compiled.as_text()
   mem = compiled.memory_analysis()
   return CompileReport(
@@ -124,4 +147,4 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
       program="forward+backward" if backward else "forward",
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       temp_bytes=mem.temp_size_in_bytes, kernels=text.count("tpu_custom_call"),
-      permutes_overlap_kernels=permutes_overlap(text))
+      permutes_overlap_kernels=permutes_overlap(text), compile_seconds=seconds)

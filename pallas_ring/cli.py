@@ -102,27 +102,35 @@ def demo(args) -> int:
 
 
 def compile_cmd(args) -> int:
-  from pallas_ring.aot import compile_ring
+  from pallas_ring.aot import compile_ring, topology_devices
   from pallas_ring.config import SequenceParallelConfig, load_preset
-  preset = load_preset(args.config) if args.config else None
+  try:  # a bad preset or topology: one line naming the valid choices
+    preset = load_preset(args.config) if args.config else None
+    topology = args.topology or (preset and preset.topology) or DEFAULT_TOPOLOGY
+    topology_devices(topology)
+  except (ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
   cfg = cfg.replace(batch_axes=(), head_axis=None)
-  topology = args.topology or (preset and preset.topology) or DEFAULT_TOPOLOGY
   ulysses = {}
   if cfg.ulysses_axis is not None and preset and preset.mesh_axes:
     ulysses = dict(ulysses_size=preset.mesh_shape[preset.mesh_axes.index(cfg.ulysses_axis)])
+  print(f"compiling sharded_attention for {topology}: causal mask, bfloat16, B=1, "
+        f"T={args.seq_len} tokens over the slice, N={args.heads}, K={args.kv_heads}, "
+        f"H={args.head_dim}, strategy={cfg.strategy}, layout={cfg.layout}", flush=True)
   for backward in (False, True):
-    print(f"compiling ring {'forward+backward' if backward else 'forward'} for {topology} "
-          f"(T={args.seq_len}, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, "
-          f"layout={cfg.layout}, strategy={cfg.strategy}) ...", flush=True)
+    program = "forward+backward" if backward else "forward"
+    print(f"  {program} ...", end=" ", flush=True)
     rep = compile_ring(topology, cfg, seq_len=args.seq_len, heads=args.heads,
                        kv_heads=args.kv_heads, head_dim=args.head_dim, backward=backward,
                        **ulysses)
     gib = lambda x: f"{x / 2**30:.3f} GiB"
-    print(f"  {rep.num_devices} x {rep.device_kind}: {rep.kernels} Mosaic kernels; per device: "
+    print(f"compiled in {rep.compile_seconds:.1f} s\n"
+          f"    {rep.num_devices} x {rep.device_kind}: {rep.kernels} Mosaic kernels; per device: "
           f"arguments {gib(rep.argument_bytes)}, outputs {gib(rep.output_bytes)}, "
           f"temporaries {gib(rep.temp_bytes)}; permutes overlap kernels: "
-          f"{'yes' if rep.permutes_overlap_kernels else 'NO'}")
+          f"{'yes' if rep.permutes_overlap_kernels else 'NO'}", flush=True)
   _print_bytes_moved(rep.num_devices, ulysses.get("ulysses_size", 2), args)
   return 0
 

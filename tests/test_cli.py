@@ -30,6 +30,7 @@ def test_compile_reports_memory_and_overlap(capsys):
   out = capsys.readouterr().out
   assert e.value.code == 0
   assert "4 x TPU v5 lite" in out and "permutes overlap kernels: yes" in out
+  assert "causal mask, bfloat16" in out and out.count("compiled in ") == 2
   assert "temporaries" in out
   # Bytes per strategy: the ring sends its 1k-token K/V shard (4 heads of 128, bf16) 3 times.
   ring = [l for l in out.splitlines() if l.strip().startswith("ring ")][0]
@@ -43,6 +44,16 @@ def test_demo_runs_ulysses(capsys):
     cli.main(["demo", "--strategy", "ulysses", "--seq-len", "128"])
   out = capsys.readouterr().out
   assert e.value.code == 0 and "strategy ulysses" in out and "-> OK" in out
+
+
+@pytest.mark.parametrize("arg, value, names", [
+    ("--topology", "v9z:2x4", "v5e:2x4"), ("--config", "tpu_v9", "tpu_v5e_8")])
+def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["compile", arg, value])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+  assert value in err and names in err and "Traceback" not in err
 
 
 def test_help_for_each_command(capsys):

@@ -105,6 +105,26 @@ def test_mosaic_compiles_heads_read_in_place(heads, kv_heads, dtype):
   assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
 
 
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("topology, kind", [("v4:2x2x1", "TPU v4"), ("v5e:2x2", "TPU v5 lite"),
+                                            ("v5p:2x2x1", "TPU v5"), ("v6e:2x2", "TPU v6 lite")])
+def test_ring_compiles_with_the_targets_defaults(topology, kind, monkeypatch):
+  """Tiles and the VMEM limit come from the chip being compiled for, not from this CPU host (v4
+  ran out of VMEM with the v5e tiles): the ring's forward+backward compiles with default
+  arguments for every generation."""
+  from pallas_ring import SequenceParallelConfig
+  from pallas_ring.aot import compile_ring
+  from pallas_ring.kernels import tuning
+  seen = []
+  resolve = tuning.resolve
+  monkeypatch.setattr(tuning, "resolve", lambda *a, **k: (seen.append(tuning.device_kind(a[0])),
+                                                          resolve(*a, **k))[1])
+  rep = compile_ring(topology, SequenceParallelConfig(axis_name="sp", layout="zigzag"),
+                     seq_len=4096 * 4, heads=8, kv_heads=8)
+  assert rep.kernels > 0 and rep.device_kind == kind
+  assert set(seen) == {kind}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_lowers_for_cuda(case):
   args = _structs(300)

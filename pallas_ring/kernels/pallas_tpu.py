@@ -386,12 +386,21 @@ class _RowStats:
     ref[h] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
 
 
+def _vmem_capacity() -> int:
+  """VMEM bytes of the chip being lowered for (the abstract mesh's device when compiling for a
+  TPU topology from another host); 64 MiB, every chip's since v5p, when unknown."""
+  try:
+    return pltpu.get_tpu_info().vmem_capacity_bytes
+  except (ValueError, NotImplementedError):  # not lowering for a known TPU (interpret mode)
+    return 64 * 2**20
+
+
 def _params(vmem_bytes: int):
-  """Compiler params; the scoped VMEM limit is raised (up to 64 MiB, every chip since v5's
-  capacity) when the pipelined blocks and scratch of a program need more than the default."""
+  """Compiler params; the scoped VMEM limit is raised (up to the chip's capacity) when the
+  pipelined blocks and scratch of a program need more than the default."""
   limit = None
   if vmem_bytes > 12 * 2**20:
-    limit = min(64 * 2**20, int(vmem_bytes * 1.5))
+    limit = min(_vmem_capacity(), int(vmem_bytes * 1.5))
   return pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
       vmem_limit_bytes=limit)
