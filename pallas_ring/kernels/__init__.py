@@ -54,6 +54,29 @@ def family(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def target_device():
+  """The device being lowered for: the abstract mesh's device inside ``shard_map`` or
+  ``jax.set_mesh`` (e.g. a TPU topology compiled from a CPU host), else the default device;
+  None without any backend. Either has ``device_kind`` and ``platform``."""
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if abstract is not None:
+    return abstract
+  try:
+    return jax.devices()[0]
+  except RuntimeError:  # pragma: no cover - no backend at all
+    return None
+
+
+def _lowering_platforms() -> tuple[str, ...]:
+  """The platforms a computation traced now may be lowered for: the mesh's when its devices
+  are of another family than this process's (a TPU topology compiled from a CPU host: tracing
+  the CPU variant too would only cost time), else every platform."""
+  dev = target_device()
+  if dev is not None and family(dev.platform) != family(jax.default_backend()):
+    return tuple(p for p in PLATFORMS if family(p) == family(dev.platform))
+  return PLATFORMS
+
+
 def _serves(name: str, call: Call) -> bool:
   """Whether backend ``name`` can serve ``call`` (``check_explicit`` passes)."""
   try:
@@ -104,7 +127,7 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
     call: what the backends are asked about (``Backend.supports``).
   """
   out = {}
-  for platform in PLATFORMS:
+  for platform in _lowering_platforms():
     fam = family(platform)
     b = auto(fam, call) if backend == "auto" else backend
     native = get(b).platform

@@ -327,25 +327,31 @@ def _info_specs(arrays: _Info, bq, bk, hb, q_block, k_block, head_block):
                     head_spec(a.rows, bq, 1, q_block, zero), kspec(a.cols)))
 
 
-def _tile(cfg, info: _Info, h: int, s, k_block_index, bk, masked):
-  """Adds head ``h``'s bias / ALiBi to logits ``s [bq, bk]``; its mask (masked tiles) and
-  dropout keep.
+def _tile(cfg, info: _Info, h, s, k_block_index, bk, masked):
+  """Adds head ``h``'s bias / ALiBi to logits ``s [bq, bk]``, sets its invisible entries to
+  ``NEG_INF`` when ``masked`` (traced: the tile is PARTIAL), and draws its dropout keep.
+
+  The mask is one ``lax.cond`` inside the shared body rather than a second copy of the body
+  for PARTIAL tiles: each copy of the body is most of a kernel's compile time.
 
   Returns:
-    ``(s, vis, keep)``; ``vis`` None on unmasked tiles, ``keep`` None without dropout.
+    ``(s, keep)``; ``keep`` None without dropout.
   """
   get = lambda r: None if r is None else r[...]
   q_pos, k_pos = info.qpos[...], info.kpos[...]
   s = common.score_terms(s, _head(info.bias, h), _head(info.alibi, h), q_pos, k_pos)
-  vis = None
-  if masked:
+
+  def mask(s):
     k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
     vis = common.tile_visible(cfg, q_pos, k_pos, k_index, get(info.qseg), get(info.kseg),
                               _head(info.dense, h))
+    return jnp.where(vis, s, common.NEG_INF)
+
+  s = lax.cond(masked, mask, lambda s: s, s)
   keep = None
   if cfg.dropout_rate:
     keep = common.dropout_keep(cfg.dropout_rate, _head(info.rows, h), info.cols[...])
-  return s, vis, keep
+  return s, keep
 
 
 class _RowStats:
@@ -434,14 +440,12 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
     s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv.get(k_ref, c))
-    s, vis, keep = _tile(cfg, info, h, s, k_block, cfg.block_kv, masked)
-    if masked:
-      s = jnp.where(vis, s, common.NEG_INF)
+    s, keep = _tile(cfg, info, h, s, k_block, cfg.block_kv, masked)
     m_prev = m_sc[h]  # [bq, 128]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.exp(s - m_new[:, :1])
-    if masked:
-      p = jnp.where(vis, p, 0.0)
+    # Rows with nothing visible yet keep m = NEG_INF: subtracting 0 there makes their masked
+    # entries exp(NEG_INF) = 0 (not exp(0) = 1).
+    p = jnp.exp(s - jnp.where(m_new == common.NEG_INF, 0.0, m_new)[:, :1])
     alpha = jnp.exp(m_prev - m_new)
     l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
     pv = p if keep is None else jnp.where(keep, p, 0.0)
@@ -463,10 +467,10 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
 
 def _per_class(klass, n_heads: int, compute):
-  """Runs ``compute(masked, h)`` over the heads of a FULL (unmasked) or PARTIAL (masked) tile."""
-  for masked, cls in ((False, block_sparse.FULL), (True, block_sparse.PARTIAL)):
-    body = functools.partial(compute, masked)
-    pl.when(klass == cls)(functools.partial(_head_loop, n_heads, body))
+  """Runs ``compute(masked, h)`` over the heads of a live tile; ``masked`` (traced) is whether
+  it is PARTIAL."""
+  body = functools.partial(compute, klass == block_sparse.PARTIAL)
+  pl.when(klass != block_sparse.EMPTY)(functools.partial(_head_loop, n_heads, body))
 
 
 def _capped_logits(cfg, q, k):
@@ -534,11 +538,8 @@ def _probs(cfg, info, h, q, k, lse, k_block_index, masked):
   """Recomputed probabilities ``p [bq, bk]``, capped logits ``s`` and dropout keep of head
   ``h``'s tile."""
   s_cap = _capped_logits(cfg, q, k)
-  s, vis, keep = _tile(cfg, info, h, s_cap, k_block_index, cfg.block_kv_bwd, masked)
-  p = jnp.exp(s - common.safe_lse(lse))
-  if masked:
-    p = jnp.where(vis, p, 0.0)
-  return p, s_cap, keep
+  s, keep = _tile(cfg, info, h, s_cap, k_block_index, cfg.block_kv_bwd, masked)
+  return jnp.exp(s - common.safe_lse(lse)), s_cap, keep  # (masked: exp(NEG_INF - lse) = 0)
 
 
 def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):

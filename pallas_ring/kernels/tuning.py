@@ -48,23 +48,10 @@ def as_block_sizes(block_sizes: Any) -> BlockSizes:
   return block_sizes
 
 
-def target_device():
-  """The device being lowered for: the abstract mesh's device inside ``shard_map`` or
-  ``jax.set_mesh`` (e.g. a TPU topology compiled from a CPU host), else the default device;
-  None without any backend. Either has ``device_kind`` and ``platform``."""
-  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if abstract is not None:
-    return abstract
-  try:
-    return jax.devices()[0]
-  except RuntimeError:  # pragma: no cover - no backend at all
-    return None
-
-
 def device_kind(backend: str) -> str:
-  """The kind of device ``backend`` runs on (``target_device``), marked ``":interpret"`` when
-  that device runs the backend's kernels in interpret mode."""
-  dev = target_device()
+  """The kind of device ``backend`` runs on (``kernels.target_device``), marked
+  ``":interpret"`` when that device runs the backend's kernels in interpret mode."""
+  dev = kernels.target_device()
   if dev is None:  # pragma: no cover
     return ""
   native = kernels.get(backend).platform in (None, kernels.family(dev.platform))
