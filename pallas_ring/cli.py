@@ -183,7 +183,9 @@ def tune_cmd(args) -> int:
 
 def _parser() -> argparse.ArgumentParser:
   fmt = argparse.ArgumentDefaultsHelpFormatter
-  parser = argparse.ArgumentParser(prog="python -m pallas_ring", formatter_class=fmt,
+  argv0 = os.path.basename(sys.argv[0])
+  prog = argv0 if argv0 == "pallas-ring" else "python -m pallas_ring"  # (console script or -m)
+  parser = argparse.ArgumentParser(prog=prog, formatter_class=fmt,
                                    description="pallas_ring: block-sparse flash and ring attention")
   sub = parser.add_subparsers(dest="cmd", metavar="{demo,bench,compile,tune}")
   p = sub.add_parser("demo", formatter_class=fmt,
@@ -231,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="kernel backend (auto: this device's native one, xla on CPU)")
   p.add_argument("--seq-len", type=int, default=4096, help="tokens T = S")
   p.add_argument("--heads", type=int, default=16, help="query heads N")
-  p.add_argument("--kv-heads", type=int, default=None, help="key/value heads K (default: N)")
+  p.add_argument("--kv-heads", type=int, default=None, help="key/value heads K (None: K = N)")
   p.add_argument("--head-dim", type=int, default=128, help="head dim H")
   p.add_argument("--batch", type=int, default=1, help="batch B")
   p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

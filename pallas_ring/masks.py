@@ -17,12 +17,13 @@ Document masking is not a spec: ``segment_ids`` are ANDed in by the block plan a
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_ring import validation
 
 Array = Any
 
@@ -231,11 +232,11 @@ def _warn_if_anonymous(fn) -> None:
   if _WARNED_ANONYMOUS or fn is None or not ("<lambda>" in name or "<locals>" in name):
     return
   _WARNED_ANONYMOUS = True
-  warnings.warn(
+  validation.warn(
       f"masks.Custom({name}): mask specs are compared by identity of their functions, so a "
       "lambda or nested function created anew on every call recompiles attention on every call "
       "(seconds each). Define the function once at module level and reuse it (or build the "
-      "Custom spec once). This warning is shown once.", stacklevel=3)
+      "Custom spec once). This warning is shown once.")
 
 
 @dataclasses.dataclass(frozen=True)

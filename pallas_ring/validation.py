@@ -3,9 +3,28 @@ the fix."""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(message: str, category=UserWarning) -> None:
+  """``warnings.warn`` pointing at the user's line: the first frame outside this package (and
+  outside generated code such as a dataclass's ``__init__``) and outside JAX."""
+  level, frame = 1, sys._getframe(1)
+  while frame is not None:
+    name = os.path.abspath(frame.f_code.co_filename)
+    if not (name.startswith(_PACKAGE_DIR) or frame.f_code.co_filename.startswith("<")
+            or f"{os.sep}jax{os.sep}" in name):
+      break
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, category, stacklevel=level + 1)
 
 
 def _shape(x):

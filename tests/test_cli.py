@@ -128,3 +128,16 @@ def test_importing_and_using_jax_is_quiet_on_a_host_without_tpu():
   assert proc.returncode == 0
   for noise in ("Failed to find host bounds", "unexpected worker hostname", "Source Location"):
     assert noise not in proc.stderr
+
+
+def test_console_script_names_itself_and_help_shows_one_default():
+  import pathlib
+  import subprocess
+  import sys
+  script = pathlib.Path(sys.executable).parent / "pallas-ring"  # (pip install puts it there)
+  assert script.exists(), "pip install -e . installs the pallas-ring console script"
+  proc = subprocess.run([str(script), "tune", "--help"], capture_output=True, text=True,
+                        timeout=60)
+  assert proc.stdout.startswith("usage: pallas-ring tune")
+  kv = " ".join(proc.stdout.split("--kv-heads KV_HEADS")[-1].split()[:12])
+  assert kv.count("default") == 1, kv

@@ -108,8 +108,9 @@ def test_anonymous_custom_function_warns_once():
   import warnings
   from pallas_ring import masks as masks_mod
   masks_mod._WARNED_ANONYMOUS = False
-  with pytest.warns(UserWarning, match=r"Define the function once at module level"):
+  with pytest.warns(UserWarning, match=r"Define the function once at module level") as rec:
     masks.Custom(lambda q, k: k <= q)
+  assert rec[0].filename == __file__  # the caller's line, not the dataclass's generated code
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     masks.Custom(lambda q, k: k <= q)  # once per process

@@ -358,3 +358,14 @@ def test_an_auto_named_ring_attention_loads_a_stock_checkpoint():
                                      "MultiHeadDotProductAttention_1",
                                      "MultiHeadDotProductAttention_2"]
   assert rel_err(Model(True).apply(stock, x), Model(False).apply(stock, x)) < 1e-5
+
+
+@pytest.mark.slow
+def test_example_prints_what_it_trained(capsys):
+  from pallas_ring.examples import transformer
+  transformer.main()
+  out = capsys.readouterr().out.splitlines()
+  assert "50 Adam steps" in out[0] and len(out) == 3
+  for line in out[1:]:
+    first, last = (float(x) for x in line.split("loss")[1].split("->"))
+    assert last < first - 0.5

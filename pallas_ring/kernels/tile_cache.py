@@ -17,10 +17,10 @@ import contextlib
 import json
 import os
 import tempfile
-import warnings
 from typing import Any, Mapping, Optional
 
 from pallas_ring import masks as masks_lib
+from pallas_ring import validation
 
 CACHE_ENV = "PALLAS_RING_CACHE_DIR"
 SHIPPED = os.path.join(os.path.dirname(__file__), "tiles_shipped.json")
@@ -66,7 +66,7 @@ def key(device_kind: str, backend: str, dtype, head_dim: int, group: int, mask_c
 def _warn_once(what: str, message: str) -> None:
   if what not in _WARNED:
     _WARNED.add(what)
-    warnings.warn(message, stacklevel=3)
+    validation.warn(message)
 
 
 _LOADED: dict = {}  # path -> (mtime, entries)
