@@ -119,6 +119,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
                        "`with jax.set_mesh(mesh):`.")
   check_axes(mesh, config)
+  _check_eager_autodiff(mesh, q)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
       dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
@@ -159,6 +160,30 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   return _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
               settings=checked.settings, platforms=tuple(checked.per_platform.items()),
               batch=batch)
+
+
+def _check_eager_autodiff(mesh, q) -> None:
+  """Differentiating outside ``jit`` over a mesh with Explicit axes (``jax.make_mesh``'s default)
+  fails inside JAX ("Length of device assignment 1 is not equal to the size of the mesh") unless
+  the mesh is active: say so here, with the fix."""
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  if not explicit or not jax.sharding.get_abstract_mesh().empty:
+    return
+  x, differentiated = q, False
+  while isinstance(x, jax.core.Tracer):  # eager: autodiff / vmap tracers over a concrete array
+    kind = type(x).__name__  # (JVPTracer, LinearizeTracer: .primal; BatchTracer: .val)
+    primal = getattr(x, "primal", None) if kind in ("JVPTracer", "LinearizeTracer") else None
+    batched = getattr(x, "val", None) if kind == "BatchTracer" else None
+    if primal is None and batched is None:
+      return  # under jit (or another transformation): JAX handles the mesh there
+    x, differentiated = (batched, differentiated) if primal is None else (primal, True)
+  if differentiated:
+    raise ValueError(
+        "sharded_attention is differentiated outside jit over a mesh with Explicit axes "
+        f"(axis_types={tuple(str(t) for t in mesh.axis_types)}, jax.make_mesh's default), which "
+        "JAX cannot do unless the mesh is active. Wrap the call in `with jax.set_mesh(mesh):` "
+        "(the README's pattern), jit the differentiated function, or build the mesh with "
+        "axis_types=(jax.sharding.AxisType.Auto, ...).")
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "batch"))

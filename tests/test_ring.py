@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, layouts, masks, reference
-from pallas_ring import sharded_attention
+from pallas_ring import ring_attention, sharded_attention
 from conftest import check_ring_step, kernel_call_sites, rel_err
 
 MASKS = {
@@ -303,3 +303,26 @@ def test_ring_residuals_are_local_and_kv_rotates_in_its_own_dtype():
   assert permutes and all("bf16[2,1,16,2,32]" in line or "i32" in line for line in permutes
                           if "[2,1,16" in line)
   assert any("bf16[2,1,16,2,32]" in line for line in permutes)
+
+
+def test_default_mesh_axis_types_readme_pattern():
+  """``jax.make_mesh``'s default Explicit axes: under ``jax.set_mesh`` (the README's pattern)
+  eager ``jax.grad`` of sharded_attention and of a user's own shard_map over ring_attention
+  work and equal the jitted gradient; eager grad without it raises ours, naming the fix."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((4,), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla")
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 32)), jnp.float32)
+  loss = lambda x: jnp.sum(sharded_attention(x, x, x, mesh=mesh, config=cfg,
+                                             mask=masks.Causal()) ** 2)
+  want = jax.jit(jax.grad(loss))(q)
+  with pytest.raises(ValueError, match=r"jax.set_mesh\(mesh\)"):
+    jax.grad(loss)(q)
+  own = jax.shard_map(lambda x: ring_attention(x, x, x, axis_name="sp", layout="zigzag",
+                                               mask=masks.Causal(), backend="xla"),
+                      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"),
+                      check_vma=False)
+  with jax.set_mesh(mesh):
+    assert rel_err(jax.grad(loss)(q), want) < 1e-6
+    qs = jax.device_put(q, jax.sharding.NamedSharding(mesh, P(None, "sp")))  # (shard_map's rule)
+    assert rel_err(jax.grad(lambda x: jnp.sum(own(x) ** 2))(qs), want) < 1e-5
