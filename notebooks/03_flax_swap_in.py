@@ -26,7 +26,12 @@
 # already imports. Set `PALLAS_RING_SOURCE` to where pallas_ring comes from: a pip spec such as
 # `git+https://github.com/<owner>/pallas_ring.git`, or the path of a wheel you uploaded (`make
 # wheel` builds `dist/pallas_ring-*.whl`; drop it into Colab's Files pane). Left empty, the cell
-# installs an uploaded wheel it finds in the working directory or `/content`.
+# installs an uploaded wheel it finds in the working directory or `/content`. It also installs
+# matplotlib, which the plots below need, when it is missing.
+#
+# **On a TPU.** The TPU (Mosaic) kernels are compiled for v4, v5e, v5p and v6e and checked
+# against the reference in interpret mode, but they have not yet been timed on a TPU: any timing
+# this notebook prints on a TPU runtime is a first measurement, not a published number.
 
 # %%
 import glob
@@ -72,6 +77,9 @@ if importlib.util.find_spec("pallas_ring") is None:
                        "PALLAS_RING_SOURCE (a reachable pip spec or an uploaded wheel's path).")
 else:
   print("pallas_ring is installed:", importlib.util.find_spec("pallas_ring").origin)
+# This notebook also plots: matplotlib (preinstalled on Colab; `pallas-ring[notebooks]` has it).
+if importlib.util.find_spec("matplotlib") is None:
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"], check=True)
 
 # %%
 import jax

@@ -69,3 +69,14 @@ def test_install_cell_logic(capsys, monkeypatch):
     cmd("", "tpu", [])
   monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
   assert ns["detect_runtime"]() == "tpu"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_notebook_installs_what_it_imports_and_says_tpu_is_untimed(path):
+  import nbformat
+  nb = nbformat.read(path, as_version=4)
+  code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+  text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+  if "matplotlib" in code.split("PALLAS_RING_SOURCE", 1)[1]:
+    assert 'find_spec("matplotlib")' in _install_cell(path)
+  assert "have not yet been timed on a TPU" in text.replace("\n", " ")
