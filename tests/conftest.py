@@ -17,7 +17,19 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=8)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+  """``make quick`` (``-m "not slow"``) keeps the first case of each parametrized test; its other
+  cases are marked slow and run with the rest of the full suite (``make test``, CI)."""
+  seen = set()
+  for item in items:
+    family = item.nodeid.split("[")[0]
+    if family in seen and "[" in item.nodeid:
+      item.add_marker(pytest.mark.slow)
+    seen.add(family)
 
 
 def rel_err(got, ref):

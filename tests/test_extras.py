@@ -61,8 +61,8 @@ def _check(f, args, do, ref_kw, fwd_tol=2e-6, grad_tol=2e-5):
 def test_tpu_head_blocks_match_reference(n, kh):
   """The TPU kernels serve 8 heads per program (all N when N % 8) and share one schedule per
   head block: per-head dense masks that differ inside a block (merged plan classes), per-head
-  bias, ALiBi and dropout, GQA groups whose kv head depends on the block's rank (picked by a
-  switch), operands read in place (heads % 8 == 0) or as lane blocks, and a head count that is
+  bias, ALiBi and dropout, GQA groups whose kv head depends on the block's rank, operands read
+  in place (heads % 8 == 0) or as lane blocks, and a head count that is
   not a multiple of 8."""
   q, k, v, do = _qkv(5, b=1, t=136, n=n, kh=kh, h=32)
   b, t = q.shape[:2]

@@ -16,17 +16,14 @@ class TestPallasTpu(Conformance):
   backend = "pallas_tpu"
 
 
-# The conformance cases have fewer than 8 heads (lane-block views). Operands with a multiple of 8
-# heads are read in place, one head at a time by a traced index: 16-bit blocks as uint32 words of
-# head pairs, 32-bit blocks directly; each layout here, forward and gradients, masked and unmasked
+# The conformance cases have fewer than 8 heads (lane-block views), and test_extras' head-block
+# cases are float32. 16-bit operands with a multiple of 8 heads are read in place as uint32 words
+# of head pairs, one head at a time by a traced index: forward and gradients, masked and unmasked
 # tiles (causal + documents), in interpret mode.
 IN_PLACE = {
     "mha_bf16": (8, 8, jnp.bfloat16),
-    "gqa_bf16_two_blocks_per_kv": (16, 8, jnp.bfloat16),
-    "gqa_bf16_two_kv_blocks": (32, 16, jnp.bfloat16),
-    "mha_f32": (8, 8, jnp.float32),
-    "mqa_bf16_kv_lanes": (8, 1, jnp.bfloat16),
-    "gqa_f16": (8, 8, jnp.float16),
+    "gqa_bf16_two_kv_blocks_two_ranks": (32, 16, jnp.bfloat16),
+    "mha_f16": (8, 8, jnp.float16),
 }
 
 

@@ -58,6 +58,7 @@ def test_matches_the_reference_forward_and_gradients(layout, kv_heads):
     assert rel_err(got, want) < 2e-6
 
 
+@pytest.mark.slow
 def test_dense_mask_bias_dropout_and_lse_equal_the_ring():
   """Per-head bias and a dense mask (heads sharded over the axis), dropout (the same global keep
   mask) and the lse: equal to the ring's, gradients included."""
