@@ -11,8 +11,10 @@ array by ``(heads, H)`` and a Mosaic block cannot select one head inside an ``(8
 a program serves a *block of heads*: ``hb`` query heads (8, or all N when ``N % 8``) against the
 ``hk`` kv heads they use (8, or all K). Operands whose head count is a multiple of 8 are read and
 written in place in ``(rows, 8, H)`` blocks; others as ``[B, L, heads * H]`` lane blocks, which
-costs one relayout copy each (``_View``). The body loops over the block's heads with per-head
-row statistics, and the heads of a block share one schedule (``block_sparse.merge_heads``).
+costs one relayout copy each (``_View``). The body is one loop over the block's heads (rolled:
+compile time does not grow with them) with per-head row statistics; the heads of a block share
+one schedule (``block_sparse.merge_heads``), and a PARTIAL tile's mask is a ``lax.cond`` inside
+that body.
 dK/dV accumulate over the query heads of their group inside one program per kv block, so no
 per-query-head float32 temporary exists.
 
@@ -120,8 +122,8 @@ def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_by
 class _View(NamedTuple):
   """How a kernel sees one ``[B, L, heads, H]`` operand: blocks of ``block_heads`` heads, read
   and written one head at a time by a traced head index (the body loops over a block's heads
-  instead of unrolling them: unrolled, compile time grew with the heads; BENCHMARKS.md, "TPU
-  compile time").
+  instead of unrolling them: unrolled, compile time grew with the heads; BENCHMARKS.md, "Compile
+  time against splash attention").
 
   In place (``heads % 8 == 0`` and a 16- or 32-bit dtype): ``(rows, 8, H)`` blocks of the array
   as it is; head ``c`` is a sublane-strided row set. Mosaic cannot index the packed rows of a

@@ -60,7 +60,7 @@ def _logits2(q, k, cfg):
 
 def _block_start(idx_ref, j, block):
   """Row offset of the j-th listed block. (Addressing the plan's consecutive FULL run as
-  ``idx_ref[0] + j`` was measured 15-20% slower on the sparse cases on H100: see BENCHMARKS.md.)"""
+  ``idx_ref[0] + j`` measured slower on the sparse cases on an H100: BENCHMARKS.md's history.)"""
   return pl.multiple_of(idx_ref[j] * block, block)
 
 
@@ -306,8 +306,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
       functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
       interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
-  # (Merging in the kernel's epilogue measured slower on an H100: a ring step at 8k tokens
-  # took 1.339 ms against 1.312 with the merge after it; BENCHMARKS.md.)
+  # (Merging in the kernel's epilogue measured slower on an H100 for a ring step at 8k tokens:
+  # BENCHMARKS.md's history.)
   return common.merged(acc, o, lse)
 
 

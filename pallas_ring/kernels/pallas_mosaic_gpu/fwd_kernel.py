@@ -319,9 +319,9 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   ``o`` leaves the kernel in the inputs' 16-bit dtype (it is staged through the q tile's shared
   memory) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
   merges into it instead: each consumer reads its rows of ``acc`` once it has finished its walk
-  and writes the merged float32 rows (H100, 8k tokens/GPU, N=16, H=128: a ring step's forward
-  0.963 ms against 0.980 with the merge after the kernel, 0.898 for the kernel alone; the read
-  after the walk stalls each CTA, see BENCHMARKS.md).
+  and writes the merged float32 rows (measured faster than merging after the kernel for a ring
+  step at 8k tokens per H100, though the read after the walk stalls each CTA: BENCHMARKS.md's
+  history).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
     return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None),
