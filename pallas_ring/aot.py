@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -29,6 +30,8 @@ class CompileReport:
   kernels: int  # Pallas (Mosaic) custom calls in the program
   permutes_overlap_kernels: bool  # a collective-permute-start ... kernel ... -done sequence
   compile_seconds: float  # tracing, lowering and compiling, on this host
+  all_to_alls: int = 0  # all-to-all ops in the program (Ulysses strategies)
+  all_to_alls_overlap_kernels: bool = False  # an all-to-all-start ... kernel ... -done sequence
 
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")  # TPU generations whose compiles are tested
@@ -52,12 +55,13 @@ def topology_devices(topology: str) -> np.ndarray:
   return np.array(topo.devices)
 
 
-def permutes_overlap(hlo_text: str) -> bool:
-  """True when some scheduled computation starts a permute, runs a kernel, then completes it."""
+def permutes_overlap(hlo_text: str, collective: str = "collective-permute") -> bool:
+  """True when some scheduled computation starts a ``collective`` (an async one: ``-start`` /
+  ``-done``), runs a kernel, then completes it."""
   for comp in hlo_text.split("\n\n"):
     lines = comp.splitlines()
-    starts = [i for i, l in enumerate(lines) if "collective-permute-start" in l]
-    dones = [i for i, l in enumerate(lines) if "collective-permute-done" in l]
+    starts = [i for i, l in enumerate(lines) if f"{collective}-start" in l]
+    dones = [i for i, l in enumerate(lines) if f"{collective}-done" in l]
     work = [i for i, l in enumerate(lines) if "tpu_custom_call" in l or " conditional(" in l]
     if any(s < w < d for s in starts for d in dones for w in work):
       return True
@@ -147,4 +151,6 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
       program="forward+backward" if backward else "forward",
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       temp_bytes=mem.temp_size_in_bytes, kernels=text.count("tpu_custom_call"),
-      permutes_overlap_kernels=permutes_overlap(text), compile_seconds=seconds)
+      permutes_overlap_kernels=permutes_overlap(text), compile_seconds=seconds,
+      all_to_alls=len(re.findall(r"= \S+ all-to-all(?:-start)?\(", text)),
+      all_to_alls_overlap_kernels=permutes_overlap(text, "all-to-all"))

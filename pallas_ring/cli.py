@@ -131,6 +131,10 @@ def compile_cmd(args) -> int:
           f"arguments {gib(rep.argument_bytes)}, outputs {gib(rep.output_bytes)}, "
           f"temporaries {gib(rep.temp_bytes)}; permutes overlap kernels: "
           f"{'yes' if rep.permutes_overlap_kernels else 'NO'}", flush=True)
+    if rep.all_to_alls:
+      how = ("some overlap the kernels" if rep.all_to_alls_overlap_kernels else
+             "none overlaps a kernel (XLA runs them between the kernels)")
+      print(f"    {rep.all_to_alls} all-to-alls: {how}", flush=True)
   _print_bytes_moved(rep.num_devices, ulysses.get("ulysses_size", 2), args)
   return 0
 
