@@ -62,7 +62,7 @@ def permutes_overlap(hlo_text: str, collective: str = "collective-permute") -> b
     lines = comp.splitlines()
     starts = [i for i, l in enumerate(lines) if f"{collective}-start" in l]
     dones = [i for i, l in enumerate(lines) if f"{collective}-done" in l]
-    work = [i for i, l in enumerate(lines) if "tpu_custom_call" in l or " conditional(" in l]
+    work = [i for i, l in enumerate(lines) if "custom-call(" in l or " conditional(" in l]
     if any(s < w < d for s in starts for d in dones for w in work):
       return True
   return False

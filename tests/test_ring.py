@@ -235,10 +235,11 @@ def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
   assert rep.kernels >= 3 and rep.permutes_overlap_kernels
   assert rep.temp_bytes > 0 and rep.argument_bytes > 0
   # The overlap detector itself: a start ... kernel ... done sequence, and not without one.
-  assert permutes_overlap("a = collective-permute-start(x)\nb = tpu_custom_call(y)\n"
+  kernel = 'b = custom-call(y), custom_call_target="tpu_custom_call"'
+  assert permutes_overlap(f"a = collective-permute-start(x)\n{kernel}\n"
                           "c = collective-permute-done(a)")
-  assert not permutes_overlap("a = collective-permute-start(x)\nc = collective-permute-done(a)"
-                              "\nb = tpu_custom_call(y)")
+  assert not permutes_overlap(f"a = collective-permute-start(x)\nc = collective-permute-done(a)"
+                              f"\n{kernel}")
 
 
 def test_eager_sharded_attention_compiles_once():
