@@ -152,5 +152,5 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       temp_bytes=mem.temp_size_in_bytes, kernels=text.count("tpu_custom_call"),
       permutes_overlap_kernels=permutes_overlap(text), compile_seconds=seconds,
-      all_to_alls=len(re.findall(r"= \S+ all-to-all(?:-start)?\(", text)),
+      all_to_alls=len(re.findall(r" all-to-all(?:-start)?\(", text)),
       all_to_alls_overlap_kernels=permutes_overlap(text, "all-to-all"))

@@ -71,7 +71,7 @@ def main(r, tokens, *words):
         f"({time.perf_counter() - start:.0f} s)", flush=True)
   text = compiled.as_text()
   for kind in COLLECTIVES:
-    n = len(re.findall(rf"= \S+ {kind}(?:-start)?\(", text))
+    n = len(re.findall(rf" {kind}(?:-start)?\(", text))
     if n:
       print(f"  {kind}: {n} in the program, overlapping a kernel: "
             f"{'yes' if permutes_overlap(text, kind) else 'no'}", flush=True)
