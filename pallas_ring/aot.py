@@ -55,7 +55,7 @@ def topology_devices(topology: str) -> np.ndarray:
   return np.array(topo.devices)
 
 
-def permutes_overlap(hlo_text: str, collective: str = "collective-permute") -> bool:
+def overlaps_kernels(hlo_text: str, collective: str = "collective-permute") -> bool:
   """True when some scheduled computation starts a ``collective`` (an async one: ``-start`` /
   ``-done``), runs a kernel, then completes it."""
   for comp in hlo_text.split("\n\n"):
@@ -151,6 +151,6 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
       program="forward+backward" if backward else "forward",
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       temp_bytes=mem.temp_size_in_bytes, kernels=text.count("tpu_custom_call"),
-      permutes_overlap_kernels=permutes_overlap(text), compile_seconds=seconds,
+      permutes_overlap_kernels=overlaps_kernels(text), compile_seconds=seconds,
       all_to_alls=len(re.findall(r" all-to-all(?:-start)?\(", text)),
-      all_to_alls_overlap_kernels=permutes_overlap(text, "all-to-all"))
+      all_to_alls_overlap_kernels=overlaps_kernels(text, "all-to-all"))

@@ -20,7 +20,7 @@ def warn(message: str, category=UserWarning) -> None:
   level, frame = 1, sys._getframe(1)
   while frame is not None:
     name = os.path.abspath(frame.f_code.co_filename)
-    if not (name.startswith(_PACKAGE_DIR) or frame.f_code.co_filename.startswith("<")
+    if not (name.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == "<string>"
             or f"{os.sep}jax{os.sep}" in name):
       break
     frame, level = frame.f_back, level + 1

@@ -228,7 +228,7 @@ def test_ring_of_one_calls_flash_attention():
 def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
   """Compile the ring (forward + backward) for a v5e 2x4 slice through libtpu; the schedule
   brackets the kernels with collective-permute-start / -done."""
-  from pallas_ring.aot import compile_ring, permutes_overlap
+  from pallas_ring.aot import compile_ring, overlaps_kernels
   rep = compile_ring("v5e:2x4", SequenceParallelConfig(axis_name="sp", layout="zigzag"),
                      seq_len=8 * 1024, heads=4, kv_heads=2)
   assert rep.num_devices == 8 and rep.device_kind.startswith("TPU v5")
@@ -236,9 +236,9 @@ def test_ring_compiles_for_tpu_v5e_8_and_overlaps_permutes():
   assert rep.temp_bytes > 0 and rep.argument_bytes > 0
   # The overlap detector itself: a start ... kernel ... done sequence, and not without one.
   kernel = 'b = custom-call(y), custom_call_target="tpu_custom_call"'
-  assert permutes_overlap(f"a = collective-permute-start(x)\n{kernel}\n"
+  assert overlaps_kernels(f"a = collective-permute-start(x)\n{kernel}\n"
                           "c = collective-permute-done(a)")
-  assert not permutes_overlap(f"a = collective-permute-start(x)\nc = collective-permute-done(a)"
+  assert not overlaps_kernels(f"a = collective-permute-start(x)\nc = collective-permute-done(a)"
                               f"\n{kernel}")
 
 

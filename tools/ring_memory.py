@@ -35,7 +35,7 @@ def main(r, tokens, *words):
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   from pallas_ring import SequenceParallelConfig, masks
-  from pallas_ring.aot import bytes_moved, permutes_overlap
+  from pallas_ring.aot import bytes_moved, overlaps_kernels
   from pallas_ring.bench import fwd_bwd
   from pallas_ring.sharded import sharded_attention
 
@@ -74,7 +74,7 @@ def main(r, tokens, *words):
     n = len(re.findall(rf" {kind}(?:-start)?\(", text))
     if n:
       print(f"  {kind}: {n} in the program, overlapping a kernel: "
-            f"{'yes' if permutes_overlap(text, kind) else 'no'}", flush=True)
+            f"{'yes' if overlaps_kernels(text, kind) else 'no'}", flush=True)
   sent = bytes_moved("ulysses" if strategy == "ulysses" else strategy, seq_len=tokens,
                      ring=ring if strategy != "ulysses" else r, ulysses=uly, heads=16,
                      kv_heads=16, head_dim=128)

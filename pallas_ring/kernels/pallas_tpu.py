@@ -396,7 +396,7 @@ class _RowStats:
 
 def _vmem_capacity() -> int:
   """VMEM bytes of the chip being lowered for (the abstract mesh's device when compiling for a
-  TPU topology from another host); 64 MiB, every chip's since v5p, when unknown."""
+  TPU topology from another host); when unknown, 64 MiB (the least of v5e, v5p and v6e)."""
   try:
     return pltpu.get_tpu_info().vmem_capacity_bytes
   except (ValueError, NotImplementedError):  # not lowering for a known TPU (interpret mode)
@@ -456,7 +456,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
     acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
     m_sc[h] = m_new
 
-  _per_class(klass, heads.hb, compute)
+  _live_tile_loop(klass, heads.hb, compute)
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
@@ -468,7 +468,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
     heads.q.put_all(o_ref, acc_sc)
 
 
-def _per_class(klass, n_heads: int, compute):
+def _live_tile_loop(klass, n_heads: int, compute):
   """Runs ``compute(masked, h)`` over the heads of a live tile; ``masked`` (traced) is whether
   it is PARTIAL."""
   body = functools.partial(compute, klass == block_sparse.PARTIAL)
@@ -570,7 +570,7 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
           * common.softcap_grad(s, cfg))
     dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  _per_class(klass, heads.hb, compute)
+  _live_tile_loop(klass, heads.hb, compute)
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
@@ -605,7 +605,7 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
     dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
                                     preferred_element_type=jnp.float32)
 
-  _per_class(klass, heads.hb, compute)
+  _live_tile_loop(klass, heads.hb, compute)
 
   @pl.when(step == heads.per_kv * lists.slots - 1)
   def _finish():

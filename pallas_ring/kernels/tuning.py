@@ -12,8 +12,6 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-import jax
-
 from pallas_ring import kernels
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import backend as backend_lib
