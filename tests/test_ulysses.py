@@ -28,8 +28,8 @@ def _problem(seed, b=2, t=64, n=8, kh=2, h=16):
 
 def _ulysses(mesh, layout, r=R, **cfg_kw):
   """``f(q, k, v, **kw)`` on naturally ordered arrays: permuted to ``layout``, Ulysses, back."""
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
-                               **({"strategy": "ulysses"} | cfg_kw))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout,
+                               **({"strategy": "ulysses", "backend": "xla"} | cfg_kw))
   perm = lambda x: None if x is None else layouts.permute(x, layout, r)
 
   def f(q, k, v, segment_ids=None, **kw):
@@ -174,3 +174,75 @@ def test_bytes_moved_on_paper():
   assert uly[0] < ring[0] and uly[1] < ring[1]
   mqa = bytes_moved("ulysses", ring=8, **(shape | dict(kv_heads=1)))
   assert mqa == uly  # (one kv head repeated to 8 moves what 8 kv heads do)
+
+
+# The matrix of issue 40: every (mesh and strategy, layout, mask class) triple, with MHA, GQA and
+# MQA and with and without segment ids cycling through them (a covering design rather than the
+# full product, to keep CI short), on meshes of 8, 4, 2 x 4 (a batch axis) and 4 x 2 devices;
+# forward and gradients.
+MASK_CLASSES = {"causal": masks.Causal(), "window": masks.SlidingWindow(9),
+                "prefix": masks.PrefixLM(12), "full": masks.Full()}
+MESHES = {  # name: (shape, axes, config fields)
+    "ulysses_8": ((8,), ("sp",), dict(strategy="ulysses")),
+    "ulysses_4": ((4,), ("sp",), dict(strategy="ulysses")),
+    "ulysses_dp2x4": ((2, 4), ("dp", "sp"), dict(strategy="ulysses", batch_axes=("dp",))),
+    "ulysses_ring_4x2": ((4, 2), ("sp", "u"), dict(strategy="ulysses_ring", ulysses_axis="u")),
+    "ulysses_ring_2x4": ((2, 4), ("sp", "u"), dict(strategy="ulysses_ring", ulysses_axis="u")),
+}
+
+
+MATRIX = [(m, lay, mask, (8, 2, 1)[i % 3], i % 2 == 0) for i, (m, lay, mask) in enumerate(
+    (m, lay, mask) for m in MESHES for lay in layouts.LAYOUTS for mask in MASK_CLASSES)]
+
+
+@pytest.mark.parametrize("mesh_name, layout, mask_name, kv_heads, docs", MATRIX,
+                         ids=[f"{m}-{lay}-{mask}-k{kh}-{'docs' if d else 'plain'}"
+                              for m, lay, mask, kh, d in MATRIX])
+def test_strategy_layout_mask_heads_matrix(mesh_name, layout, mask_name, kv_heads, docs):
+  shape, axes, fields = MESHES[mesh_name]
+  r = shape[axes.index("sp")]
+  mesh = _mesh(shape, axes)
+  q, k, v, seg = _problem(11, kh=kv_heads)
+  seg = seg if docs else None
+  mask = MASK_CLASSES[mask_name]
+  ours = lambda q, k, v: _ulysses(mesh, layout, r=r, **fields)(q, k, v, segment_ids=seg,
+                                                                mask=mask)
+  ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, mask=mask)[0]
+  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-6
+  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
+  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+    assert rel_err(got, want) < 2e-6
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ulysses_ring"])
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu"])
+def test_pallas_backends_in_interpret_mode(backend, strategy):
+  uly = strategy == "ulysses_ring"
+  mesh = _mesh((2, 2), ("sp", "u")) if uly else _mesh((4,), ("sp",))
+  r = 2 if uly else 4
+  t = 256 if backend == "pallas_tpu" else 64
+  q, k, v, seg = _problem(13, b=1, t=t, n=4, kh=2, h=32)
+  fields = dict(strategy=strategy, backend=backend) | (dict(ulysses_axis="u") if uly else {})
+  ours = lambda q, k, v: _ulysses(mesh, "zigzag", r=r, **fields)(
+      q, k, v, segment_ids=seg, mask=masks.Causal(), interpret=True)
+  ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, mask=masks.Causal())[0]
+  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-3
+  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
+  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+    assert rel_err(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ulysses_ring"])
+def test_cross_lowers_triton_kernels_for_cuda(strategy):
+  """From this CPU host, the strategies lower for CUDA with our Triton kernels (``auto``)."""
+  uly = strategy == "ulysses_ring"
+  mesh = _mesh((4, 2), ("sp", "u")) if uly else _mesh((8,), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", strategy=strategy,
+                               ulysses_axis="u" if uly else None)
+  f = lambda q, k, v: jnp.sum(sharded_attention(q, k, v, mesh=mesh, config=cfg,
+                                                mask=masks.Causal()).astype(jnp.float32))
+  s = jax.ShapeDtypeStruct((1, 1024, 8, 64), jnp.bfloat16)
+  text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(s, s, s).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= 3  # the forward, dQ and dK/dV kernels
+  assert "all_to_all" in text or "all-to-all" in text
