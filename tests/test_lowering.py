@@ -87,10 +87,11 @@ def test_mosaic_compiles_every_head_dim(topology, head_dim):
 
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("heads, kv_heads, dtype", [(16, 8, jnp.bfloat16), (8, 8, jnp.float32),
-                                                    (8, 1, jnp.bfloat16)])
+                                                    (8, 1, jnp.bfloat16), (8, 8, jnp.float16)])
 def test_mosaic_compiles_heads_read_in_place(heads, kv_heads, dtype):
   """Operands with a multiple of 8 heads are read in place by a traced head index (uint32 words
-  of head pairs for 16-bit dtypes): every kernel compiles, with masked and unmasked tiles."""
+  of head pairs for 16-bit dtypes): every kernel compiles, with masked and unmasked tiles.
+  float16 runs the float32 kernels on widened operands (Mosaic has no float16 vector casts)."""
   from jax.experimental import topologies
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
   mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
@@ -123,6 +124,23 @@ def test_ring_compiles_with_the_targets_defaults(topology, kind, monkeypatch):
                      seq_len=4096 * 4, heads=8, kv_heads=8)
   assert rep.kernels > 0 and rep.device_kind == kind
   assert set(seen) == {kind}
+
+
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_v4_compiles_wide_inputs_with_default_tiles(dtype):
+  """16 MiB of VMEM (v4): float32 kernels (float16 inputs run them too) get narrower default
+  key tiles than 16-bit ones, and compile with default arguments."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = jax.ShapeDtypeStruct((1, 2048, 8, 128), dtype, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  with jax.set_mesh(mesh):  # (the target chip's tiles: the mesh's device is a v4)
+    text = jax.jit(grad).trace(sd, sd, sd).lower(lowering_platforms=("tpu",)).compile().as_text()
+  assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
 
 
 @pytest.mark.parametrize("case", list(CASES))

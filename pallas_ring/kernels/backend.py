@@ -77,9 +77,10 @@ class Backend:
 
   # -- tiles -------------------------------------------------------------------------------------
 
-  def default_block_sizes(self, head_dim: int, device_kind: str) -> BlockSizes:
-    """The heuristic tiles for a (padded) head dim on a device kind."""
-    del head_dim, device_kind
+  def default_block_sizes(self, head_dim: int, device_kind: str, dtype=None) -> BlockSizes:
+    """The heuristic tiles for a (padded) head dim on a device kind, for inputs of ``dtype``
+    (None: 16-bit)."""
+    del head_dim, device_kind, dtype
     return BlockSizes(128, 128, 128, 128, None, None)
 
   def block_size_error(self, field: str, value: int) -> Optional[str]:

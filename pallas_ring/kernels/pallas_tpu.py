@@ -26,6 +26,7 @@ are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks of ``[., T, 1]`` / ``[.,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -501,9 +502,24 @@ def _q_row_specs(plan, r0, r1, info, stats, heads, bq, bk):
   return lists, specs, q_spec, kv_spec, row_spec
 
 
+def _widened(q, cfg: common.KernelConfig):
+  """Whether the call runs the float32 kernels on widened inputs: Mosaic has no float16 vector
+  casts on any TPU generation ("Invalid vector register cast" compiling for v4, v5e, v5p, v6e),
+  so float16 operands are widened to float32 and the results narrowed after (interpret mode
+  computes in float16 as given)."""
+  return q.dtype == jnp.float16 and not cfg.interpret
+
+
+def _f32(cfg: common.KernelConfig) -> common.KernelConfig:
+  return dataclasses.replace(cfg, out_dtype=jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp] float32)``."""
+  if _widened(q, cfg):
+    o, lse = forward(*(x.astype(jnp.float32) for x in (q, k, v)), ops, plan, _f32(cfg), acc)
+    return o.astype(cfg.out_dtype if acc is None else acc.o.dtype), lse
   b, tp, n, h = q.shape
   heads = _Heads.of(q, k, cfg.interpret)
   plan = block_sparse.merge_heads(plan, heads.hb)
@@ -624,6 +640,12 @@ def _dkv_step(step, slots: int):
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+  if _widened(q, cfg):
+    wide = (x.astype(jnp.float32) for x in (q, k, v, do))
+    grads = backward(*wide, lse, delta, ops, plan, _f32(cfg), dq_acc, parts)
+    narrow = lambda x, dt: None if x is None else x.astype(dt)
+    return (narrow(grads[0], cfg.out_dtype if dq_acc is None else dq_acc.dtype),
+            *(narrow(x, cfg.out_dtype) for x in grads[1:]))
   want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
   b, tp, n, h = q.shape
@@ -697,10 +719,12 @@ class TpuBackend(backend.Backend):
   name = "pallas_tpu"
   platform = "tpu"
 
-  def default_block_sizes(self, head_dim, device_kind):
+  def default_block_sizes(self, head_dim, device_kind, dtype=None):
     kind = device_kind.lower()
     if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
-      return BlockSizes(256, 512, 128, 256, None, None)
+      # (float32 kernels, which float16 inputs run too, need half the keys per tile there.)
+      wide = dtype is not None and (jnp.dtype(dtype).itemsize > 2 or dtype == jnp.float16)
+      return BlockSizes(256, 256 if wide else 512, 128, 256, None, None)
     big = "v6" in kind or "v5p" in kind
     return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
 

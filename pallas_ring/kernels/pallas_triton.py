@@ -478,7 +478,7 @@ class TritonBackend(backend.Backend):
   name = "pallas_triton"
   platform = "gpu"
 
-  def default_block_sizes(self, head_dim, device_kind):
+  def default_block_sizes(self, head_dim, device_kind, dtype=None):
     if head_dim <= 64:
       return BlockSizes(128, 128, 64, 64, 4, 3)
     if head_dim <= 128:

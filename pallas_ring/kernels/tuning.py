@@ -102,7 +102,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
   shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
                length=max(q_len, kv_len))
   bs, src_fwd, src_bwd = _tuned(impl, bs, kind, shape)
-  d = impl.default_block_sizes(head_dim, kind)
+  d = impl.default_block_sizes(head_dim, kind, dtype)
   pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
   tiles = impl.clamp(tuple(pick(f) for f in backend_lib.TILE_FIELDS), q_len, kv_len)
   return Tiles(*tiles, pick("num_warps"), pick("num_stages"), src_fwd, src_bwd,

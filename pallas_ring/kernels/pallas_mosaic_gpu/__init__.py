@@ -86,7 +86,7 @@ class MosaicGpuBackend(backend.Backend):
     # where Triton's 16-row tiles stream the cache faster (BENCHMARKS.md, "Decode").
     return not call.decode
 
-  def default_block_sizes(self, head_dim, device_kind):
+  def default_block_sizes(self, head_dim, device_kind, dtype=None):
     # 2 x 64 rows per CTA; the backward kernels take 128 x 128.
     block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
     return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)
