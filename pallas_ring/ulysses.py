@@ -60,7 +60,7 @@ def _local_heads(x, axis: int, r: int, rank):
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None,
-        ring_axis=None, ring_strategy: str = "ring", scan_unroll: int = 1):
+        ring_axis=None, scan_unroll: int = 1):
   """Ulysses attention of a checked call over this device's shards (``call.check``: dense mask
   and bias hold this device's heads and query rows; see ``sharded``).
 
@@ -73,7 +73,7 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
     ring_axis: None: the U devices hold the whole sequence (``L = T / U``) and each attends all
       of it for ``N / U`` heads. A mesh axis: the 2-D scheme, the U devices hold one ring
       rank's chunk, split contiguously, and after the all-to-all the ring runs over this axis
-      (``ring_strategy``, ``scan_unroll``) on that chunk.
+      (``scan_unroll`` steps per scan iteration) on that chunk.
 
   Returns:
     ``[B, L, N, H]`` (and lse ``[B, N, L]`` when the call asks).
@@ -96,7 +96,7 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
       ex._replace(alibi=_local_heads(ex.alibi, 1, u, rank), offsets=offsets))
   if ring_axis is not None:  # (the ring derives positions and packed segments of its chunk)
     out = ring.run(q, k, v, checked._replace(arrays=local), axis_name=ring_axis, layout=layout,
-                   strategy=ring_strategy, scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
+                   strategy="ring", scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
   else:
     t = q.shape[1]
     order = layouts.global_order(t, layout, u)  # [T] positions in layout order

@@ -75,9 +75,8 @@ def main(r, tokens, *words):
     if n:
       print(f"  {kind}: {n} in the program, overlapping a kernel: "
             f"{'yes' if overlaps_kernels(text, kind) else 'no'}", flush=True)
-  sent = bytes_moved("ulysses" if strategy == "ulysses" else strategy, seq_len=tokens,
-                     ring=ring if strategy != "ulysses" else r, ulysses=uly, heads=16,
-                     kv_heads=16, head_dim=128)
+  sent = bytes_moved(strategy, seq_len=tokens, ring=ring, ulysses=uly, heads=16, kv_heads=16,
+                     head_dim=128)
   print(f"  bytes each device sends (on paper): forward {sent[0] / 2**20:.1f} MiB, "
         f"forward+backward {sent[1] / 2**20:.1f} MiB", flush=True)
 

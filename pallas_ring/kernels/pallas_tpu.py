@@ -502,12 +502,17 @@ def _q_row_specs(plan, r0, r1, info, stats, heads, bq, bk):
   return lists, specs, q_spec, kv_spec, row_spec
 
 
-def _widened(q, cfg: common.KernelConfig):
-  """Whether the call runs the float32 kernels on widened inputs: Mosaic has no float16 vector
+def _compute_dtype(dtype):
+  """The dtype the compiled kernels read for inputs of ``dtype``: Mosaic has no float16 vector
   casts on any TPU generation ("Invalid vector register cast" compiling for v4, v5e, v5p, v6e),
-  so float16 operands are widened to float32 and the results narrowed after (interpret mode
-  computes in float16 as given)."""
-  return q.dtype == jnp.float16 and not cfg.interpret
+  so float16 operands are widened to float32 and the results narrowed after."""
+  return jnp.dtype(jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype)
+
+
+def _widened(q, cfg: common.KernelConfig):
+  """Whether the call runs on widened inputs (``_compute_dtype``; interpret mode computes in
+  the inputs' dtype as given)."""
+  return _compute_dtype(q.dtype) != q.dtype and not cfg.interpret
 
 
 def _f32(cfg: common.KernelConfig) -> common.KernelConfig:
@@ -722,8 +727,8 @@ class TpuBackend(backend.Backend):
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
     kind = device_kind.lower()
     if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
-      # (float32 kernels, which float16 inputs run too, need half the keys per tile there.)
-      wide = dtype is not None and (jnp.dtype(dtype).itemsize > 2 or dtype == jnp.float16)
+      # (4-byte kernels, which float16 inputs run too, need half the keys per tile there.)
+      wide = dtype is not None and _compute_dtype(dtype).itemsize > 2
       return BlockSizes(256, 256 if wide else 512, 128, 256, None, None)
     big = "v6" in kind or "v5p" in kind
     return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
