@@ -39,7 +39,7 @@ from pallas_ring.config import BlockSizes, SequenceParallelConfig
 
 MIN_BATCH_S = 0.05  # the shortest timed batch of calls, in seconds
 # How a batch is timed: "wall", the host's clock from its first dispatch to its end; "device",
-# the span of the first GPU's ops from a profiler trace (``device_spans``), which leaves out the
+# the span of the GPUs' ops from a profiler trace (``device_spans``), which leaves out the
 # host's dispatch and synchronization.
 _CLOCK = contextvars.ContextVar("pallas_ring_bench_clock", default="wall")
 
@@ -136,9 +136,10 @@ def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dic
   return {name: [secs for n, secs in samples if n == name] for name in names}
 
 
-def trace_events(trace_dir: str) -> tuple[list, list]:
+def trace_events(trace_dir: str, all_gpus: bool = False) -> tuple[list, list]:
   """``(GPU ops, host events)`` of the newest profiler trace under ``trace_dir``: the complete
-  events of the first GPU, sorted by start, and those of the host (microsecond ``ts``, ``dur``)."""
+  events of the first GPU (of every GPU with ``all_gpus``), sorted by start, and those of the
+  host (microsecond ``ts``, ``dur``; ``pid`` tells the GPUs apart)."""
   path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
   with gzip.open(path) as f:
     events = json.load(f)["traceEvents"]
@@ -146,20 +147,22 @@ def trace_events(trace_dir: str) -> tuple[list, list]:
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   gpus = sorted(pid for pid, name in procs.items() if "GPU" in name)
   spans = [e for e in events if e.get("ph") == "X"]
-  ops = sorted((e for e in spans if gpus and e["pid"] == gpus[0]), key=lambda e: e["ts"])
+  timed = gpus if all_gpus else gpus[:1]
+  ops = sorted((e for e in spans if e["pid"] in timed), key=lambda e: e["ts"])
   return ops, [e for e in spans if e["pid"] not in gpus]
 
 
 def device_spans(trace_dir: str, names) -> list:
   """``[(span, busy, ops)]`` of the profiler trace under ``trace_dir``, one per host annotation
-  in ``names`` (each around calls it synchronized): the first GPU's ops that start inside it,
-  their span in seconds from the first one's start to the last one's end, the sum of their
-  durations, and their count.
+  in ``names`` (each around calls it synchronized): the GPU ops (of every GPU) that start inside
+  it, their span in seconds from the first one's start to the last one's end on any GPU (so a
+  device that finishes early does not hide one that finishes late), the busiest GPU's sum of
+  durations, and the number of ops.
 
   Raises:
     RuntimeError: an annotation holds no GPU op (no GPU, or a trace without device events).
   """
-  ops, host = trace_events(trace_dir)
+  ops, host = trace_events(trace_dir, all_gpus=True)
   marks = {e["name"]: e for e in host}
   starts = np.array([e["ts"] for e in ops])
   out = []
@@ -171,8 +174,10 @@ def device_spans(trace_dir: str, names) -> list:
       raise RuntimeError(f"the profiler trace holds no GPU op inside {name!r}: device timing "
                          "(bench.clock('device')) needs a GPU that the profiler traces.")
     end = max(e["ts"] + e.get("dur", 0) for e in mine)
-    out.append(((end - mine[0]["ts"]) * 1e-6, sum(e.get("dur", 0) for e in mine) * 1e-6,
-                len(mine)))
+    busy = {}
+    for e in mine:
+      busy[e["pid"]] = busy.get(e["pid"], 0) + e.get("dur", 0)
+    out.append(((end - mine[0]["ts"]) * 1e-6, max(busy.values()) * 1e-6, len(mine)))
   return out
 
 
@@ -534,32 +539,79 @@ def decode(caches=None, extra_impls=None, log=print):
   return rows
 
 
-def _passes(f, args, do):
-  """``(pass, jitted function, its arguments)`` of ``f``'s forward and forward+backward."""
-  return (("fwd", jax.jit(f), args), ("fwd+bwd", fwd_bwd(f), (*args, do)))
+# Sharded-cache decode cases: name -> (B, S, N, K, H); S over all local GPUs.
+SHARDED_CACHES = {"GQA 32/8 1M": (1, 2**20, 32, 8, 128), "MQA 16/1 1M": (1, 2**20, 16, 1, 128),
+                  "GQA 32/8 B=4 256k": (4, 2**18, 32, 8, 128)}
 
 
-def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
-  """Per-GPU throughput of the ring on all local GPUs."""
+def decode_sharded(caches=None, log=print):
+  """One new token against a bf16 cache sharded along its slots over all local GPUs
+  (``decode_attention(mesh=...)``) against the whole cache on one GPU, interleaved; the sharded
+  result is first checked against the one-GPU result."""
+  from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+  from pallas_ring.decode import decode_attention
+  r = jax.device_count()
+  mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=())
+  rows = []
+  for case, (b, s, n, kh, h) in (caches or SHARDED_CACHES).items():
+    keys = jax.random.split(jax.random.key(12), 3)
+    dev0 = jax.devices()[0]
+    q = jax.device_put(jax.random.normal(keys[0], (b, 1, n, h), jnp.bfloat16), dev0)
+    k, v = (jax.device_put(jax.random.normal(key, (b, s, kh, h), jnp.bfloat16), dev0)
+            for key in keys[1:])
+    cache = NamedSharding(mesh, P(None, "sp"))
+    qr = jax.device_put(q, NamedSharding(mesh, P()))
+    ks, vs = jax.device_put(k, cache), jax.device_put(v, cache)
+    one = jax.jit(lambda q_, k_, v_: decode_attention(q_, k_, v_))
+    many = jax.jit(lambda q_, k_, v_: decode_attention(q_, k_, v_, mesh=mesh, config=cfg))
+    calls = {"one GPU": (one, (q, k, v)), f"{r} GPUs": (many, (qr, ks, vs))}
+    ref = one(q, k, v).astype(jnp.float32)
+    got = jax.device_put(many(qr, ks, vs), dev0).astype(jnp.float32)
+    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    kv_bytes = 2 * b * s * kh * h * 2
+    for clock_name, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
+      res = timeit_interleaved(calls, reps=12, **kw)
+      for name, secs in res.items():
+        note = f"{kv_bytes / secs / 1e9:.0f} GB/s"
+        if name != "one GPU":
+          note += f", {res['one GPU'] / secs:.2f}x one GPU, rel. err. {err:.1e}"
+        rows.append(Row(case, name, f"decode {clock_name}", secs * 1e3, 0.0, note))
+        log(f"  {case:20s} {clock_name:5s} {name:8s} {secs * 1e3:8.3f} ms  {note}")
+  return rows
+
+
+# The sequence-parallel cases of ``ring``: (strategy, layout, causal). Dense runs contiguous (its
+# work is balanced in any layout); causal compares the layouts and the strategies.
+RING_CASES = (("ring", "contiguous", False), ("ring", "contiguous", True),
+              ("ring", "zigzag", True), ("all_gather", "zigzag", True),
+              ("ulysses", "zigzag", True))
+
+
+def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, kv_heads=None, cases=RING_CASES,
+         log=print):
+  """Per-GPU throughput of the sequence-parallel strategies on all local GPUs, timed interleaved
+  with all-gather K/V + cuDNN (dense) and with our kernel on one GPU doing the same per-device
+  work (T/R queries against T keys, dense).
+
+  Args:
+    tokens_per_device: T/R for each group of rows.
+    kv_heads: K (default N).
+    cases: ``(strategy, layout, causal)`` triples (``RING_CASES``).
+  """
   from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
   from pallas_ring.sharded import sharded_attention
   r = jax.device_count()
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
+  heads = f"{n}/{kv_heads or n}"
   rows = []
   for tl in tokens_per_device:
     t = tl * r
     sh = NamedSharding(mesh, P(None, "sp"))
-    q, k, v, do = (jax.device_put(x, sh) for x in random_inputs(b, t, n, h, seed=2))
-    # One GPU doing the same per-device work: T/R queries against T keys (non-causal).
+    q, k, v, do = (jax.device_put(x, sh)
+                   for x in random_inputs(b, t, n, h, seed=2, kv_heads=kv_heads))
     dev0 = jax.devices()[0]
     q1, k1, v1, do1 = (jax.device_put(x, dev0) for x in (q[:, :tl], k, v, do[:, :tl]))
-    single = lambda q_, k_, v_: flash_attention(q_, k_, v_)
-    single_tf = {}
-    for pass_, fn, args in _passes(single, (q1, k1, v1), do1):
-      secs = timeit(fn, *args, iters=3, reps=3)
-      single_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
-      log(f"[{tl} tokens/GPU x {r}] one GPU, same work ({pass_}, non-causal): "
-          f"{secs * 1e3:.2f} ms {single_tf[pass_]:.1f} TFLOP/s")
 
     def gather_cudnn(q_, k_, v_):
       def per(qs, ks, vs):
@@ -569,34 +621,33 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, log=print):
       return jax.shard_map(per, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
                            out_specs=P(None, "sp"), check_vma=False)(q_, k_, v_)
 
-    gather_tf = {}
-    for pass_, fn, args in _passes(gather_cudnn, (q, k, v), do):
-      secs = timeit(fn, *args, iters=3, reps=3)
-      gather_tf[pass_] = _tflops(tl * t, b, n, h, secs, pass_)
-      rows.append(Row(f"{tl}/GPU x{r} dense", "all_gather+cudnn", pass_, secs * 1e3,
-                      gather_tf[pass_]))
-      log(f"  all_gather+cudnn {pass_} dense {secs * 1e3:.2f} ms {gather_tf[pass_]:.1f} "
-          "TFLOP/s/GPU")
-    for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True)):
-      cfg = SequenceParallelConfig(axis_name="sp", layout=layout)
+    impls = {"one GPU, same work": (lambda q_, k_, v_: flash_attention(q_, k_, v_),
+                                    (q1, k1, v1), do1, tl * t),
+             "all_gather+cudnn dense": (gather_cudnn, (q, k, v), do, tl * t)}
+    for strategy, layout, causal in cases:
+      cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy)
       mask = masks.Causal() if causal else None
       f = lambda q_, k_, v_, cfg=cfg, mask=mask: sharded_attention(q_, k_, v_, mesh=mesh,
                                                                    config=cfg, mask=mask)
-      pairs = visible_pairs(t, "causal" if causal else "full") / r
-      for pass_, fn, args in _passes(f, (q, k, v), do):
-        try:
-          secs = timeit(fn, *args, iters=3, reps=3)
-        except Exception as e:
-          log(f"  ring {layout} causal={causal} {pass_}: failed {type(e).__name__}: {str(e)[:300]}")
-          continue
-        tf = _tflops(pairs, b, n, h, secs, pass_)
-        rel = f"{tf / single_tf[pass_]:.2f}x one-GPU kernel"
-        if not causal:
-          rel += f", {tf / gather_tf[pass_]:.2f}x all_gather+cudnn"
-        rows.append(Row(f"{tl}/GPU x{r} {'causal' if causal else 'dense'}", f"ring {layout}",
-                        pass_, secs * 1e3, tf, rel))
-        log(f"  ring {layout:10s} {'causal' if causal else 'dense ':6s} {pass_:8s} "
-            f"{secs * 1e3:8.2f} ms {tf:7.1f} TFLOP/s/GPU {rel}")
+      name = f"{strategy} {layout} {'causal' if causal else 'dense'}"
+      impls[name] = (f, (q, k, v), do, visible_pairs(t, "causal" if causal else "full") / r)
+    for pass_ in ("fwd", "fwd+bwd"):
+      calls = {}
+      for name, (f, args, do_, _) in impls.items():
+        calls[name] = ((jax.jit(f), args) if pass_ == "fwd" else (fwd_bwd(f), (*args, do_)))
+      res = timeit_interleaved(calls, iters=3, reps=4)
+      tf = {name: _tflops(impls[name][3], b, n, h, secs, pass_) for name, secs in res.items()}
+      for name, secs in res.items():
+        rel = ""
+        if name.endswith("dense") and name != "all_gather+cudnn dense":
+          rel = f"{tf[name] / tf['all_gather+cudnn dense']:.2f}x all_gather+cudnn"
+        elif name.startswith("ring zigzag") and "ring contiguous causal" in res:
+          rel = f"{res['ring contiguous causal'] / secs:.2f}x contiguous"
+        elif name.endswith("causal") and "ring zigzag causal" in res:
+          rel = f"{res['ring zigzag causal'] / secs:.2f}x ring zigzag"
+        rows.append(Row(f"{tl}/GPU x{r} {heads}", name, pass_, secs * 1e3, tf[name], rel))
+        log(f"  {tl}/GPU x{r} {heads} {name:26s} {pass_:8s} {secs * 1e3:8.2f} ms "
+            f"{tf[name]:7.1f} TFLOP/s/GPU {rel}")
   peak = _peak_gib()
   log(f"peak memory per device (GiB): {[round(p, 2) for p in peak]}")
   return rows
@@ -641,6 +692,8 @@ def main(args) -> None:
       rows, name = extras_cost(log=log), "extras"
     elif args.models:
       rows, name = model_shapes(log=log), "models"
+    elif args.decode and jax.device_count() > 1:
+      rows, name = decode(log=log) + decode_sharded(log=log), "decode"
     elif args.decode:
       rows, name = decode(log=log), "decode"
     else:

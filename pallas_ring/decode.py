@@ -20,7 +20,7 @@ One device runs four steps, all around the backends' forward kernels (the same c
 
 With a mesh, the cache is sharded along its slots over ``config.axis_name``: each device runs the
 above over its own slot range (global positions) and the devices' results merge the same way
-through one ``pmax`` and two ``psum`` of the small ``[B, T, N, H]`` result.
+after one all-gather of the small ``[B, T, N, H]`` results and their lse.
 """
 
 from __future__ import annotations
@@ -282,8 +282,14 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
   def per_device(q_, k_, v_, pos_, len_, sinks_, alibi_):
     offset = lax.axis_index(sp) * k_.shape[1]
     o, lse = kernels.dispatch(local, dict(platforms), q_, k_, v_, pos_, len_, offset, alibi_)
-    o, lse = common.merge_reduced(o, lse, functools.partial(lax.pmax, axis_name=sp),
-                                  functools.partial(lax.psum, axis_name=sp))
+    # One small all-gather of every device's (o, lse) (a latency-bound collective: one beats
+    # the pmax and two psums of a merge across the axis), then the merge on each device.
+    h = o.shape[-1]
+    both = jnp.concatenate([o, jnp.swapaxes(lse, -1, -2)[..., None]], axis=-1)  # [B, T, N, H+1]
+    both = lax.all_gather(both, sp)  # [R, B, T, N, H+1]
+    o, lse = common.merge_reduced(both[..., :h], jnp.swapaxes(both[..., h], -1, -2),
+                                  functools.partial(jnp.max, axis=0),
+                                  functools.partial(jnp.sum, axis=0))
     return _finish(o, lse, sinks_, q_.dtype, settings)
 
   optional = lambda x, spec: None if x is None else spec

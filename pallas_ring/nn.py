@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 from flax.linen import module as flax_module
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_ring import masks as masks_lib
@@ -85,6 +86,9 @@ class _Tokens(NamedTuple):
   # Decoding: the slot of the query token (Flax's cache_index before the call). Slots up to it
   # are visible: decode_attention runs, on the cache sharded along its slots under a mesh.
   cache_index: Optional[Array] = None
+  # Decoding a chunk of T > 1 tokens: ``append(key, value) -> (cached_key, cached_value, last
+  # slot)`` writes the chunk's projected K/V ``[..., T, K, H]`` into the module's cache.
+  append: Optional[Callable] = None
 
 
 _CALL = contextvars.ContextVar("pallas_ring_ring_attention_call", default=None)
@@ -115,14 +119,17 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
         "attn_weights_value_einsum, einsum_dot_general; e.g. AQT quantisation) cannot apply. "
         "Leave them unset, or use the stock attention_fn.")
   # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
+  t = tokens or _Tokens(config, None, mesh, None, None, None, False)
+  index = t.cache_index
+  if t.append is not None:  # the chunk's K/V into the cache; its queries attend the cache
+    key, value, index = t.append(key, value)
   dtype = dtype or jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
-  t = tokens or _Tokens(config, None, mesh, None, None, None, False)
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
                 kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
-                dropout=dropout, cache_index=t.cache_index)
+                dropout=dropout, cache_index=index)
   return out.astype(dtype)
 
 
@@ -200,6 +207,10 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   'dropout' rng). What pallas_ring cannot do (``sow_weights=True``, custom attention einsums)
   raises with the fix; nothing is ignored.
 
+  Beyond the stock module, a ``decode=True`` call with T > 1 tokens appends them to the cache at
+  ``cache_index`` and attends them causally to the cache (a prompt prefilled in one call, run
+  over the cache's shards under a mesh); the stock module accepts one token at a time.
+
   Attributes:
     config: sequence-parallel config (axis, layout, strategy, blocks, backend).
     mask: mask spec in global positions (e.g. ``masks.Causal()``), ANDed with the call's dense
@@ -246,8 +257,9 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("RingAttention(attention_fn=...) with a custom attention_fn cannot take "
                        "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
                        "attention_fn=None for pallas_ring attention.")
-    q_pos, kv_pos, index = positions, None, None
+    q_pos, kv_pos, index, append, spec = positions, None, None, None, self.mask
     decoding = self.decode and self.has_variable("cache", "cache_index")
+    chunk = decoding and inputs_q.shape[-2] > 1
     if decoding:
       if positions is not None or segment_ids is not None:
         raise ValueError("RingAttention(decode=True) derives positions from its cache; do not "
@@ -256,18 +268,54 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       q_pos = self.get_variable("cache", "cache_index")[None]
       kv_pos = jnp.arange(max_len, dtype=jnp.int32)
       index = q_pos[0] if mask is None else None
-    tokens = _Tokens(self.config, self.mask, self.mesh, segment_ids, q_pos, kv_pos,
-                     single_device=bool(self.decode), cache_index=index)
+    if chunk:
+      t = inputs_q.shape[-2]
+      if mask is not None or self.attention_fn is not _ring_attention_fn:
+        raise ValueError(
+            f"RingAttention(decode=True) called with {t} tokens appends them to the cache and "
+            "attends causally, which needs mask=None and attention_fn=None; pass a mask only "
+            "with one token per call, or prefill with decode=False.")
+      q_pos = q_pos + jnp.arange(t, dtype=jnp.int32)
+      spec = masks_lib.Causal() if spec is None else masks_lib.as_spec(spec) & masks_lib.Causal()
+      append = self._append
+    tokens = _Tokens(self.config, spec, self.mesh, segment_ids, q_pos, kv_pos,
+                     single_device=bool(self.decode), cache_index=index, append=append)
     reset = _CALL.set(tokens)
     try:
+      if chunk:  # Flax's own decode branch takes one token: the cache is written in _append
+        object.__setattr__(self, "decode", False)
       out = super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
                              deterministic=deterministic, dropout_rng=dropout_rng,
                              sow_weights=sow_weights)
     finally:
+      if chunk:
+        object.__setattr__(self, "decode", True)
       _CALL.reset(reset)
     if self.decode:
       self._shard_cache()
     return out
+
+  def _append(self, key, value):
+    """Writes a chunk's projected ``key, value [..., T, K, H]`` into the cache at
+    ``cache_index`` (as Flax writes one token) and advances the index by T.
+
+    Returns:
+      ``(cached_key, cached_value, last)``: the updated caches and the chunk's last slot.
+    """
+    cached = [self.get_variable("cache", n) for n in ("cached_key", "cached_value")]
+    index = self.get_variable("cache", "cache_index")
+    t, shape = key.shape[-3], cached[0].shape
+    if key.shape[:-3] != shape[:-3] or key.shape[-2:] != shape[-2:] or t > shape[-3]:
+      raise ValueError(
+          f"Autoregressive cache shape error: the cache holds {shape} ([..., S, N, H]) and the "
+          f"call's keys are {key.shape}; a decode-mode call must match the cache's batch and "
+          f"heads with at most S={shape[-3]} tokens.")
+    at = (0,) * (key.ndim - 3) + (index, 0, 0)
+    new = [lax.dynamic_update_slice(c, x.astype(c.dtype), at) for c, x in zip(cached, (key, value))]
+    self.put_variable("cache", "cached_key", new[0])
+    self.put_variable("cache", "cached_value", new[1])
+    self.put_variable("cache", "cache_index", index + t)
+    return new[0], new[1], index + t - 1
 
   def _shard_cache(self):
     """Under a mesh holding ``config.axis_name``: the cache ``[..., S, N, H]`` sharded along its

@@ -71,7 +71,7 @@ def _write_trace(path, events):
     json.dump({"traceEvents": events}, f)
 
 
-def test_device_spans_take_the_gpu_ops_inside_each_annotation(tmp_path):
+def test_device_spans_take_every_gpus_ops_inside_each_annotation(tmp_path):
   meta = lambda pid, name: {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
   op = lambda ts, dur, pid=2: {"ph": "X", "pid": pid, "name": "k", "ts": ts, "dur": dur}
   _write_trace(tmp_path / "plugins" / "profile" / "run", [
@@ -79,10 +79,10 @@ def test_device_spans_take_the_gpu_ops_inside_each_annotation(tmp_path):
       {"ph": "X", "pid": 1, "name": "sample 0", "ts": 100.0, "dur": 50.0},
       {"ph": "X", "pid": 1, "name": "sample 1", "ts": 200.0, "dur": 50.0},
       op(110.0, 10.0), op(125.0, 5.0),  # sample 0: span 20 us, busy 15 us
-      op(210.0, 30.0), op(215.0, 5.0, pid=3),  # sample 1 (GPU 1's op is not counted)
+      op(210.0, 30.0), op(215.0, 35.0, pid=3),  # sample 1: GPU 1 ends last, busiest
       op(160.0, 1.0)])  # between the samples
   spans = bench.device_spans(str(tmp_path), ["sample 0", "sample 1"])
-  assert spans == [pytest.approx((20e-6, 15e-6, 2)), pytest.approx((30e-6, 30e-6, 1))]
+  assert spans == [pytest.approx((20e-6, 15e-6, 2)), pytest.approx((40e-6, 35e-6, 2))]
 
 
 def test_device_clock_without_gpu_ops_names_the_problem():

@@ -240,6 +240,56 @@ def test_ring_attention_decodes_a_cache_sharded_along_its_slots():
   assert "manual_computation" in text or "shard_map" in text
 
 
+def _stock_token_by_token(stock, params, cache, x):
+  """Stock Flax decoding ``x [B, T, D]`` one token per call: ``([B, T, F], final cache)``."""
+  outs = []
+  for t in range(x.shape[1]):
+    out, v = stock.apply({"params": params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
+    outs.append(out)
+    cache = v["cache"]
+  return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_ring_attention_decode_appends_a_chunk_in_one_call(sharded):
+  """decode=True with T > 1 tokens (a prompt, then a speculative chunk, then single tokens)
+  writes them at cache_index and attends causally: the outputs and the cache equal stock Flax
+  fed the same tokens one by one; under a mesh the cache stays sharded along its slots."""
+  x = _x(13, t=16)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  kw = {}
+  if sharded:
+    kw = dict(config=SequenceParallelConfig(axis_name="sp", backend="xla"),
+              mesh=jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,)))
+  ours = RingAttention(num_heads=N, decode=True, **kw)
+  init = stock.init(jax.random.key(0), x)
+  params, cache_s = init["params"], init["cache"]
+  cache_o = ours.init(jax.random.key(0), x)["cache"]
+  step = jax.jit(lambda c, xt: ours.apply({"params": params, "cache": c}, xt, mutable=["cache"]))
+  outs = []
+  for lo, hi in ((0, 9), (9, 13), (13, 14), (14, 16)):
+    out, v = step(cache_o, x[:, lo:hi])
+    outs.append(out)
+    cache_o = v["cache"]
+    if sharded:
+      assert tuple(cache_o["cached_key"].sharding.spec)[1] == "sp"
+  ref, cache_s = _stock_token_by_token(stock, params, cache_s, x)
+  assert rel_err(jnp.concatenate(outs, axis=1), ref) < 1e-5
+  assert int(cache_o["cache_index"]) == int(cache_s["cache_index"]) == 16
+  for name in ("cached_key", "cached_value"):
+    assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
+
+
+def test_ring_attention_decode_chunk_errors_name_the_fix():
+  x = _x(14, t=8)
+  ours = RingAttention(num_heads=N, decode=True)
+  v = ours.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="needs mask=None"):
+    ours.apply(v, x[:, :3], mask=jnp.ones((B, 1, 3, 8), bool), mutable=["cache"])
+  with pytest.raises(ValueError, match="at most S=8 tokens"):
+    ours.apply(v, _x(15, t=9), mutable=["cache"])
+
+
 def test_ring_attention_under_a_mesh_without_its_axis_raises():
   x = _x(10)
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
