@@ -134,6 +134,11 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   impl = kernels.get(backend)
+  if impl.decode is not None and alibi is None:
+    out = _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, settings=settings,
+                        total=total)
+    if out is not None:
+      return out
   pack = alibi is None
   rows, heads = (t * (n // kh), kh) if pack else (t, n)
   tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)
@@ -171,6 +176,45 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
                                 functools.partial(jnp.max, axis=0),
                                 functools.partial(jnp.sum, axis=0))
   return _unpack(o, lse, t) if pack else (o, lse)
+
+
+def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
+                  settings: call.Settings, total: int):
+  """``_local_on`` through the backend's dedicated decode kernel (``Backend.decode``): pack the
+  rows, one launch, merge the chunks. None when the cache's tiles do not cut into whole chunks
+  of the requested ``kv_splits`` (the generic path then serves the call)."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  rows = t * g
+  tiles = tuning.resolve(impl.name, settings.block_sizes, rows, s, h)
+  bk = tiles.block_kv
+  rp, hp = impl.tile_caps(rows, s)[0], impl.padded_head_dim(h)
+  sp = tuning.padded_len(s, bk)
+  p = settings.block_sizes.kv_splits or num_splits(impl.decode_programs(interpret), b * kh, sp,
+                                                   bk)
+  if sp % (p * bk):
+    return None
+  pad = lambda x, *to: jnp.pad(x, [(0, m - d) for d, m in zip(x.shape, to)])
+  # [B, T, N, H] -> [B, K, T*G, H] (rows ordered (t, g)), padded to [B, K, R, Hp]
+  qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, h)
+  if q_pos is not None:  # [B, T] -> [B, R]
+    q_pos = pad(jnp.repeat(jnp.asarray(q_pos, jnp.int32), g, axis=1), b, rp)
+  if lengths is None:
+    lengths = np.full((b,), total, np.int32)
+  offset = (np.full((1,), offset, np.int32) if isinstance(offset, int)
+            else jnp.reshape(offset, (1,)).astype(jnp.int32))
+  cfg = common.DecodeConfig(settings.mask, settings.scale, settings.softcap, tokens=t, group=g,
+                            chunks=p, block_kv=bk, num_warps=tiles.num_warps,
+                            num_stages=tiles.num_stages, interpret=interpret)
+  o, lse = impl.decode(pad(qk, b, kh, rp, hp), pair.pad_tokens(k, sp, hp),
+                       pair.pad_tokens(v, sp, hp), q_pos, lengths, offset, cfg)
+  # o [B, K, P, R, Hp] -> [P, B, R, K, Hp] and lse [B, K, P, R] -> [P, B, K, R]: the chunks
+  # merge into the packed layout [B, R, K, Hp] / [B, K, R].
+  o, lse = common.merge_reduced(o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0),
+                                functools.partial(jnp.max, axis=0),
+                                functools.partial(jnp.sum, axis=0))
+  return _unpack(o[:, :rows, :, :h], lse[:, :, :rows], t)
 
 
 def _check(q, k_cache, kv_lengths, mesh_size: int):

@@ -349,7 +349,23 @@ def window_width(spec: MaskSpec) -> Optional[int]:
   return None
 
 
+def key_bounds(spec: MaskSpec) -> tuple[Optional[int], Optional[int]]:
+  """``(left, right)`` such that every key a query ``q`` sees lies in ``[q - left, q + right]``
+  (None: unbounded on that side), as far as the spec's structure tells statically."""
+  if isinstance(spec, SlidingWindow):
+    return spec.left, spec.right
+  if isinstance(spec, (Causal, ChunkedCausal)):
+    return None, 0
+  if isinstance(spec, And):  # the tighter bound of either side
+    return tuple(min((x for x in pair if x is not None), default=None)
+                 for pair in zip(key_bounds(spec.a), key_bounds(spec.b)))
+  if isinstance(spec, Or):  # the looser one, bounded only where both are
+    return tuple(None if None in pair else max(pair)
+                 for pair in zip(key_bounds(spec.a), key_bounds(spec.b)))
+  return None, None
+
+
 __all__ = [
     "MaskSpec", "BlockBounds", "Full", "Causal", "SlidingWindow", "ChunkedCausal", "PrefixLM",
-    "Custom", "And", "Or", "as_spec", "is_full", "is_causal", "window_width",
+    "Custom", "And", "Or", "as_spec", "is_full", "is_causal", "window_width", "key_bounds",
 ]

@@ -85,14 +85,16 @@ def test_a_row_with_nothing_visible_is_zero():
   assert jnp.all(jnp.isfinite(lse[1]))
 
 
-@pytest.mark.parametrize("shape, batch_axes", [((8,), ()), ((2, 4), ("dp",))],
-                         ids=["sp8", "dp2_sp4"])
-def test_a_cache_sharded_along_its_slots_matches_one_device(shape, batch_axes):
+@pytest.mark.parametrize("shape, batch_axes, backend", [((8,), (), "xla"),
+                                                   ((2, 4), ("dp",), "xla"),
+                                                   ((4,), (), "pallas_triton")],
+                         ids=["sp8", "dp2_sp4", "sp4_triton"])
+def test_a_cache_sharded_along_its_slots_matches_one_device(shape, batch_axes, backend):
   """The cache sharded over ``axis_name`` (and the batch over ``batch_axes``): each device
   attends its own slot range and the results merge; equal to one device (output and lse)."""
   names = ("dp", "sp")[-len(shape):]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=batch_axes, backend="xla")
+  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=batch_axes, backend=backend)
   q, k, v, lengths = _problem(5, 2, 8, 2, s=1024)
   lengths = lengths.at[1].set(100)  # (most devices hold none of this row's slots)
   kw = dict(kv_lengths=lengths, mask=masks.SlidingWindow(300), return_lse=True)
@@ -101,6 +103,28 @@ def test_a_cache_sharded_along_its_slots_matches_one_device(shape, batch_axes):
   assert rel_err(out, one) < 1e-6 and rel_err(lse, one_lse) < 1e-6
   with jax.set_mesh(mesh):  # the active mesh serves as well
     np.testing.assert_array_equal(decode_attention(q, k, v, config=cfg, **kw)[0], out)
+
+
+@pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(60), masks.PrefixLM(40)],
+                         ids=["causal", "window", "prefix"])
+def test_the_dedicated_triton_kernel_runs_alone(mask):
+  """Triton decodes with its dedicated kernel (one launch, no block plan): given positions,
+  ragged lengths (a row with none), chunks, output and lse equal to the reference."""
+  q, k, v, lengths = _problem(8, 3, 8, 2)
+  lengths = lengths.at[1].set(0)
+  pos = jnp.asarray([[5, 200, 511], [0, 1, 2]], jnp.int32)
+  f = lambda q, k, v: decode_attention(q, k, v, kv_lengths=lengths, q_positions=pos, mask=mask,
+                                       backend="pallas_triton", interpret=True, return_lse=True,
+                                       block_sizes=BlockSizes(kv_splits=4))
+  jaxpr = str(jax.make_jaxpr(f)(q, k, v))
+  assert jaxpr.count("pallas_call") == 1 and "pallas_ring_decode" in jaxpr
+  assert " sort" not in jaxpr  # (no block plan)
+  out, lse = f(q, k, v)
+  ref, ref_lse = _reference(q, k, v, lengths, mask, q_positions=pos)
+  assert rel_err(out, ref) < 1e-5
+  assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+  assert rel_err(jnp.where(jnp.isinf(lse), 0, lse), jnp.where(jnp.isinf(ref_lse), 0, ref_lse)) < 1e-5
+  assert not jnp.any(out[1])  # (no visible slot: zeros)
 
 
 def test_differentiating_it_raises_naming_flash_attention():

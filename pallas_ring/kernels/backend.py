@@ -1,16 +1,17 @@
 """The interface every kernel lowering implements, and what a backend is asked about a call.
 
-A backend is one object, registered once (``pallas_ring.kernels``' registry): its name, the platform family
-its kernels run on natively, what it can serve (``supports``), its tile rules (defaults, checks,
-clamps, head-dim padding, tuning candidates), its kernel-variant config, and the kernels of the
-contract in ``kernels.common`` (``forward``, ``backward``). Nothing outside the registry compares
-backend names: callers ask the object.
+A backend is one object, registered once (``pallas_ring.kernels``' registry): its name, the
+platform family its kernels run on natively, what it can serve (``supports``), its tile rules
+(defaults, checks, clamps, head-dim padding, tuning candidates), its kernel-variant config, and
+the kernels of the contract in ``kernels.common`` (``forward``, ``backward``, and optionally a
+dedicated ``decode``). Nothing outside the registry compares backend names: callers ask the
+object.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jax
 
@@ -145,6 +146,11 @@ class Backend:
   def backward(self, q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts="both"):
     """``(dq, dk, dv)`` of one pair (see ``kernels.common``)."""
     raise NotImplementedError
+
+  # A dedicated decode kernel ``decode(q, k, v, q_pos, lengths, offset, cfg: DecodeConfig) ->
+  # (o, lse)`` (``pallas_triton_decode.decode`` documents the contract), or None: then
+  # ``decode_attention`` runs ``forward`` over chunks of the cache with a block plan.
+  decode: ClassVar[Optional[Callable]] = None
 
   def __repr__(self) -> str:
     return f"<backend {self.name}>"

@@ -103,6 +103,24 @@ class KernelConfig:
     return 1.0 / (1.0 - self.dropout_rate)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static configuration of a backend's dedicated decode kernel (``Backend.decode``): a few
+  query rows per kv head against a cache cut into chunks, one program per (chunk, row, kv head).
+  """
+
+  mask: masks_lib.MaskSpec  # visibility in global positions (slot index = key position)
+  scale: float  # logit scale
+  softcap: Optional[float]  # logit soft-cap, None for none
+  tokens: int  # T query tokens per batch row
+  group: int  # G query heads per kv head: a program's real rows are T*G, ordered (t, g)
+  chunks: int  # P chunks of the cache's slots, each streamed by its own programs
+  block_kv: int  # key tile (slots read per step)
+  num_warps: Optional[int] = None  # Triton: warps per program (None: heuristic)
+  num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
+  interpret: bool = False  # run the Pallas kernel in interpret mode
+
+
 class Operands(NamedTuple):
   """Token metadata of one (q shard, kv shard) pair, padded like q and k.
 

@@ -516,5 +516,10 @@ class TritonBackend(backend.Backend):
   forward = staticmethod(forward)
   backward = staticmethod(backward)
 
+  @staticmethod
+  def decode(q, k, v, q_pos, lengths, offset, cfg):
+    from pallas_ring.kernels import pallas_triton_decode  # (it imports this module)
+    return pallas_triton_decode.decode(q, k, v, q_pos, lengths, offset, cfg)
+
 
 BACKEND = TritonBackend()
