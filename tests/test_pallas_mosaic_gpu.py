@@ -85,6 +85,35 @@ def test_every_configuration_lowers_for_cuda(name):
   assert _kernels_of_gradients(text)
 
 
+@pytest.mark.parametrize("name, splits", [("window_mqa", 4), ("causal_gqa", 2),
+                                         ("h256_documents_gqa_softcap", 2)])
+def test_dkv_kernel_split_over_query_heads_lowers(name, splits):
+  """Few kv heads: each kv block's query heads split over CTAs writing float32 partials (the
+  wide kernel too), still three Mosaic GPU kernels and no Triton."""
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+  f = _attention(kw, dkv_head_splits=splits)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = _lower(grad, *args, *seg)
+  assert _kernels_of_gradients(text)
+  assert f"tensor<{splits}x2x" in text  # (the partials' leading axis)
+
+
+def test_dkv_head_splits_rule_fills_the_gpu_with_few_kv_heads():
+  v = Variants()
+  waves = v.dkv_min_waves * tiles.sm_count()
+  assert tiles.dkv_head_splits(16, waves, v) == 1  # enough CTAs: no split
+  assert tiles.dkv_head_splits(1, 8, v) == 1  # MHA: nothing to split
+  assert tiles.dkv_head_splits(16, 128, v) == v.dkv_max_splits  # MQA 16/1 at T=16k: 128 CTAs
+  assert tiles.dkv_head_splits(2, 128, v) == 2  # (a divisor of the group)
+  assert tiles.dkv_head_splits(6, 128, Variants(dkv_max_splits=4)) == 3
+  assert tiles.dkv_head_splits(4, 1, Variants(dkv_head_splits=2)) == 2
+  with pytest.raises(ValueError, match="dkv_head_splits=3 does not divide the 4 query heads"):
+    tiles.dkv_head_splits(4, 1, Variants(dkv_head_splits=3))
+  with pytest.raises(ValueError, match="dkv_head_splits=0 is invalid"):
+    Variants(dkv_head_splits=0)
+
+
 @pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])
 def test_lowers_under_x64(name):
   """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels (H=256: the wide
@@ -450,6 +479,30 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
   for a, b, r in zip(got, again, ref):
     assert rel_err(a, r) < 2e-2
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name", ["window_mqa", "h256_documents_gqa_softcap"])
+def test_native_split_dkv_matches_unsplit_and_is_reproducible(name):
+  """dK/dV split over query heads (float32 partials summed in order): the same gradients as
+  the unsplit kernel (to rounding: the partial sums' order differs), and the same bits twice."""
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  rng = np.random.default_rng(6)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+  seg = (jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32),) if segs else ()
+
+  def grads(splits):
+    f = _attention(dict(mask=mask, softcap=cap), dkv_head_splits=splits)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, *seg, *seg).astype(jnp.float32) * do)
+    return jax.jit(jax.grad(loss, argnums=(1, 2)))(q, k, v)
+
+  one, split, again = grads(1), grads(n // kh), grads(n // kh)
+  for a, b, c in zip(one, split, again):
+    assert rel_err(b, a) < 1e-2
+    np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(c, np.float32))
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

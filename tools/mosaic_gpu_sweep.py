@@ -231,7 +231,9 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     ("causal32k T=32k", 32768, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("dense64k T=64k", 65536, 16, 16, 128, None, "full", jnp.bfloat16),
     ("causal64k T=64k", 65536, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
-    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16)]
+    ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("mqa 16/1 T=16k", 16384, 16, 1, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("gqa32k 32/8 T=32k", 32768, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16)]
 
 
 def variants(*opts):

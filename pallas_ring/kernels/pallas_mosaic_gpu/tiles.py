@@ -43,8 +43,16 @@ class Variants:
   wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
   wide_dq_above: int = 128  # head dims above which dQ owns 64 rows per CTA
   delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
+  # dK/dV: CTAs per kv block, each walking a share of its GQA group's query heads into float32
+  # partial dK/dV summed after the kernel in a fixed order (``dkv_head_splits``); None: the rule.
+  dkv_head_splits: Optional[int] = None
+  dkv_min_waves: int = 4  # the rule splits below this many waves of dK/dV CTAs (one per SM)
+  dkv_max_splits: int = 4  # ... into at most this many CTAs per kv block
 
   def __post_init__(self):
+    if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
+      raise ValueError(f"Variants.dkv_head_splits={self.dkv_head_splits} is invalid: use a "
+                       "divisor of the query heads per kv head, or None (the rule).")
     if self.item_order not in (None, "heads", "blocks"):
       raise ValueError(f"Variants.item_order={self.item_order!r} is invalid: use 'heads', "
                        "'blocks' or None (the rule).")
@@ -198,6 +206,33 @@ BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = b
 # T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the same GPU time
 # either way (profiler traces of alternating runs: the dQ kernel's 15-25 us more against XLA's
 # 48 us pass), although wall-clock medians of causal read 2-4% slower with it.
+
+
+# Few kv heads (MQA, K=1-2) leave the dK/dV kernel with few CTAs (one per 128 keys of a kv
+# head), each walking every query head of its group: with causal-type masks the first blocks'
+# walks are the longest, and the GPU idles while they finish. Splitting each block's group over
+# ``d`` CTAs gives d times the CTAs, each walking ``group / d`` heads into float32 partials that
+# are summed after the kernel in a fixed order (bitwise reproducible); the partials cost a
+# float32 write and read of d x dK/dV. ``Variants.dkv_head_splits``; None: below
+# ``dkv_min_waves`` waves of CTAs, the largest divisor of the group up to ``dkv_max_splits``.
+# H100, bf16, causal, forward+backward / cuDNN in batches and one call at a time
+# (``tools/mosaic_gpu_sweep.py spans bwd mqa gqa gqa32k dkv_head_splits=...``):
+#   MQA 16/1 T=16k (128 CTAs): d=1 0.70x / 0.66x, 2 0.95 / 0.99, 4 0.98 / 0.99, 8 0.94 / 0.98,
+#     16 0.96 / 0.98;
+#   GQA 32/8 T=8k (512 CTAs): d=1 0.93 / 0.96, 2 0.95 / 0.98, 4 0.97 / 1.00;
+#   GQA 32/8 T=32k (2048 CTAs): d=1 0.93 / 0.94, 2 0.93 / 0.92, 4 0.94 / 0.93 (no gain).
+
+
+def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
+  """CTAs per kv block of the dK/dV kernel (above), for ``ctas`` CTAs unsplit."""
+  if variants.dkv_head_splits is not None:
+    if group % variants.dkv_head_splits:
+      raise ValueError(f"Variants.dkv_head_splits={variants.dkv_head_splits} does not divide the "
+                       f"{group} query heads per kv head; use a divisor of {group}.")
+    return variants.dkv_head_splits
+  if ctas >= variants.dkv_min_waves * sm_count():
+    return 1
+  return max(d for d in range(1, min(group, variants.dkv_max_splits) + 1) if group % d == 0)
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
