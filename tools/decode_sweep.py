@@ -22,7 +22,9 @@ from pallas_ring.config import BlockSizes
 def main(only: str = "") -> None:
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   impl = kernels.get("pallas_triton")  # (what "auto" decodes with on a GPU)
-  for case, (b, s, n, kh, h, t) in bench.DECODE_CACHES.items():
+  # (and the cache of tools/generate_bench.py's LM: 16 heads of 128, a 32k prompt)
+  caches = {**bench.DECODE_CACHES, "B=1 S=33k MHA 16": (1, 33024, 16, 16, 128, 1)}
+  for case, (b, s, n, kh, h, t) in caches.items():
     if only not in case:
       continue
     block_kv = impl.default_block_sizes(h, "").block_kv
@@ -30,7 +32,7 @@ def main(only: str = "") -> None:
     print(f"{case}: automatic kv_splits={auto}", flush=True)
     extra = {f"ours kv_splits={p}": dict(block_sizes=BlockSizes(kv_splits=p))
              for p in (auto // 2, auto * 2) if p >= 1 and s % p == 0}
-    for bk, warps, stages in ((128, 4, 3), (64, 4, 4), (128, 8, 3)):
+    for bk, warps, stages in ((128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 4, 2), (32, 4, 4)):
       extra[f"ours triton kv={bk} w={warps} s={stages}"] = dict(
           backend="pallas_triton",
           block_sizes=BlockSizes(block_kv=bk, num_warps=warps, num_stages=stages))
