@@ -211,9 +211,12 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
                        pair.pad_tokens(v, sp, hp), q_pos, lengths, offset, cfg)
   # o [B, K, P, R, Hp] -> [P, B, R, K, Hp] and lse [B, K, P, R] -> [P, B, K, R]: the chunks
   # merge into the packed layout [B, R, K, Hp] / [B, K, R].
-  o, lse = common.merge_reduced(o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0),
-                                functools.partial(jnp.max, axis=0),
-                                functools.partial(jnp.sum, axis=0))
+  o, lse = o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0)
+  if p == 1:
+    o, lse = o[0], lse[0]
+  else:
+    o, lse = common.merge_reduced(o, lse, functools.partial(jnp.max, axis=0),
+                                  functools.partial(jnp.sum, axis=0))
   return _unpack(o[:, :rows, :, :h], lse[:, :, :rows], t)
 
 
