@@ -12,7 +12,9 @@ Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o,
 the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
 GPUs, ``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators
 (one step behind their shard, so every send overlaps a kernel), reusing the final lse and
-``delta = sum(o * do)``; dQ accumulates locally. The local pair runs its dQ first and its dK/dV
+``delta = sum(o * do)``; dQ accumulates locally, and each step adds its dK/dV to those received
+with its shard (inside the kernels on TPU, whose outputs take the received buffers: at 2M tokens
+on a v5e-8 that is 3 GiB per chip less). The local pair runs its dQ first and its dK/dV
 last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead
 of ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
@@ -177,25 +179,26 @@ def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
 
 
 def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
-                   parts=common.BOTH, plan=None):
+                   parts=common.BOTH, plan=None, dkv=None):
   """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
-  its dq added to ``dq`` (the earlier pairs', or None). ``parts=common.DQ`` computes only dq
-  and dbias, ``common.DKV`` only dk and dv (the others None). ``plan``: the backward's (default:
-  the planner's for ``ops``)."""
+  its dq added to ``dq`` (the earlier pairs', or None) and its dk, dv to ``dkv = (dk, dv)``
+  (this shard's so far, or None; lowerings add both inside their kernels where they can).
+  ``parts=common.DQ`` computes only dq and dbias, ``common.DKV`` only dk and dv (the others
+  None). ``plan``: the backward's (default: the planner's for ``ops``)."""
   want_dq, want_dkv = common.wants(parts)
   plan = st.planner.plan(ops, backward=True) if plan is None else plan
   no_bias = ops.bias is None or not want_dq
 
   def run():
     grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq,
-                                             parts)
+                                             parts, dkv)
     dbias = None if no_bias else pair.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias
     return (*grads, dbias)
 
   def skip():
     zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
     dq_ = (zeros(q) if dq is None else dq) if want_dq else None
-    dk, dv = (zeros(k), zeros(v)) if want_dkv else (None, None)
+    dk, dv = ((zeros(k), zeros(v)) if dkv is None else dkv) if want_dkv else (None, None)
     return dq_, dk, dv, None if no_bias else jnp.zeros(ops.bias.shape, ops.bias.dtype)
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
@@ -219,9 +222,12 @@ def _gather_info(info, st):
 
 
 def _local_kv(st: RingStatic, k, v):
-  """This shard's K/V as the ring holds them: one stacked ``[2, B, Sp, K, H]`` buffer, so each
-  step sends both in one collective (``all_gather``: the pair ``(k, v)``)."""
-  return (k, v) if st.strategy == "all_gather" else jnp.stack([k, v])
+  """This shard's K/V as the ring holds them: the pair ``(k, v)``, sent as two collectives (or
+  one packed buffer, ``RingStatic.pack_sends``). (A stacked ``[2, B, Sp, K, H]`` buffer, one
+  collective on TPU, kept a 1 GiB copy of the local K/V alive through the backward at 2M
+  tokens on a v5e-8.)"""
+  del st
+  return k, v
 
 
 def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
@@ -268,16 +274,16 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, step, dbias, dq=None, parts=common.BOTH):
-    """This step's pair: ``dq`` so far plus its own, its ``[dk, dv]``, and ``dbias`` (``parts``:
-    only dq and dbias, or only dk and dv)."""
+  def compute(kv, moving, step, dbias, dq=None, parts=common.BOTH, dkv=None):
+    """This step's pair: ``dq`` so far plus its own, ``dkv = (dk, dv)`` so far of the shard
+    it holds plus its own, and ``dbias`` (``parts``: only dq and dbias, or only dk and dv)."""
     src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq, dk_s, dv_s, dbias_s = pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
-                                             step_plan(st, ops, rank, src, True))
+    dq, dk, dv, dbias_s = pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+                                        step_plan(st, ops, rank, src, True), dkv)
     if dbias_s is not None:  # each step owns the columns of its kv shard
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
-    return dq, None if dk_s is None else jnp.stack([dk_s, dv_s]), dbias
+    return dq, None if dk is None else (dk, dv), dbias
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
@@ -292,22 +298,22 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   nxt = rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
   dq, dkv, dbias = compute(*held, 1, dbias, dq)
 
+  # Each step's dK/dV are added to those received with its shard (inside the kernels where the
+  # lowering can: no second buffer for the sum).
   def body(carry, step):
     dq, held, dkv, dbias = carry
     nxt, dkv_in = rotate((held, dkv), st)
-    dq, dkv_s, dbias = compute(*held, step, dbias, dq)
-    return (dq, nxt, dkv_in + dkv_s, dbias), None
+    dq, dkv, dbias = compute(*held, step, dbias, dq, dkv=dkv_in)
+    return (dq, nxt, dkv, dbias), None
 
   if last > 1:
     (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(2, r),
                                          unroll=st.unroll)
     dkv_in = rotate(dkv, st)  # the last shard's K/V go nowhere
-    dq, dkv_s, dbias = compute(*held, last, dbias, dq)
-    dkv = dkv_in + dkv_s
+    dq, dkv, dbias = compute(*held, last, dbias, dq, dkv=dkv_in)
   dkv = rotate(dkv, st)  # home, while the local pair's dK/dV run:
-  _, dkv_local, _ = compute(*local, 0, None, parts=common.DKV)
-  dkv = dkv + dkv_local
-  return dq, dkv[0], dkv[1], dbias
+  _, (dk, dv), _ = compute(*local, 0, None, parts=common.DKV, dkv=dkv)
+  return dq, dk, dv, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

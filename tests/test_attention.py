@@ -175,7 +175,7 @@ class FlashCases:
     """The contract's ``delta`` comes as the ``[B, N, Tp]`` array (the ring) or as a
     ``common.RowTerm`` of o and dlse (flash_attention; ``pallas_mosaic_gpu`` computes it in its dQ
     kernel): the same gradients either way, with and without an lse cotangent. ``parts`` asks for
-    dq alone or dk and dv alone: the same results as the full call."""
+    dq alone or dk and dv alone: the same results as the full call; `dkv_acc` is added to dk, dv."""
     backend = self.backend
     from pallas_ring import block_sparse, kernels, pair, plans
     from pallas_ring.kernels import common, tuning
@@ -211,6 +211,12 @@ class FlashCases:
     assert none_q is None and none_k is None and none_v is None
     for a, r in zip((dq, dk, dv), full):  # (Mosaic GPU: delta from XLA instead of its dQ kernel)
       assert rel_err(a, r) < tol
+    # ``dkv_acc``: the dK/dV received with the shard, added (in the kernels on TPU).
+    dkv_acc = tuple(jnp.asarray(rng.standard_normal(k.shape), dt) for _ in range(2))
+    _, dk_sum, dv_sum = lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg,
+                                          parts=common.DKV, dkv_acc=dkv_acc)
+    for a, r, acc in zip((dk_sum, dv_sum), (dk, dv), dkv_acc):
+      assert rel_err(a, r + acc) < tol
     with pytest.raises(ValueError, match="parts='dk'"):
       lowering.backward(q, k, v, do, lse, delta, ops, plan, cfg, parts="dk")
 

@@ -143,7 +143,8 @@ class Backend:
     """``(o, lse)`` of one (q shard, kv shard) pair (see ``kernels.common``)."""
     raise NotImplementedError
 
-  def backward(self, q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts="both"):
+  def backward(self, q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts="both",
+               dkv_acc=None):
     """``(dq, dk, dv)`` of one pair (see ``kernels.common``)."""
     raise NotImplementedError
 

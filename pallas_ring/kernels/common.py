@@ -3,7 +3,8 @@
 Each module in ``pallas_ring.kernels`` provides::
 
     forward(q, k, v, ops, plan, cfg, acc=None) -> (o, lse)
-    backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts=BOTH) -> (dq, dk, dv)
+    backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc=None, parts=BOTH,
+             dkv_acc=None) -> (dq, dk, dv)
 
 over one (q shard, kv shard) pair, with sequences already padded to block multiples:
 
@@ -24,8 +25,9 @@ over one (q shard, kv shard) pair, with sequences already padded to block multip
 
 The ring sums passes over its kv shards into running results that stay on the device: the
 forward's ``Partial`` ``(o, lse)`` and the backward's dq (dK/dV travel with their shard). Given
-``acc`` a forward returns its result merged into it (``merge``); given ``dq_acc`` a backward
-returns it plus its own dq; both in ``cfg.out_dtype`` (the ring's accumulation dtype). A
+``acc`` a forward returns its result merged into it (``merge``); given ``dq_acc`` (and
+``dkv_acc = (dk_acc, dv_acc)``, the dK/dV received with their shard) a backward returns them plus
+its own dq (dk, dv); all in ``cfg.out_dtype`` (the ring's accumulation dtype). A
 lowering may do this inside its kernels, which hold the rows anyway, instead of another pass
 over them in memory; the others call ``merged`` / ``accumulated`` on their result. ``parts``
 (``BOTH``, ``DQ`` or ``DKV``) asks a backward for only dq or only dk and dv (the others are
@@ -362,12 +364,12 @@ def wants(parts: str) -> tuple[bool, bool]:
   return parts != DKV, parts != DQ
 
 
-def accumulated(dq, grads):
-  """A backward pass's ``(dq, dk, dv)`` with the earlier passes' ``dq`` added (unchanged when
-  ``dq`` is None, and where the pass computed no dq)."""
-  if dq is None or grads[0] is None:
-    return grads
-  return (dq + grads[0].astype(dq.dtype), *grads[1:])
+def accumulated(dq, grads, dkv=None):
+  """A backward pass's ``(dq, dk, dv)`` with the earlier passes' ``dq`` and ``dkv = (dk, dv)``
+  added (each unchanged where its accumulator is None, and where the pass computed none)."""
+  accs = (dq, *(dkv or (None, None)))
+  return tuple(g if a is None or g is None else a + g.astype(a.dtype)
+               for a, g in zip(accs, grads))
 
 
 class RowTerm(NamedTuple):

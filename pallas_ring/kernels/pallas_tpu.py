@@ -93,26 +93,34 @@ def _row_ranges(index, budget=None):
   return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
-def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_bytes):
+def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_bytes, acc=None):
   """Runs ``kernel`` once per row range, each call writing its rows of the same outputs.
 
   ``make_grid_spec(r0, r1) -> (grid_spec, lists)`` builds one call's grid; ``out_shape`` is a
   list; ``vmem_bytes`` the program's estimated VMEM (``_vmem_bytes``). The outputs of one call are
   aliased into the next (as unread ``ANY`` inputs), so they are written in place; each call writes
   only the blocks of its rows.
+
+  With ``acc`` (one array per output, in the outputs' kernel-side shape and dtype) the kernel
+  adds each output block to the same block of its accumulator (``accumulate=True``: the
+  accumulators are read block by block like the outputs) and the accumulators' buffers become
+  the outputs (aliased), so a ring's running sums take no second buffer.
   """
-  outs = None
+  outs = None if acc is None else list(acc)
+  kw = {} if acc is None else dict(accumulate=True)
   for r0, r1 in ranges:
     grid_spec, lists = make_grid_spec(r0, r1)
     extra = [] if outs is None else list(outs)
     if extra:
+      carried = (list(grid_spec.out_specs) if acc is not None else
+                 [pl.BlockSpec(memory_space=pl.ANY)] * len(extra))
       grid_spec = pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=grid_spec.num_scalar_prefetch, grid=grid_spec.grid,
-          in_specs=list(grid_spec.in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
+          in_specs=list(grid_spec.in_specs) + carried,
           out_specs=grid_spec.out_specs, scratch_shapes=grid_spec.scratch_shapes)
     first_alias = len(lists.arrays) + len(jax.tree.leaves(args))  # (None args are no inputs)
     outs = pl.pallas_call(
-        functools.partial(kernel, lists=lists, n_aliased=len(extra)), grid_spec=grid_spec,
+        functools.partial(kernel, lists=lists, n_aliased=len(extra), **kw), grid_spec=grid_spec,
         out_shape=out_shape, compiler_params=_params(vmem_bytes),
         interpret=kernel.keywords["cfg"].interpret,
         input_output_aliases={first_alias + a: a for a in range(len(extra))}, name=name,
@@ -186,9 +194,14 @@ class _View(NamedTuple):
     half = lax.shift_right_logical(words, (c & 1).astype(jnp.uint32) * 16)
     return lax.bitcast_convert_type(half.astype(jnp.uint16), ref.dtype)
 
-  def put_all(self, ref, scratch, scale=None):
-    """Writes float32 head-major ``scratch [heads, rows, H]`` (times ``scale``) into a block."""
-    value = lambda c: (scratch[c] if scale is None else scratch[c] * scale).astype(ref.dtype)
+  def put_all(self, ref, scratch, scale=None, add=None):
+    """Writes float32 head-major ``scratch [heads, rows, H]`` (times ``scale``, plus the same
+    block of ``add``, an accumulator ref, when given) into a block."""
+
+    def value(c):
+      x = scratch[c] if scale is None else scratch[c] * scale
+      return (x if add is None else x + self.get(add, c).astype(x.dtype)).astype(ref.dtype)
+
     if not self.in_place or ref.dtype.itemsize == 4:
       def put(c):
         if self.in_place:
@@ -565,9 +578,11 @@ def _probs(cfg, info, h, q, k, lse, k_block_index, masked):
   return jnp.exp(s - common.safe_lse(lse)), s_cap, keep  # (masked: exp(NEG_INF - lse) = 0)
 
 
-def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
+def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats,
+               accumulate=False):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
+  acc_ref = refs[15] if accumulate else None  # the running dq (aliased to dq)
   dq_ref, dq_sc = refs[15 + n_aliased:]
   b, j, i, s_ = (pl.program_id(a) for a in range(4))
   rank = heads.rank(j)
@@ -595,12 +610,14 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
 
   @pl.when(s_ == lists.slots - 1)
   def _finish():
-    heads.q.put_all(dq_ref, dq_sc, cfg.scale)
+    heads.q.put_all(dq_ref, dq_sc, cfg.scale, add=acc_ref)
 
 
-def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
+def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats,
+                accumulate=False):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
+  dk_acc, dv_acc = refs[15:17] if accumulate else (None, None)  # aliased to dk, dv
   dk_ref, dv_ref, dk_sc, dv_sc = refs[15 + n_aliased:]
   b, kvb, jk, step = (pl.program_id(a) for a in range(4))
 
@@ -630,8 +647,8 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   @pl.when(step == heads.per_kv * lists.slots - 1)
   def _finish():
-    heads.kv.put_all(dk_ref, dk_sc, cfg.scale)
-    heads.kv.put_all(dv_ref, dv_sc)
+    heads.kv.put_all(dk_ref, dk_sc, cfg.scale, add=dk_acc)
+    heads.kv.put_all(dv_ref, dv_sc, add=dv_acc)
 
 
 def _dkv_step(step, slots: int):
@@ -643,11 +660,12 @@ def _dkv_step(step, slots: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None, parts=common.BOTH):
-  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
+             dq_acc=None, parts=common.BOTH, dkv_acc=None):
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``. Accumulators of
+  that dtype are added inside the kernels, whose outputs take their buffers (aliased)."""
   if _widened(q, cfg):
     wide = (x.astype(jnp.float32) for x in (q, k, v, do))
-    grads = backward(*wide, lse, delta, ops, plan, _f32(cfg), dq_acc, parts)
+    grads = backward(*wide, lse, delta, ops, plan, _f32(cfg), dq_acc, parts, dkv_acc)
     narrow = lambda x, dt: None if x is None else x.astype(dt)
     return (narrow(grads[0], cfg.out_dtype if dq_acc is None else dq_acc.dtype),
             *(narrow(x, cfg.out_dtype) for x in grads[1:]))
@@ -675,13 +693,19 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
           *rows]
+  # Accumulators of the output dtype are added in the kernels (the rest after them).
+  in_kernel = lambda a: a is not None and all(x.dtype == cfg.out_dtype for x in jax.tree.leaves(a))
+  dq_in, dkv_in = (a if in_kernel(a) else None for a in (dq_acc, dkv_acc))
+  acc_bytes = lambda a, rows, hb: 0 if a is None else rows * hb * h * 4  # one accumulator block
   dq = dk = dv = None
   if want_dq:
     dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, heads=heads, stats=stats),
                         _row_ranges(plan.kv_index), dq_grid,
                         [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
                         "pallas_ring_dq",
-                        _vmem_bytes([3 * q_bytes, 2 * kv_bytes], heads.hb * bq * h * 4, bq, bk))
+                        _vmem_bytes([3 * q_bytes, 2 * kv_bytes, acc_bytes(dq_in, bq, heads.hb)],
+                                    heads.hb * bq * h * 4, bq, bk),
+                        acc=None if dq_in is None else [heads.q.array(dq_in)])
     dq = heads.q.unview(dq)
 
   # dK/dV: one program per (kv head block, kv block); its reduction axis walks the live q blocks
@@ -712,10 +736,13 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, heads=heads, stats=stats),
                            _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
                            "pallas_ring_dkv",
-                           _vmem_bytes([2 * q_bytes, 4 * kv_bytes], 2 * heads.hk * bk * h * 4,
-                                       bq, bk))
+                           _vmem_bytes([2 * q_bytes, 4 * kv_bytes,
+                                        2 * acc_bytes(dkv_in, bk, heads.hk)],
+                                       2 * heads.hk * bk * h * 4, bq, bk),
+                           acc=None if dkv_in is None else [heads.kv.array(x) for x in dkv_in])
     dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
-  return common.accumulated(dq_acc, (dq, dk, dv))
+  return common.accumulated(None if dq_in is not None else dq_acc, (dq, dk, dv),
+                            None if dkv_in is not None else dkv_acc)
 
 
 class TpuBackend(backend.Backend):

@@ -411,9 +411,9 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None, parts=common.BOTH):
+             dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
-  ``dq_acc`` to its rows)."""
+  ``dq_acc`` to its rows; ``dkv_acc`` is added after the dK/dV kernel)."""
   want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
   dq = dk = dv = None
@@ -421,7 +421,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     dq = _dq_call(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc)
   if want_dkv:
     dk, dv = _dkv_call(q, k, v, do, lse, delta, ops, plan, cfg)
-  return dq, dk, dv
+  return common.accumulated(None, (dq, dk, dv), dkv_acc)
 
 
 def _dq_call(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc):

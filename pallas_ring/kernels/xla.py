@@ -231,7 +231,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None, parts=common.BOTH):
+             dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``."""
   want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
@@ -252,7 +252,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                           [q5, k5, v5, do5, *rows, *lists, *head_args], sizes)
     # [B, K, G, Sp, H] -> sum the query heads of each group -> [B, Sp, K, H]
     dk, dv = (jnp.sum(x, axis=2).transpose(0, 2, 1, 3).astype(cfg.out_dtype) for x in (dk, dv))
-  return common.accumulated(dq_acc, (dq, dk, dv))
+  return common.accumulated(dq_acc, (dq, dk, dv), dkv_acc)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

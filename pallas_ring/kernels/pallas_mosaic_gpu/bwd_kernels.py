@@ -466,9 +466,10 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
-             dq_acc=None, parts=common.BOTH):
+             dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
-  ``dq_acc``, the ring's running dq, to its rows before writing them).
+  ``dq_acc``, the ring's running dq, to its rows before writing them; ``dkv_acc`` is added after
+  the dK/dV kernel).
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
   ``pallas_triton`` backward on the same plan instead (``cfg.num_stages`` means the forward's
@@ -478,7 +479,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   sp, kh = k.shape[1], k.shape[2]
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
     return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
-                                  dataclasses.replace(cfg, num_stages=None), dq_acc, parts)
+                                  dataclasses.replace(cfg, num_stages=None), dq_acc, parts,
+                                  dkv_acc)
   want_dq, want_dkv = common.wants(parts)
   why = unsupported(ops_call(q, ops))
   variants = cfg.variants or Variants()
@@ -574,4 +576,4 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
     total = lambda x: functools.reduce(jnp.add, [x[i] for i in range(splits)])
     dk, dv = (total(x).astype(cfg.out_dtype) for x in (dk, dv))
-  return dq, dk, dv
+  return common.accumulated(None, (dq, dk, dv), dkv_acc)
