@@ -1,7 +1,9 @@
 """``decode_attention``: a few new query tokens against a long KV cache (flash-decoding).
 
-One device runs four steps, all around the backends' forward kernels (the same contract as
-``flash_attention``):
+A backend with a dedicated decode kernel (``Backend.decode``; Triton) runs the steps below in
+one launch that derives positions, lengths and its tile range itself (``_local_kernel``), then
+merges the chunks. Otherwise one device runs four steps, all around the backends' forward
+kernels (the same contract as ``flash_attention``):
 
 1. **Pack.** The ``G = N / K`` query heads that share a kv head, times the ``T`` query tokens,
    become the rows of that kv head's query tile (``[B, T*G, K, H]``, rows ordered ``(t, g)``),

@@ -118,11 +118,11 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
         "pallas_ring attention runs its own kernels, so custom einsums (qk_attn_weights_einsum, "
         "attn_weights_value_einsum, einsum_dot_general; e.g. AQT quantisation) cannot apply. "
         "Leave them unset, or use the stock attention_fn.")
-  # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
   index = t.cache_index
   if t.append is not None:  # the chunk's K/V into the cache; its queries attend the cache
     key, value, index = t.append(key, value)
+  # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
   dtype = dtype or jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec

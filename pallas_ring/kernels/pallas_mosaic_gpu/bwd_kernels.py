@@ -27,7 +27,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
 #     of the group, the transposed plan row of its kv block (q_index): q, dO, lse and delta in
 #     ``Variants.dkv_walk_rows`` tiles. dK and dV accumulate per kv head in registers (GQA needs no
 #     per-query-head temporary). With few kv heads the group is split over several CTAs per block
-#     (``tiles.dkv_head_splits``), each writing float32 partials summed after the kernel. The consumers alternate their matmuls like the forward's (H100,
+#     (``tiles.dkv_head_splits``), each writing float32 partials summed after the kernel. The
+#     consumers alternate their matmuls like the forward's (H100,
 #     T=16k: dK/dV 5% faster dense, 8% causal; the same schedule made the dQ kernel slower,
 #     4.4 -> 5.4 ms dense with 64-key tiles, forward+backward 0.89x -> 0.86x cuDNN with 128,
 #     so it has none).
