@@ -527,15 +527,26 @@ def decode(caches=None, extra_impls=None, log=print):
       if not err < 2e-2:
         log(f"  {case}: {name} differs from XLA: relative error {float(err):.3g}")
     kv_bytes = 2 * b * s * kh * h * 2
-    for clock_name, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
-      res = timeit_interleaved(calls, reps=12, **kw)
-      for name, secs in res.items():
-        gbs = kv_bytes / secs / 1e9
-        note = f"{gbs:.0f} GB/s, {100 * gbs * 1e9 / peak:.0f}% of HBM"
-        if name != "cudnn":
-          note += f", {res['cudnn'] / secs:.2f}x cuDNN, {res['xla'] / secs:.2f}x XLA"
-        rows.append(Row(case, name, f"decode {clock_name}", secs * 1e3, 0.0, note))
-        log(f"  {case:24s} {clock_name:5s} {name:28s} {secs * 1e3:8.3f} ms  {note}")
+
+    def ratios(res, name, secs):
+      note = f", {100 * kv_bytes / secs / peak:.0f}% of HBM"
+      if name != "cudnn":
+        note += f", {res['cudnn'] / secs:.2f}x cuDNN, {res['xla'] / secs:.2f}x XLA"
+      return note
+    rows += _decode_rows(case, calls, kv_bytes, ratios, log)
+  return rows
+
+
+def _decode_rows(case, calls, kv_bytes, ratios, log):
+  """``Row``s of decode ``calls`` timed in back-to-back batches and as lone calls: K/V bytes
+  read per second, then ``ratios(times, name, seconds)``."""
+  rows = []
+  for clock_name, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
+    res = timeit_interleaved(calls, reps=12, **kw)
+    for name, secs in res.items():
+      note = f"{kv_bytes / secs / 1e9:.0f} GB/s{ratios(res, name, secs)}"
+      rows.append(Row(case, name, f"decode {clock_name}", secs * 1e3, 0.0, note))
+      log(f"  {case:24s} {clock_name:5s} {name:28s} {secs * 1e3:8.3f} ms  {note}")
   return rows
 
 
@@ -569,15 +580,9 @@ def decode_sharded(caches=None, log=print):
     ref = one(q, k, v).astype(jnp.float32)
     got = jax.device_put(many(qr, ks, vs), dev0).astype(jnp.float32)
     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-    kv_bytes = 2 * b * s * kh * h * 2
-    for clock_name, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
-      res = timeit_interleaved(calls, reps=12, **kw)
-      for name, secs in res.items():
-        note = f"{kv_bytes / secs / 1e9:.0f} GB/s"
-        if name != "one GPU":
-          note += f", {res['one GPU'] / secs:.2f}x one GPU, rel. err. {err:.1e}"
-        rows.append(Row(case, name, f"decode {clock_name}", secs * 1e3, 0.0, note))
-        log(f"  {case:20s} {clock_name:5s} {name:8s} {secs * 1e3:8.3f} ms  {note}")
+    ratios = lambda res, name, secs: ("" if name == "one GPU" else
+                                      f", {res['one GPU'] / secs:.2f}x one GPU, rel. err. {err:.1e}")
+    rows += _decode_rows(case, calls, 2 * b * s * kh * h * 2, ratios, log)
   return rows
 
 
