@@ -295,15 +295,15 @@ def test_ring_residuals_are_local_and_kv_rotates_in_its_own_dtype():
   """The whole ring is one custom_vjp (no per-step K/V saved for autodiff), and K/V are
   rotated as bf16, not upcast to f32 first."""
   text, closed = _ring_jaxpr(jnp.bfloat16)
-  # Residuals of the vjp are the local q, the K/V pair (one stacked buffer), lse, positions:
-  # every one is at most two [R=4, T/R=16, heads, H] stacks of shards, never R ring steps of K/V
-  # per device.
+  # Residuals of the vjp are the local q, k, v, lse, positions: every one is at most two
+  # [R=4, T/R=16, heads, H] stacks of shards, never R ring steps of K/V per device.
   res = [v.aval for v in closed.jaxpr.outvars[1:]]
   assert all(np.prod(a.shape) <= 2 * 4 * 16 * 2 * 32 for a in res if hasattr(a, "shape"))
+  # K and V travel as a pair of bf16 shards [1, T/R=16, heads, H] (no stacked copy, no upcast).
   permutes = [line for line in text.splitlines() if "ppermute" in line]
-  assert permutes and all("bf16[2,1,16,2,32]" in line or "i32" in line for line in permutes
-                          if "[2,1,16" in line)
-  assert any("bf16[2,1,16,2,32]" in line for line in permutes)
+  shard_sends = [line for line in permutes if "[1,16,2,32]" in line]
+  assert shard_sends and all("bf16[1,16,2,32]" in line for line in shard_sends)
+  assert not any("[2,1,16,2,32]" in line for line in permutes)
 
 
 def test_default_mesh_axis_types_readme_pattern():
