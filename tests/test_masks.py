@@ -127,3 +127,20 @@ def test_window_width_bounds_every_row():
     assert masks.window_width(spec) == width
     widest = int(spec.visible(pos[:, None], pos[None, :]).sum(axis=1).max())
     assert width is None or widest <= width + 1
+
+
+@pytest.mark.parametrize("spec", SPECS + [masks.Causal() | masks.SlidingWindow(2, 3),
+                                          masks.SlidingWindow(9, 1) & masks.SlidingWindow(4, 6)])
+def test_key_bounds_hold_for_every_visible_pair(spec):
+  """``key_bounds``: every visible key lies within ``[q - left, q + right]`` (the decode kernel
+  reads nothing outside); bounded exactly where the spec's structure says so."""
+  left, right = masks.key_bounds(spec)
+  pos = jnp.arange(-20, 40)
+  q, k = np.meshgrid(pos, pos, indexing="ij")
+  vis = np.asarray(spec.visible(jnp.asarray(q), jnp.asarray(k)))
+  assert left is None or not np.any(vis & (k < q - left))
+  assert right is None or not np.any(vis & (k > q + right))
+  if isinstance(spec, masks.SlidingWindow):
+    assert (left, right) == (spec.left, spec.right)
+  if isinstance(spec, masks.Causal):
+    assert (left, right) == (None, 0)
