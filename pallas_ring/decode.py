@@ -90,6 +90,15 @@ def _unpack(o, lse, t: int):
   return o, lse
 
 
+def _merge_stacked(o, lse):
+  """``(o [B, T, N, H], lse [B, N, T])`` of partial results over disjoint slots stacked along a
+  leading axis (``[P, B, T, N, H]``, ``[P, B, N, T]``), by the log-sum-exp rule."""
+  if o.shape[0] == 1:
+    return o[0], lse[0]
+  return common.merge_reduced(o, lse, functools.partial(jnp.max, axis=0),
+                              functools.partial(jnp.sum, axis=0))
+
+
 def _xp(x):
   """numpy for what is known while tracing (numpy arrays, Python ints), else jax.numpy."""
   return np if isinstance(x, (np.ndarray, int)) else jnp
@@ -174,9 +183,7 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   o, lse = impl.forward(pad(_split(q, p), tp, hp), kc, vc, ops, plan, cfg)
   o = o[:, :rows, :, :h].astype(acc).reshape(b, p, rows, heads, h)
   lse = lse[:, :, :rows].reshape(b, p, heads, rows)
-  o, lse = common.merge_reduced(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0),
-                                functools.partial(jnp.max, axis=0),
-                                functools.partial(jnp.sum, axis=0))
+  o, lse = _merge_stacked(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0))
   return _unpack(o, lse, t) if pack else (o, lse)
 
 
@@ -199,7 +206,7 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
     return None
   pad = lambda x, *to: jnp.pad(x, [(0, m - d) for d, m in zip(x.shape, to)])
   # [B, T, N, H] -> [B, K, T*G, H] (rows ordered (t, g)), padded to [B, K, R, Hp]
-  qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, h)
+  qk = _pack(q, kh).transpose(0, 2, 1, 3)
   if q_pos is not None:  # [B, T] -> [B, R]
     q_pos = pad(jnp.repeat(jnp.asarray(q_pos, jnp.int32), g, axis=1), b, rp)
   if lengths is None:
@@ -213,12 +220,7 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
                        pair.pad_tokens(v, sp, hp), q_pos, lengths, offset, cfg)
   # o [B, K, P, R, Hp] -> [P, B, R, K, Hp] and lse [B, K, P, R] -> [P, B, K, R]: the chunks
   # merge into the packed layout [B, R, K, Hp] / [B, K, R].
-  o, lse = o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0)
-  if p == 1:
-    o, lse = o[0], lse[0]
-  else:
-    o, lse = common.merge_reduced(o, lse, functools.partial(jnp.max, axis=0),
-                                  functools.partial(jnp.sum, axis=0))
+  o, lse = _merge_stacked(o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0))
   return _unpack(o[:, :rows, :, :h], lse[:, :, :rows], t)
 
 
@@ -336,9 +338,7 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
     h = o.shape[-1]
     both = jnp.concatenate([o, jnp.swapaxes(lse, -1, -2)[..., None]], axis=-1)  # [B, T, N, H+1]
     both = lax.all_gather(both, sp)  # [R, B, T, N, H+1]
-    o, lse = common.merge_reduced(both[..., :h], jnp.swapaxes(both[..., h], -1, -2),
-                                  functools.partial(jnp.max, axis=0),
-                                  functools.partial(jnp.sum, axis=0))
+    o, lse = _merge_stacked(both[..., :h], jnp.swapaxes(both[..., h], -1, -2))
     return _finish(o, lse, sinks_, q_.dtype, settings)
 
   optional = lambda x, spec: None if x is None else spec

@@ -694,7 +694,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
           *rows]
   # Accumulators of the output dtype are added in the kernels (the rest after them).
-  in_kernel = lambda a: a is not None and all(x.dtype == cfg.out_dtype for x in jax.tree.leaves(a))
+  in_kernel = lambda a: (a is not None
+                         and all(x.dtype == cfg.out_dtype for x in jax.tree.leaves(a)))
   dq_in, dkv_in = (a if in_kernel(a) else None for a in (dq_acc, dkv_acc))
   acc_bytes = lambda a, rows, hb: 0 if a is None else rows * hb * h * 4  # one accumulator block
   dq = dk = dv = None
