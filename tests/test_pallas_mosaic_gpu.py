@@ -85,6 +85,27 @@ def test_every_configuration_lowers_for_cuda(name):
   assert _kernels_of_gradients(text)
 
 
+def _terms(name, rate=0.1):
+  """ALiBi slopes for a case's heads and dropout at ``rate``: the score terms of ``terms``."""
+  n = CASES[name][3]
+  return dict(alibi_slopes=np.linspace(0.05, 0.5, n, dtype=np.float32), dropout_rate=rate,
+              dropout_rng=jax.random.key(3))
+
+
+@pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
+                                  "full_odd_lengths"])
+def test_alibi_and_dropout_lower_for_cuda(name):
+  """ALiBi and dropout stay on the Mosaic GPU kernels (the wide backward too): one forward
+  kernel, three with gradients, no Triton; the dropout hash's shifts are in the kernels."""
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+  f = _attention({**kw, **_terms(name)})
+  text = _lower(f, *args, *seg)
+  assert text.count(MOSAIC) == 1 and TRITON not in text
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  assert _kernels_of_gradients(_lower(grad, *args, *seg))
+
+
 @pytest.mark.parametrize("name, splits", [("window_mqa", 4), ("causal_gqa", 2),
                                          ("h256_documents_gqa_softcap", 2)])
 def test_dkv_kernel_split_over_query_heads_lowers(name, splits):
@@ -337,7 +358,8 @@ def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   pick = lambda dt, **kw: kernels.variants("auto", None, kernels.Call(dt, 128, **kw))["cuda"][0]
   assert pick(jnp.bfloat16) == pick(jnp.float16) == "pallas_mosaic_gpu"
   assert pick(jnp.float32) == "pallas_triton"
-  assert pick(jnp.bfloat16, bias=True) == "pallas_triton"
+  assert pick(jnp.bfloat16, bias=True) == pick(jnp.bfloat16, dense=True) == "pallas_triton"
+  assert pick(jnp.bfloat16, alibi=True, dropout=True) == "pallas_mosaic_gpu"
   assert pick(jnp.bfloat16, block_sizes=BlockSizes(block_q=64)) == "pallas_triton"
   assert pick(jnp.bfloat16, decode=True) == "pallas_triton"  # (it serves, but slower)
   kernels.check_explicit("pallas_mosaic_gpu", kernels.Call(jnp.bfloat16, 128, decode=True))
@@ -364,8 +386,6 @@ def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
     ("float32", dict(dtype=jnp.float32), "inputs of dtype float32"),
     ("dense", dict(dense_mask=np.ones((1, 1, 64, 64), bool)), "a dense mask"),
     ("bias", dict(bias=np.zeros((64, 64), np.float32)), "a bias"),
-    ("alibi", dict(alibi_slopes=np.ones(2, np.float32)), "ALiBi"),
-    ("dropout", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
 ])
 def test_explicit_request_it_cannot_serve_names_reason_and_fallback(what, kw, reason):
   kw = dict(kw)
@@ -483,6 +503,35 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
+                                  "h256_documents_gqa_softcap", "h192_padded_fp16", "window_mqa"])
+def test_native_alibi_and_dropout_match_and_are_bitwise_reproducible(name):
+  """ALiBi and dropout in both Mosaic GPU passes: output and gradients against the float32 xla
+  backend (the same dropout hash), and the same bits on a second run."""
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+  kw = dict(mask=mask, softcap=cap, **_terms(name, rate=0.3))
+  if segs:
+    kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
+
+  def run(backend, *args):
+    f = lambda *a: flash_attention(*a, backend=backend, **kw).astype(jnp.float32)
+    out, vjp = jax.vjp(f, *args)
+    return (out, *vjp(do))
+
+  run_mosaic = jax.jit(functools.partial(run, "pallas_mosaic_gpu"))
+  got, again = run_mosaic(q, k, v), run_mosaic(q, k, v)
+  ref = jax.jit(functools.partial(run, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for a, b, r in zip(got, again, ref):
+    assert rel_err(a, r) < 2e-2
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["window_mqa", "h256_documents_gqa_softcap"])
 def test_native_split_dkv_matches_unsplit_and_is_reproducible(name):
   """dK/dV split over query heads (float32 partials summed in order): the same gradients as
@@ -511,4 +560,4 @@ class TestPallasMosaicGpu(Conformance):
   """The conformance suite on the Hopper kernels; float32 cases run in bfloat16."""
 
   backend = "pallas_mosaic_gpu"
-  dense_mask = bias = alibi = dropout = float32 = False
+  dense_mask = bias = float32 = False

@@ -17,6 +17,8 @@
     python tools/mosaic_gpu_sweep.py step      # a ring step's forward at 8k: alone, merging
     python tools/mosaic_gpu_sweep.py spans     # ours vs cuDNN timed on the device: batches
                                                # and single calls ([fwd] [bwd] [shape words])
+    python tools/mosaic_gpu_sweep.py features  # ALiBi and dropout against the plain kernel,
+                                               # as spans ([fwd] [bwd] [shape words])
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -509,20 +511,55 @@ def spans(*only):
         fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
             implementation="cudnn"))
-      calls = {i: (f, args) for i, f in fns.items()}
       flops = 4 * n * visible_pairs(t, kind, window=window or 0) * h * (
           1 if pass_ == "fwd" else 3.5)
-      for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
-                                        ("one call", 0.0, 1, 40)):
-        with bench.clock("device"):
-          samples = bench.interleaved_samples(calls, iters=iters, reps=reps,
-                                              min_batch_s=batch_s)
-        q1q3 = {i: np.percentile(ts, (25, 50, 75)) * 1e3 for i, ts in samples.items()}
-        for impl, (lo, med, hi) in q1q3.items():
-          vs = f"  vs cudnn {q1q3['cudnn'][1] / med:.3f}x" if "cudnn" in q1q3 else ""
-          print(f"{pass_} {name:16s} {how:8s} {impl:5s} {med:.3f} ms ({lo:.3f}-{hi:.3f}) "
-                f"{flops / med / 1e9:5.0f} TFLOP/s, {len(samples[impl])} samples{vs}",
-                flush=True)
+      _span_rows(f"{pass_} {name}", fns, args, flops, "cudnn")
+
+
+def _span_rows(title, fns, args, flops, base):
+  """Times ``fns`` (label -> compiled function of ``args``) interleaved on the device clock, in
+  batches of at least 50 ms and as calls synchronized one at a time (40 each), and prints each
+  one's median (quartiles), TFLOP/s and the ratio of ``base``'s time to it."""
+  calls = {i: (f, args) for i, f in fns.items()}
+  for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
+                                    ("one call", 0.0, 1, 40)):
+    with bench.clock("device"):
+      samples = bench.interleaved_samples(calls, iters=iters, reps=reps, min_batch_s=batch_s)
+    q1q3 = {i: np.percentile(ts, (25, 50, 75)) * 1e3 for i, ts in samples.items()}
+    for impl, (lo, med, hi) in q1q3.items():
+      vs = f"  vs {base} {q1q3[base][1] / med:.3f}x" if base in q1q3 else ""
+      print(f"{title:22s} {how:8s} {impl:14s} {med:.3f} ms ({lo:.3f}-{hi:.3f}) "
+            f"{flops / med / 1e9:5.0f} TFLOP/s, {len(samples[impl])} samples{vs}", flush=True)
+
+
+_FEATURES = {"alibi": lambda n: dict(alibi_slopes=2.0 ** -jnp.arange(1, n + 1, dtype=jnp.float32)),
+             "dropout": lambda n: dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))}
+
+
+def features(*only):
+  """The cost of ALiBi and dropout in the Mosaic GPU kernels: each against the plain kernel in
+  the same interleaved run (``_span_rows``; ratios: plain time / time), beside the Triton
+  kernels with the feature and cuDNN without it. Words: ``fwd`` and/or ``bwd`` (default: bwd,
+  forward+backward), and shapes by their first word (default: causal, dense)."""
+  passes = [p for p in ("fwd", "bwd") if p in only] or ["bwd"]
+  only = [o for o in only if o not in ("fwd", "bwd")] or ["causal", "dense"]
+  for pass_ in passes:
+    for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
+      if name.split()[0] not in only or kind in ("documents", "window"):
+        continue
+      q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+      args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
+      comp = lambda f: _compiled(jax.jit(f) if pass_ == "fwd" else bench.fwd_bwd(f), *args)
+      attn = lambda be, **kw: comp(lambda q, k, v: flash_attention(q, k, v, mask=mask,
+                                                                    backend=be, **kw))
+      fns = {"plain": attn("pallas_mosaic_gpu")}
+      for feat, kw in _FEATURES.items():
+        fns[feat] = attn("pallas_mosaic_gpu", **kw(n))
+        fns[f"triton {feat}"] = attn("pallas_triton", **kw(n))
+      fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=kind != "full", implementation="cudnn"))
+      flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
+      _span_rows(f"{pass_} {name}", fns, args, flops, "plain")
 
 
 def _hlo_lines(f, args, path):
@@ -556,4 +593,5 @@ if __name__ == "__main__":
   mode, opts = sys.argv[1], sys.argv[2:]
   {"correct": correct, "tiles": tiles, "sparse_tiles": sparse_tiles, "variants": variants,
    "grads": grads,
-   "bwd": bwd, "parts": parts, "calls": calls, "step": step, "spans": spans}[mode](*opts)
+   "bwd": bwd, "parts": parts, "calls": calls, "step": step, "spans": spans,
+   "features": features}[mode](*opts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -12,9 +13,10 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common, pallas_triton
-from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import logits
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, load_ref, meet, pingpong, slot_of, swizzled_smem, token_info)
+from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
+    Terms, broadcast, keep, kept, kept_delta, key_info, logits, slope2, terms_of, with_alibi)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
     backward_unsupported, dkv_head_splits, ops_call, unsupported)
@@ -70,8 +72,19 @@ class _BwdGeometry:
   splits: int = 1  # dK/dV: CTAs sharing a kv block's query heads (each walks walked_heads)
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
+  terms: Terms = Terms()  # ALiBi / dropout (``terms``)
 
   rows = BWD_ROWS  # owned rows per warpgroup
+
+  @property
+  def key_rows(self) -> int:
+    """Rows of the keys' token info: ``info_rows``, then the dropout column keys."""
+    return self.info_rows + self.terms.dropout
+
+  def with_info(self, masked: bool) -> bool:
+    """Whether a walked tile reads the token info of its rows (masked tiles; every tile with
+    ALiBi or dropout)."""
+    return masked or self.terms.every_tile_info
 
   @property
   def nsub(self) -> int:
@@ -148,21 +161,54 @@ def _accumulate(terms):
   return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in terms))
 
 
-def _probs(s_raw, lse2, vis, cfg, row_axis: int):
+class _TileTerms(NamedTuple):
+  """What a walked tile applies beyond ``q.k``: visibility (masked tiles), ALiBi
+  ``(slope2, q_pos, k_pos)`` and dropout's keep mask; each None where absent."""
+
+  vis: Any = None
+  alibi: Any = None
+  keep: Any = None
+
+
+def _tile_terms(cfg, g: _BwdGeometry, masked, slope, q_info, k_info, k_index, row_keys):
+  """The ``_TileTerms`` of a tile from its sides' token info (broadcast to the tile, queries'
+  rows then keys': positions, segment ids, and the keys' dropout column keys) and the broadcast
+  dropout ``row_keys``; ``q_info`` is None on tiles that read none (``g.with_info``)."""
+  if q_info is None:
+    return _TileTerms()
+  vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
+                             *k_info[1:g.info_rows]) if masked else None)
+  return _TileTerms(vis, None if slope is None else (slope, q_info[0], k_info[0]),
+                    keep(cfg, row_keys, k_info[-1]) if g.terms.dropout else None)
+
+
+def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
   """``(p, dlogits)`` of a tile from raw ``q.k`` products: ``lse2`` (base 2) is a vector along
   axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]`` tiles, 1 for dK/dV's
   transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without)."""
   s, c = logits(s_raw, cfg)
+  dlogits = None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
+  s, c = with_alibi(s, c, terms.alibi)
   p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
-  if vis is not None:
-    p = jnp.where(vis, p, 0.0)
-  return p, None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
+  if terms.vis is not None:
+    p = jnp.where(terms.vis, p, 0.0)
+  return p, dlogits
 
 
-def _grad_logits(p, dp, delta, dlogits, row_axis: int):
-  """``ds``, the raw-logit gradient / scale, from ``p`` and ``dp = dO.v`` (``_probs``)."""
-  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
+def _grad_logits(p, dp, delta, dlogits, row_axis: int, keep_mask=None):
+  """``ds``, the raw-logit gradient / (scale x keep scale), from ``p`` and ``dp = dO.v``
+  (``_probs``); ``delta`` is ``kept_delta``'s."""
+  ds = p * (kept(dp, keep_mask) - lax.broadcast_in_dim(delta, p.shape, [row_axis]))
   return ds if dlogits is None else ds * dlogits
+
+
+def _signed_grad_logits(ps, dp, delta):
+  """``_grad_logits`` of the wide dK/dV kernel's second warpgroup under dropout, from ``ps``: the
+  first's probabilities (soft-cap folded) with dropped ones negated, so the keep mask needs no
+  second computation: kept ``ps * (dp - delta)``, dropped ``-ps * -delta`` (``delta`` along the
+  tile's columns, ``kept_delta``'s)."""
+  delta = lax.broadcast_in_dim(delta, ps.shape, [1])
+  return jnp.where(ps >= 0.0, ps * (dp - delta), ps * delta)
 
 
 def _finish(done, stage, *results):
@@ -178,11 +224,11 @@ def _finish(done, stage, *results):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, owned, walked, out2, bars, *, cfg,
-                g: _BwdGeometry):
+def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _BwdGeometry):
+  slopes_ref, row_keys_ref, refs = g.terms.refs(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, owned, walked, out2, bars = refs
   k_own2, v_own2, kinfo_own2, p_smem = owned  # p_smem: the wide kernel's p^T buffers
-  q_smem, do_smem, lse_smem, delta_smem, qinfo_smem = walked
+  q_smem, do_smem, lse_smem, delta_smem, qinfo_smem, rkey_smem = walked
   own_bar, q_bar, do_bar, free, sched, p_full, p_free = bars
   batch, wg = lax.axis_index("batch"), lax.axis_index("wg")
   kj = lax.axis_index("kv_seq")  # causal-type masks give the first kv blocks the longest lists
@@ -222,14 +268,20 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     plgpu.barrier_wait(bar)
     if not k:
       return own, None
-    k_info = broadcast_info(kinfo_own, ROWS, tile, 0, g.info_rows)
+    k_info = broadcast_info(kinfo_own, ROWS, tile, 0, g.key_rows)
     return own, (k_info, k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0,
                                                      layout=plgpu.Layout.WGMMA))
 
-  def visible(slot, keys):
-    (k_info, k_index), q_info = keys, broadcast_info(qinfo_smem.at[slot], COLS, tile, 1,
-                                                     g.info_rows)
-    return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+  def tile_terms(h, slot, masked, keys):
+    """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``)."""
+    if not g.with_info(masked):
+      return _TileTerms()
+    k_info, k_index = keys
+    q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
+    row_keys = (broadcast(load_ref(rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
+                else None)
+    return _tile_terms(cfg, g, masked, slope2(slopes_ref, batch, q_head(h)), q_info, k_info,
+                       k_index, row_keys)
 
   def walk(body, *acc):
     """The consumers' walk from accumulators ``acc``; returns them."""
@@ -250,10 +302,12 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         # s^T = K q^T, dp^T = V dO^T
         s, dp = _products(tile, ((k_own, q), (v_own, do)),
                           functools.partial(meet, sched))
-        p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS),
-                            visible(slot, keys) if masked else None, cfg, row_axis=1)
-        ds = _grad_logits(p, dp, load_ref(delta_smem.at[slot], COLS), dlogits, row_axis=1)
-        p, ds = lax.optimization_barrier((p.astype(g.dtype), ds.astype(g.dtype)))
+        terms = tile_terms(h, slot, masked, keys)
+        p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
+        ds = _grad_logits(p, dp, kept_delta(load_ref(delta_smem.at[slot], COLS), cfg), dlogits,
+                          row_axis=1, keep_mask=terms.keep)
+        p, ds = lax.optimization_barrier((kept(p, terms.keep).astype(g.dtype),
+                                          ds.astype(g.dtype)))
         meet(sched)  # the other warpgroup's matmuls are issued
         dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
         plgpu.barrier_arrive(free.at[slot])
@@ -262,8 +316,8 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       acc = _zeros((rows, g.head_dim))
       meet_other = functools.partial(meet, sched)
       dk, dv = pingpong(lambda: walk(body, acc, acc), meet_other, meet_other)
-      _finish(sched, out2.at[wg], (out_at(dk_ref, own), dk * cfg.scale),
-              (out_at(dv_ref, own), dv))
+      _finish(sched, out2.at[wg], (out_at(dk_ref, own), dk * (cfg.scale * cfg.keep_scale)),
+              (out_at(dv_ref, own), dv * cfg.keep_scale))
 
   if g.wide:
     @pl.when(wg == 0)
@@ -276,22 +330,25 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         slot, buf = slot_of(n, g.slots), slot_of(n, 2)
         plgpu.barrier_wait(q_bar.at[slot])
         (s,) = _products(tile, ((k_own, q_smem.at[slot]),))
-        p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS),
-                            visible(slot, keys) if masked else None, cfg, row_axis=1)
+        terms = tile_terms(h, slot, masked, keys)
+        p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
 
         @pl.when(n >= 2)
         def _():
           plgpu.barrier_wait(p_free.at[buf])
 
-        p_smem.at[buf][...] = (p if dlogits is None else p * dlogits).astype(g.dtype)
+        # (soft-cap folded; with dropout, dropped terms negated: ``_signed_grad_logits``)
+        ps = p if dlogits is None else p * dlogits
+        p_smem.at[buf][...] = (ps if terms.keep is None else jnp.where(terms.keep, ps, -ps)
+                               ).astype(g.dtype)
         plgpu.barrier_arrive(p_full.at[buf])
         plgpu.barrier_wait(do_bar.at[slot])
-        (dv,) = _accumulate(((dv, p.astype(g.dtype), do_smem.at[slot]),))
+        (dv,) = _accumulate(((dv, kept(p, terms.keep).astype(g.dtype), do_smem.at[slot]),))
         plgpu.barrier_arrive(free.at[slot])
         return n + 1, dv
 
       (dv,) = walk(body, _zeros((rows, g.head_dim)))
-      _finish(sched, out2.at[wg], (out_at(dv_ref, own), dv))
+      _finish(sched, out2.at[wg], (out_at(dv_ref, own), dv * cfg.keep_scale))
 
     @pl.when(wg == 1)
     def _ds_and_dk():  # dp^T = V dO^T; ds^T from warpgroup 0's p^T; dK += ds^T q
@@ -306,14 +363,16 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         plgpu.barrier_wait(p_full.at[buf])
         p = load_ref(p_smem.at[buf], plgpu.Layout.WGMMA).astype(jnp.float32)  # (soft-cap folded)
         plgpu.barrier_arrive(p_free.at[buf])
-        ds = _grad_logits(p, dp, load_ref(delta_smem.at[slot], COLS), None, row_axis=1)
+        delta = kept_delta(load_ref(delta_smem.at[slot], COLS), cfg)
+        ds = (_signed_grad_logits(p, dp, delta) if g.terms.dropout else
+              _grad_logits(p, dp, delta, None, row_axis=1))
         plgpu.barrier_wait(q_bar.at[slot])
         (dk,) = _accumulate(((dk, ds.astype(g.dtype), q_smem.at[slot]),))
         plgpu.barrier_arrive(free.at[slot])
         return n + 1, dk
 
       (dk,) = walk(body, _zeros((rows, g.head_dim)))
-      _finish(sched, out2.at[wg], (out_at(dk_ref, own), dk * cfg.scale))
+      _finish(sched, out2.at[wg], (out_at(dk_ref, own), dk * (cfg.scale * cfg.keep_scale)))
 
   @pl.when(wg == COMPUTE_WGS)
   def _producer():
@@ -329,11 +388,15 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
 
       plgpu.copy_gmem_to_smem(q_ref.at[batch, seq, qh], q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[batch, qh, seq], lse_smem.at[slot], q_bar.at[slot])
-      if masked:
+      if g.with_info(masked):
         plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, seq], qinfo_smem.at[slot],
                                 q_bar.at[slot])
       else:
         plgpu.barrier_arrive(q_bar.at[slot])  # the phase's third arrival, without data
+      if g.terms.dropout:
+        at = lambda dim, i: common.sel(row_keys_ref.shape[dim], i)
+        plgpu.copy_gmem_to_smem(row_keys_ref.at[at(0, batch), at(1, qh), seq],
+                                rkey_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, seq, qh], do_smem.at[slot], do_bar.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[batch, qh, seq], delta_smem.at[slot], do_bar.at[slot])
       return n + 1
@@ -341,10 +404,10 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
     _walk(g, plan_row, body, jnp.int32(0))
 
 
-def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, do_ref,
-               lse_ref, *refs, cfg, g: _BwdGeometry):
-  # The row term's refs: delta in, or (``g.delta_from_o``) o and optionally dlse in, delta out;
-  # then dq_acc in (``g.add_dq``).
+def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _BwdGeometry):
+  # After ``g.terms``' inputs, q, k, v, dO and lse: the row term's refs: delta in, or
+  # (``g.delta_from_o``) o and optionally dlse in, delta out; then dq_acc in (``g.add_dq``).
+  slopes_ref, row_keys_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, *refs) = g.terms.refs(refs)
   *io, owned, walked, out2, bars = refs
   outs = 2 if g.delta_from_o else 1
   ins, (dq_ref, *delta_out) = io[:-outs], io[-outs:]
@@ -355,7 +418,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
     row_in, delta_out = (dlse_ref[0] if dlse_ref else None), delta_out[0]
   else:
     (row_in,), o_ref = ins, None
-  q_own2, do_own2, lse_own2, delta_own2, qinfo_own2 = owned
+  q_own2, do_own2, lse_own2, delta_own2, qinfo_own2, rkey_own2 = owned
   k_smem, v_smem, kinfo_smem = walked
   own_bar, k_bar, v_bar, free, done = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
@@ -380,7 +443,10 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
     for src, dst in ((q_ref.at[own], q_own), (do_ref.at[own], do_own),
                      (lse_ref.at[batch, head, seq], lse_own2.at[wg]),
                      (qinfo_ref.at[q_info_b, :, seq], qinfo_own2.at[wg]),
-                     *([(row_in.at[batch, head, seq], delta_own)] if row_in is not None else [])):
+                     *([(row_in.at[batch, head, seq], delta_own)] if row_in is not None else []),
+                     *([(row_keys_ref.at[common.sel(row_keys_ref.shape[0], batch),
+                                         common.sel(row_keys_ref.shape[1], head), seq],
+                         rkey_own2.at[wg])] if g.terms.dropout else [])):
       plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg])
     if g.delta_from_o:  # (global loads issued while the copies fly; o is read only here)
       o = load_ref(o_ref.at[own], plgpu.Layout.WGMMA, optimized=False)
@@ -398,6 +464,9 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.copy_smem_to_gmem(delta_own, delta_out.at[batch, head, seq])  # (waited in _finish)
     else:
       delta = load_ref(delta_own, ROWS)
+    delta = kept_delta(delta, cfg)
+    slope = slope2(slopes_ref, batch, head)
+    row_keys = load_ref(rkey_own2.at[wg], ROWS) if g.terms.dropout else None
 
     def body(h, start, masked, carry):
       n, dq = carry
@@ -407,19 +476,20 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
       plgpu.barrier_wait(v_bar.at[slot])
 
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
-      vis = None
-      if masked:
-        k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
+      terms = _TileTerms()
+      if g.with_info(masked):
+        k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
-        vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
-      p, dlogits = _probs(s, lse2, vis, cfg, row_axis=0)
-      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0)
+        terms = _tile_terms(cfg, g, masked, slope, q_info, k_info, k_index,
+                            None if row_keys is None else broadcast(row_keys, tile, 0))
+      p, dlogits = _probs(s, lse2, terms, cfg, row_axis=0)
+      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0, keep_mask=terms.keep)
       (dq,) = _accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq
 
     _, dq = _walk(g, plan_row, body, (jnp.int32(0), _zeros((rows, g.head_dim))))
-    dq = dq * cfg.scale
+    dq = dq * (cfg.scale * cfg.keep_scale)
     if acc_ref is not None:  # (read once the walk is done: no registers are free before)
       dq = dq + load_ref(acc_ref.at[own], plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
     _finish(done, out2.at[wg], (dq_ref.at[own], dq))
@@ -438,7 +508,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v
         plgpu.barrier_wait(free.at[slot])
 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-      if masked:
+      if g.with_info(masked):
         plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
                                 k_bar.at[slot])
       else:
@@ -488,6 +558,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
+  terms = terms_of(ops)
+  drop = int(terms.dropout)
   out_dt = jnp.dtype(cfg.out_dtype)
   dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32
   tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
@@ -503,10 +575,12 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
               rows if wide else variants.dq_walk_rows)
     # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
     # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
-    owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows))
+    # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
+    owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows) +
+                      4 * rows * drop)
     owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
     staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
-    per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows))
+    per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows + drop))
     room = SMEM_BYTES - owned
     n_slots = min(4, room // per_slot)
     if n_slots < 2 and walk > rows:  # shorter walked tiles
@@ -514,10 +588,10 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     assert n_slots >= 2 and staging <= room, (hp, out_dt)  # (holds for every served head dim)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
                         info_rows=info_rows, blocks=seq // (owners * rows),
-                        walked_heads=heads, walk=walk, wide=wide)
+                        walked_heads=heads, walk=walk, wide=wide, terms=terms)
 
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
-  infos = (token_info(ops.q_info), token_info(ops.kv_info))
+  infos = (token_info(ops.q_info), key_info(ops), *terms.inputs(ops))
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
   smem = functools.partial(swizzled_smem, dt)
@@ -538,10 +612,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     out = _bwd_call(
         _dq_kernel, owners,
         ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
-          plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32)),
-         (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, info_rows, w), i32)),
+          plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32),
+          plgpu.SMEM((owners, rows if drop else 8), i32)),  # (dropout row keys)
+         (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, g.key_rows, w), i32)),
          swizzled_smem(out_dt, owners, rows, hp),
-         (barriers(4 + len(row_in), owners), barriers(2, sl), barriers(1, sl),
+         (barriers(4 + len(row_in) + drop, owners), barriers(2, sl), barriers(1, sl),
           barriers(owners, sl), barriers(owners, 1) if owners > 1 else None)),
         (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
                                                   if from_o else [])),
@@ -565,12 +640,12 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   dkv_shape = jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, hp), out_dt)
   dk, dv = _bwd_call(
       _dkv_kernel, two,
-      ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, info_rows, rows), i32),
+      ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, g.key_rows, rows), i32),
         smem(2, rows, w) if wide else None),
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
-        plgpu.SMEM((sl, info_rows, w), i32)),
+        plgpu.SMEM((sl, info_rows, w), i32), plgpu.SMEM((sl, w if drop else 8), i32)),
        swizzled_smem(out_dt, two, rows, hp),
-       (barriers(3, two), barriers(3, sl), barriers(2, sl), barriers(two, sl), barriers(two, 1),
+       (barriers(3, two), barriers(3 + drop, sl), barriers(2, sl), barriers(two, sl), barriers(two, 1),
         barriers(1, 2) if wide else None, barriers(1, 2) if wide else None)),
       (dkv_shape, dkv_shape), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)

@@ -17,18 +17,11 @@ from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, keep_alive, load_ref, mark_issued, pingpong, row_vector, slot_of,
     swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
+from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
+    Terms, broadcast, keep, kept, key_info, logits, slope2, terms_of, with_alibi)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, Variants, check_tiles, item_order, ops_call,
     overlaps, persistent_ctas, slots, unsupported)
-
-
-def logits(qk, cfg):
-  """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
-  raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
-  fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
-  if cfg.softcap is None:
-    return qk, cfg.scale * common.LOG2E
-  return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +42,12 @@ class _Geometry:
   merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
   order: str = "heads"  # work items' launch order (``item_order``)
+  terms: Terms = Terms()  # ALiBi / dropout (``terms``)
+
+  @property
+  def key_rows(self) -> int:
+    """Rows of the keys' token info: ``info_rows``, then the dropout column keys."""
+    return self.info_rows + self.terms.dropout
 
   @property
   def items(self) -> int:
@@ -76,10 +75,12 @@ def _each_item(g: _Geometry, body, carry):
                        lambda t, carry: body(cta + t * ctas, carry), carry)
 
 
-def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, v_ref, *io,
-                cfg, g: _Geometry):
-  *acc_refs, o_ref, lse_ref, scoped = io  # acc_refs: the earlier passes' (o, lse) when merging
-  (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem), bars = scoped
+def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _Geometry):
+  # refs: ``g.terms``' inputs (ALiBi slopes, dropout row keys), q, k, v, the earlier passes'
+  # (o, lse) when merging, o, lse, and the scoped scratch.
+  slopes_ref, row_keys_ref, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
+  *acc_refs, o_ref, lse_ref, scoped = io
+  (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem, rkey_smem2), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
@@ -93,6 +94,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGS, action="increase")
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
+    rkey_smem = rkey_smem2.at[wg]
     m0, l0 = row_vector(common.NEG_INF, bq), row_vector(0.0, bq)
 
     first_row = lambda qi: qi * (COMPUTE_WGS * bq) + wg * bq  # this consumer's, in q block qi
@@ -104,6 +106,10 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, bq), head], q_smem, q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qinfo_ref.at[common.sel(qinfo_ref.shape[0], batch), :,
                                            pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
+      if g.terms.dropout:
+        rows_at = lambda dim, i: common.sel(row_keys_ref.shape[dim], i)
+        plgpu.copy_gmem_to_smem(row_keys_ref.at[rows_at(0, batch), rows_at(1, head),
+                                                pl.ds(q0, bq)], rkey_smem, q_bar.at[wg])
 
     def item(i, base):
       """This consumer's rows of item ``i``; ``base`` counts the CTA's earlier tiles (the slot
@@ -115,19 +121,26 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       plgpu.barrier_wait(q_bar.at[wg])
       # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
       q_info = broadcast_info(qinfo_smem, ROWS, (bq, bk), 0, g.info_rows)
-
-      def visible(k0, slot):
-        k_info = broadcast_info(kinfo_smem.at[slot], COLS, (bq, bk), 1, g.info_rows)
-        k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        return common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:], *k_info[1:])
+      slope = slope2(slopes_ref, batch, head)
 
       def softmax(s_raw, k0, slot, m, l, masked):
         """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
         the tile's K slot."""
-        s, c = logits(s_raw, cfg)
         # The slot's key info is read before the slot is released to the producer (which then
         # overwrites it with a later tile's).
-        vis = visible(k0, slot) if masked else None
+        k_info = (broadcast_info(kinfo_smem.at[slot], COLS, (bq, bk), 1, g.key_rows)
+                  if masked or g.terms.every_tile_info else None)
+        vis = None
+        if masked:
+          k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                                layout=plgpu.Layout.WGMMA)
+          vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
+                                    *k_info[1:g.info_rows])
+        s, c = with_alibi(*logits(s_raw, cfg),
+                          None if slope is None else (slope, q_info[0], k_info[0]))
+        keep_mask = None
+        if g.terms.dropout:
+          keep_mask = keep(cfg, broadcast(load_ref(rkey_smem, ROWS), (bq, bk), 0), k_info[-1])
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           s = jnp.where(vis, s, common.NEG_INF)
@@ -136,7 +149,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
         if masked:
           p = jnp.where(vis, p, 0.0)
-        return p.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+        return kept(p, keep_mask).astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
       def serial_step(j, carry, masked):
         """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
@@ -234,7 +247,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
       if g.merge:  # (the q tile is free: the next item's q loads while these rows merge)
         pl.when(nxt < g.items)(lambda: load_q(nxt))
       empty = l == 0.0
-      inv = 1.0 / jnp.where(empty, 1.0, l)
+      inv = cfg.keep_scale / jnp.where(empty, 1.0, l)  # (dropout: kept terms' 1 / (1 - rate))
       lse = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
       rows = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
       seq = pl.ds(q0, bq)
@@ -289,8 +302,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, q_ref, k_ref, 
         plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
         # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
-        # which it always masks).
+        # which it always masks), unless ALiBi or dropout need it on every tile.
         with_info = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
+        with_info = with_info | g.terms.every_tile_info
 
         @pl.when(with_info)
         def _():
@@ -329,6 +343,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   why = unsupported(ops_call(q, ops))
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
+  terms = terms_of(ops)
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   check_tiles(cfg, hp, itemsize)
@@ -339,20 +354,23 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                 q_blocks=tp // cfg.block_q, heads=n, batch=b,
                 ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
-                merge=acc is not None, overlap=overlap, order=item_order(k.shape[1], variants))
+                merge=acc is not None, overlap=overlap, order=item_order(k.shape[1], variants),
+                terms=terms)
   smem = functools.partial(swizzled_smem, q.dtype)
   scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
-             plgpu.SMEM((g.slots, g.info_rows, g.bk), jnp.int32))
-  # q and k tiles arrive with their token info: two copies, so two arrivals per phase.
+             plgpu.SMEM((g.slots, g.key_rows, g.bk), jnp.int32),
+             plgpu.SMEM((COMPUTE_WGS, g.bq if terms.dropout else 8), jnp.int32))  # row keys
+  # q and k tiles arrive with their token info: two copies, so two arrivals per phase (q rows:
+  # three with dropout's row keys).
   barriers = ((plgpu.Barrier(num_arrivals=2, num_barriers=g.slots),
                plgpu.Barrier(num_barriers=g.slots),
-               plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS)),
+               plgpu.Barrier(num_arrivals=2 + terms.dropout, num_barriers=COMPUTE_WGS)),
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
   def entry(*refs):
-    pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, (scoped[:6], scoped[6:]), cfg=cfg, g=g),
+    pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:]), cfg=cfg, g=g),
                   *scratch, *barriers, collective_axes="wg")
 
   o_dtype = jnp.float32 if g.merge else q.dtype
@@ -362,7 +380,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                                                                              jnp.float32)),
       grid=(g.ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info),
-    token_info(ops.kv_info), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
+  )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info), key_info(ops),
+    *terms.inputs(ops), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
                                                                 acc.lse.astype(jnp.float32))))
   return o.astype(cfg.out_dtype), lse

@@ -1,0 +1,111 @@
+"""Score terms of the Mosaic GPU kernels beyond ``q.k``: the soft-cap, ALiBi and dropout.
+
+Every kernel computes base-2 logits ``s * c`` (``logits``). ALiBi subtracts
+``slope * log2(e) * |q_pos - k_pos|`` from them, with the positions of the token info (exact
+int32 distances, so far positions lose no precision). Dropout keeps each probability where
+``common.dropout_keep`` says, from the row keys (one per query row and head, loaded like the row
+statistics) and the column keys (an extra row of the keys' token info, ``key_info``); kept terms
+are scaled by ``1 / (1 - rate)`` once per output (``o``, ``dq``, ``dk``, ``dv``), and the
+backward uses ``delta * (1 - rate)`` (``kept_delta``), as the Triton kernels do. Tiles with either
+term read the token info of both sides on every tile, not only on masked ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import token_info
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+  """Which optional score terms a kernel call applies (static)."""
+
+  alibi: bool = False  # ALiBi slopes ``[Ba, N, 1]`` are given
+  dropout: bool = False  # dropout keys are given (``cfg.dropout_rate > 0``)
+
+  @property
+  def every_tile_info(self) -> bool:
+    """Whether every tile needs the token info of both sides (positions, column keys)."""
+    return self.alibi or self.dropout
+
+  def inputs(self, ops: common.Operands) -> tuple:
+    """The kernels' extra inputs, in order: ALiBi slopes float32 ``[Ba, N, 1]``, dropout row keys
+    int32 ``[Bd, Nd, Tp]`` (the column keys travel in ``key_info``)."""
+    return ((ops.alibi.astype(jnp.float32),) if self.alibi else ()) + (
+        (ops.dropout.rows,) if self.dropout else ())
+
+  def refs(self, refs) -> tuple[Optional[jax.Array], Optional[jax.Array], tuple]:
+    """``(slopes_ref, row_keys_ref, rest)`` from refs that start with ``inputs``."""
+    slopes = refs[0] if self.alibi else None
+    refs = refs[self.alibi:]
+    return slopes, (refs[0] if self.dropout else None), refs[self.dropout:]
+
+
+def terms_of(ops: common.Operands) -> Terms:
+  """The ``Terms`` of a call's operands."""
+  return Terms(alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+
+
+def key_info(ops: common.Operands) -> jax.Array:
+  """int32 ``[Bi, F, S]``: the keys' token info (``token_info``), then the dropout column keys
+  when given: one TMA copy per tile brings all of them."""
+  info = token_info(ops.kv_info)
+  if ops.dropout is None:
+    return info
+  cols = ops.dropout.cols[:, None]
+  b = max(info.shape[0], cols.shape[0])
+  return jnp.concatenate([jnp.broadcast_to(info, (b, *info.shape[1:])),
+                          jnp.broadcast_to(cols, (b, 1, info.shape[-1]))], axis=1)
+
+
+def slope2(slopes_ref, batch, head):
+  """The ALiBi slope of (batch, head) in base-2 units (a scalar read), or None without ALiBi."""
+  if slopes_ref is None:
+    return None
+  return slopes_ref[common.sel(slopes_ref.shape[0], batch), head, 0] * common.LOG2E
+
+
+def logits(qk, cfg: common.KernelConfig):
+  """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
+  raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
+  fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
+  if cfg.softcap is None:
+    return qk, cfg.scale * common.LOG2E
+  return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
+
+
+def with_alibi(s, c, alibi=None):
+  """``(s, c)`` of ``logits`` with ALiBi's term subtracted: ``alibi`` is ``(slope2, q_pos,
+  k_pos)``, the base-2 slope and the tile's int32 positions broadcast to its shape (None: no
+  ALiBi); ``s`` is then the base-2 logit (``c = 1``)."""
+  if alibi is None:
+    return s, c
+  slope, q_pos, k_pos = alibi
+  return s * c - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32)), 1.0
+
+
+def keep(cfg: common.KernelConfig, row_keys, col_keys):
+  """The dropout keep decisions of a tile from its row and column keys broadcast to its shape."""
+  return common.dropout_keep(cfg.dropout_rate, row_keys, col_keys)
+
+
+def kept(x, keep_mask):
+  """``x`` where kept, 0 where dropped (``keep_mask`` None: ``x``); unscaled (see above)."""
+  return x if keep_mask is None else jnp.where(keep_mask, x, 0.0)
+
+
+def kept_delta(delta, cfg: common.KernelConfig):
+  """The backward's row term for unscaled kept terms: ``delta * (1 - rate)``."""
+  return delta if not cfg.dropout_rate else delta * (1.0 - cfg.dropout_rate)
+
+
+def broadcast(x, shape, dim: int):
+  """A row (``dim=0``) or column (``dim=1``) vector broadcast to a tile of ``shape``."""
+  return lax.broadcast_in_dim(x, shape, [dim])
