@@ -16,7 +16,8 @@ from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, load_ref, meet, pingpong, slot_of, swizzled_smem, token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, broadcast, keep, kept, kept_delta, key_info, logits, slope2, terms_of, with_alibi)
+    Terms, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2, terms_of,
+    with_alibi)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
     backward_unsupported, dkv_head_splits, ops_call, unsupported)
@@ -162,24 +163,29 @@ def _accumulate(terms):
 
 
 class _TileTerms(NamedTuple):
-  """What a walked tile applies beyond ``q.k``: visibility (masked tiles), ALiBi
-  ``(slope2, q_pos, k_pos)`` and dropout's keep mask; each None where absent."""
+  """What a walked tile applies beyond ``q.k``: visibility (masked tiles), ALiBi (``with_alibi``'s
+  argument, and for a split ALiBi the query term added to the rows' base-2 lse) and a function
+  computing dropout's keep mask (called where it is used, so the mask is not live across the
+  softmax: registers); each None where absent."""
 
   vis: Any = None
   alibi: Any = None
+  lse_shift: Any = None
   keep: Any = None
 
 
-def _tile_terms(cfg, g: _BwdGeometry, masked, slope, q_info, k_info, k_index, row_keys):
+def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys, slope=None,
+                split=None):
   """The ``_TileTerms`` of a tile from its sides' token info (broadcast to the tile, queries'
-  rows then keys': positions, segment ids, and the keys' dropout column keys) and the broadcast
-  dropout ``row_keys``; ``q_info`` is None on tiles that read none (``g.with_info``)."""
-  if q_info is None:
-    return _TileTerms()
+  rows then keys': positions, segment ids, and the keys' dropout column keys), the broadcast
+  dropout ``row_keys``, and ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
+  tile, query term)`` (``terms.position_term``)."""
   vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
                              *k_info[1:g.info_rows]) if masked else None)
-  return _TileTerms(vis, None if slope is None else (slope, q_info[0], k_info[0]),
-                    keep(cfg, row_keys, k_info[-1]) if g.terms.dropout else None)
+  alibi, lse_shift = split if split is not None else (
+      None if slope is None else (slope, q_info[0], k_info[0]), None)
+  return _TileTerms(vis, alibi, lse_shift,
+                    (lambda: keep(cfg, row_keys, k_info[-1])) if g.terms.dropout else None)
 
 
 def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
@@ -189,6 +195,8 @@ def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
   s, c = logits(s_raw, cfg)
   dlogits = None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
   s, c = with_alibi(s, c, terms.alibi)
+  if terms.lse_shift is not None:
+    lse2 = lse2 + terms.lse_shift
   p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
   if terms.vis is not None:
     p = jnp.where(terms.vis, p, 0.0)
@@ -269,19 +277,27 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     if not k:
       return own, None
     k_info = broadcast_info(kinfo_own, ROWS, tile, 0, g.key_rows)
-    return own, (k_info, k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0,
-                                                     layout=plgpu.Layout.WGMMA))
+    k_index = k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+    if not g.terms.alibi_split:
+      return own, (k_info, k_index, None)
+    # A split ALiBi's anchor (``terms``): the first owned key's position.
+    anchor = kinfo_ref[k_info_b, 0, k0]
+    return own, (k_info, k_index, (load_ref(kinfo_own.at[0], ROWS), anchor))
 
   def tile_terms(h, slot, masked, keys):
     """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``)."""
     if not g.with_info(masked):
       return _TileTerms()
-    k_info, k_index = keys
+    k_info, k_index, split_keys = keys
     q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
     row_keys = (broadcast(load_ref(rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
                 else None)
-    return _tile_terms(cfg, g, masked, slope2(slopes_ref, batch, q_head(h)), q_info, k_info,
-                       k_index, row_keys)
+    slope, split = slope2(slopes_ref, batch, q_head(h)), None
+    if split_keys is not None:
+      k_pos, anchor = split_keys
+      split = (broadcast(position_term(slope, k_pos, anchor), tile, 0),
+               position_term(slope, load_ref(qinfo_smem.at[slot].at[0], COLS), anchor))
+    return _tile_terms(cfg, g, masked, q_info, k_info, k_index, row_keys, slope, split)
 
   def walk(body, *acc):
     """The consumers' walk from accumulators ``acc``; returns them."""
@@ -304,9 +320,10 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                           functools.partial(meet, sched))
         terms = tile_terms(h, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
+        keep_mask = None if terms.keep is None else terms.keep()
         ds = _grad_logits(p, dp, kept_delta(load_ref(delta_smem.at[slot], COLS), cfg), dlogits,
-                          row_axis=1, keep_mask=terms.keep)
-        p, ds = lax.optimization_barrier((kept(p, terms.keep).astype(g.dtype),
+                          row_axis=1, keep_mask=keep_mask)
+        p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype),
                                           ds.astype(g.dtype)))
         meet(sched)  # the other warpgroup's matmuls are issued
         dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
@@ -339,11 +356,12 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 
         # (soft-cap folded; with dropout, dropped terms negated: ``_signed_grad_logits``)
         ps = p if dlogits is None else p * dlogits
-        p_smem.at[buf][...] = (ps if terms.keep is None else jnp.where(terms.keep, ps, -ps)
+        keep_mask = None if terms.keep is None else terms.keep()
+        p_smem.at[buf][...] = (ps if keep_mask is None else jnp.where(keep_mask, ps, -ps)
                                ).astype(g.dtype)
         plgpu.barrier_arrive(p_full.at[buf])
         plgpu.barrier_wait(do_bar.at[slot])
-        (dv,) = _accumulate(((dv, kept(p, terms.keep).astype(g.dtype), do_smem.at[slot]),))
+        (dv,) = _accumulate(((dv, kept(p, keep_mask).astype(g.dtype), do_smem.at[slot]),))
         plgpu.barrier_arrive(free.at[slot])
         return n + 1, dv
 
@@ -467,6 +485,9 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
     delta = kept_delta(delta, cfg)
     slope = slope2(slopes_ref, batch, head)
     row_keys = load_ref(rkey_own2.at[wg], ROWS) if g.terms.dropout else None
+    if g.terms.alibi_split:  # (``terms``: the anchor is the first owned row's position)
+      anchor = qinfo_ref[q_info_b, 0, q0]
+      q_term = position_term(slope, load_ref(qinfo_own2.at[wg].at[0], ROWS), anchor)
 
     def body(h, start, masked, carry):
       n, dq = carry
@@ -480,10 +501,16 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       if g.with_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
-        terms = _tile_terms(cfg, g, masked, slope, q_info, k_info, k_index,
-                            None if row_keys is None else broadcast(row_keys, tile, 0))
+        split = None
+        if g.terms.alibi_split:
+          k_term = position_term(slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
+          split = (broadcast(k_term, tile, 1), q_term)
+        terms = _tile_terms(cfg, g, masked, q_info, k_info, k_index,
+                            None if row_keys is None else broadcast(row_keys, tile, 0), slope,
+                            split)
       p, dlogits = _probs(s, lse2, terms, cfg, row_axis=0)
-      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0, keep_mask=terms.keep)
+      ds = _grad_logits(p, dp, delta, dlogits, row_axis=0,
+                        keep_mask=None if terms.keep is None else terms.keep())
       (dq,) = _accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq
@@ -558,7 +585,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
-  terms = terms_of(ops)
+  terms = terms_of(ops, cfg)
   drop = int(terms.dropout)
   out_dt = jnp.dtype(cfg.out_dtype)
   dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32

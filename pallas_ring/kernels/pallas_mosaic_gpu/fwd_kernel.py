@@ -18,7 +18,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, keep_alive, load_ref, mark_issued, pingpong, row_vector, slot_of,
     swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, broadcast, keep, kept, key_info, logits, slope2, terms_of, with_alibi)
+    Terms, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
+    with_alibi)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, Variants, check_tiles, item_order, ops_call,
     overlaps, persistent_ctas, slots, unsupported)
@@ -122,6 +123,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
       q_info = broadcast_info(qinfo_smem, ROWS, (bq, bk), 0, g.info_rows)
       slope = slope2(slopes_ref, batch, head)
+      if g.terms.alibi_split:  # (``terms``: the anchor is this consumer's first row's position)
+        anchor = qinfo_ref[common.sel(qinfo_ref.shape[0], batch), 0, q0]
+        q_term = position_term(slope, load_ref(qinfo_smem.at[0], ROWS), anchor)
 
       def softmax(s_raw, k0, slot, m, l, masked):
         """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
@@ -136,11 +140,13 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                                                 layout=plgpu.Layout.WGMMA)
           vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
                                     *k_info[1:g.info_rows])
-        s, c = with_alibi(*logits(s_raw, cfg),
-                          None if slope is None else (slope, q_info[0], k_info[0]))
-        keep_mask = None
-        if g.terms.dropout:
-          keep_mask = keep(cfg, broadcast(load_ref(rkey_smem, ROWS), (bq, bk), 0), k_info[-1])
+        alibi = None
+        if g.terms.alibi_split:
+          k_term = position_term(slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
+          alibi = broadcast(k_term, (bq, bk), 1)
+        elif slope is not None:
+          alibi = (slope, q_info[0], k_info[0])
+        s, c = with_alibi(*logits(s_raw, cfg), alibi)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           s = jnp.where(vis, s, common.NEG_INF)
@@ -149,7 +155,11 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
         if masked:
           p = jnp.where(vis, p, 0.0)
-        return kept(p, keep_mask).astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+        p_kept = p
+        if g.terms.dropout:  # (after the row reductions: the mask is not live across them)
+          p_kept = kept(p, keep(cfg, broadcast(load_ref(rkey_smem, ROWS), (bq, bk), 0),
+                                k_info[-1]))
+        return p_kept.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
       def serial_step(j, carry, masked):
         """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
@@ -246,6 +256,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       nxt = i + g.ctas
       if g.merge:  # (the q tile is free: the next item's q loads while these rows merge)
         pl.when(nxt < g.items)(lambda: load_q(nxt))
+      if g.terms.alibi_split:
+        m = m - q_term  # (the row's lse in the unsplit logits)
       empty = l == 0.0
       inv = cfg.keep_scale / jnp.where(empty, 1.0, l)  # (dropout: kept terms' 1 / (1 - rate))
       lse = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
@@ -343,7 +355,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   why = unsupported(ops_call(q, ops))
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
-  terms = terms_of(ops)
+  terms = terms_of(ops, cfg)
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   check_tiles(cfg, hp, itemsize)

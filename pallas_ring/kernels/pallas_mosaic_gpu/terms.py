@@ -2,7 +2,12 @@
 
 Every kernel computes base-2 logits ``s * c`` (``logits``). ALiBi subtracts
 ``slope * log2(e) * |q_pos - k_pos|`` from them, with the positions of the token info (exact
-int32 distances, so far positions lose no precision). Dropout keeps each probability where
+int32 distances, so far positions lose no precision). Under a mask that only sees ``k <= q``
+(``Terms.alibi_split``) the term splits, as in the Triton kernels, into a key term
+``slope * (k - a)`` added to the logits (one add per element) and a query term
+``slope * (q - a)`` constant along a row, which only shifts the row's lse; the anchor ``a`` is a
+position of the tile's own rows, so the terms of the keys that matter (near the diagonal) stay
+small in float32. Dropout keeps each probability where
 ``common.dropout_keep`` says, from the row keys (one per query row and head, loaded like the row
 statistics) and the column keys (an extra row of the keys' token info, ``key_info``); kept terms
 are scaled by ``1 / (1 - rate)`` once per output (``o``, ``dq``, ``dk``, ``dv``), and the
@@ -19,6 +24,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import token_info
 
@@ -28,6 +34,7 @@ class Terms:
   """Which optional score terms a kernel call applies (static)."""
 
   alibi: bool = False  # ALiBi slopes ``[Ba, N, 1]`` are given
+  alibi_split: bool = False  # ALiBi under a causal-type mask: key and query terms (above)
   dropout: bool = False  # dropout keys are given (``cfg.dropout_rate > 0``)
 
   @property
@@ -48,9 +55,11 @@ class Terms:
     return slopes, (refs[0] if self.dropout else None), refs[self.dropout:]
 
 
-def terms_of(ops: common.Operands) -> Terms:
+def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
   """The ``Terms`` of a call's operands."""
-  return Terms(alibi=ops.alibi is not None, dropout=ops.dropout is not None)
+  alibi = ops.alibi is not None
+  return Terms(alibi=alibi, alibi_split=alibi and masks_lib.is_causal(cfg.mask),
+               dropout=ops.dropout is not None)
 
 
 def key_info(ops: common.Operands) -> jax.Array:
@@ -82,13 +91,26 @@ def logits(qk, cfg: common.KernelConfig):
 
 
 def with_alibi(s, c, alibi=None):
-  """``(s, c)`` of ``logits`` with ALiBi's term subtracted: ``alibi`` is ``(slope2, q_pos,
-  k_pos)``, the base-2 slope and the tile's int32 positions broadcast to its shape (None: no
-  ALiBi); ``s`` is then the base-2 logit (``c = 1``)."""
+  """``(s, c)`` of ``logits`` with ALiBi's term added (None: no ALiBi); ``s`` is then the base-2
+  logit (``c = 1``).
+
+  Args:
+    alibi: ``(slope2, q_pos, k_pos)``, the base-2 slope and the tile's int32 positions broadcast
+      to its shape: ``-slope2 * |q_pos - k_pos|``; or, split (above), the keys' term
+      (``position_term``) broadcast to the tile.
+  """
   if alibi is None:
     return s, c
+  if not isinstance(alibi, tuple):
+    return s * c + alibi, 1.0
   slope, q_pos, k_pos = alibi
   return s * c - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32)), 1.0
+
+
+def position_term(slope, positions, anchor):
+  """``slope * (positions - anchor)`` in float32: a split ALiBi's key or query term of a vector
+  of int32 positions."""
+  return slope * (positions - anchor).astype(jnp.float32)
 
 
 def keep(cfg: common.KernelConfig, row_keys, col_keys):
