@@ -97,6 +97,16 @@ def _floordiv(x, c: int):
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 
+def _filled(value: bool, a, b):
+  """A bool array of ``value`` in the broadcast shape of ``a`` and ``b``: numpy when both are
+  (block plans built in numpy, e.g. while compiling for a TPU topology under its mesh, where a
+  ``jnp`` constant cannot be placed), else jax."""
+  shape = np.broadcast_shapes(np.shape(a), np.shape(b))
+  if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+    return np.full(shape, value)
+  return jnp.full(shape, value)
+
+
 def _check_int(cls: str, field: str, value, minimum: int, fix: str) -> None:
   if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(f"{cls}.{field} must be a Python int, got {type(value).__name__}: {value!r}.")
@@ -130,8 +140,7 @@ class Full(MaskSpec):
     return jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(k)), dtype=bool)
 
   def block_test(self, qb, kb):
-    shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
-    ones = jnp.ones(shape, dtype=bool)
+    ones = _filled(True, qb.lo, kb.lo)
     return ones, ones
 
 
@@ -274,9 +283,9 @@ class Custom(MaskSpec):
           "(q - k < 128)`.") from e
 
   def block_test(self, qb, kb):
-    shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
     if self.block_fn is None:
-      return jnp.ones(shape, bool), jnp.zeros(shape, bool)
+      return _filled(True, qb.lo, kb.lo), _filled(False, qb.lo, kb.lo)
+    shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
     any_, all_ = self.block_fn(qb.lo, qb.hi, kb.lo, kb.hi)
     return (jnp.broadcast_to(jnp.asarray(any_, bool), shape),
             jnp.broadcast_to(jnp.asarray(all_, bool), shape))

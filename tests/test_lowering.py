@@ -172,6 +172,27 @@ def test_defaults_compile_native_mosaic_kernels_for_tpu_from_a_cpu_host():
     assert text.count("custom_call_target=\"tpu_custom_call\"") == n_kernels
 
 
+def _every_key(q, k):
+  return k >= 0
+
+
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("mask", [masks.Full(), masks.Custom(_every_key)])
+def test_masks_without_a_block_structure_lower_for_a_topology_under_its_mesh(mask):
+  """Masks whose block test is a constant (Full, Custom without block_fn) build their plans in
+  numpy, so they lower under ``jax.set_mesh`` of a TPU topology (the mesh that picks the
+  target chip's tiles), where a jax constant cannot be placed."""
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16,
+                            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  with jax.set_mesh(mesh):
+    text = jax.jit(lambda q, k, v: flash_attention(q, k, v, mask=mask)).trace(
+        sd, sd, sd).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+
+
 @pytest.mark.xdist_group("libtpu")
 def test_sharded_attention_defaults_compile_mosaic_kernels_for_tpu():
   from jax.experimental import topologies
