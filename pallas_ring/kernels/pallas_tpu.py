@@ -16,7 +16,10 @@ compile time does not grow with them) with per-head row statistics; the heads of
 one schedule (``block_sparse.merge_heads``), and a PARTIAL tile's mask is a ``lax.cond`` inside
 that body.
 dK/dV accumulate over the query heads of their group inside one program per kv block, so no
-per-query-head float32 temporary exists.
+per-query-head float32 temporary exists. Inside a tile the body runs over chunks of
+``Variants.kv_compute`` keys in a rolled loop (``_key_chunks``), as splash attention's
+``block_kv_compute``: the body's vector code, most of a kernel's compile time, scales with the
+query tile times the chunk, while the DMA'd tiles stay large.
 
 Mosaic tiling: row statistics live in ``(hb, bq, 128)`` lane-broadcast scratch; query-side vectors
 are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks of ``[., T, 1]`` / ``[., 1, S]`` arrays
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -44,6 +47,40 @@ LANES = 128
 HEAD_BLOCK = 8  # heads per program: one (8, 128) tile's rows of [B, L, heads, H]
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+  """Kernel variants of the TPU kernels, passed as ``BlockSizes(variants=Variants(...))``."""
+
+  # Keys per step of the body inside a key tile (forward, dQ and dK/dV; a multiple of 128 that
+  # divides the tile, else the whole tile): the body's vector code, and so its compile time,
+  # scales with block_q x kv_compute (BENCHMARKS.md, "Compile time against splash attention").
+  # None: the whole tile.
+  kv_compute: Optional[int] = 256
+
+  def __post_init__(self):
+    if self.kv_compute is not None and (self.kv_compute <= 0 or self.kv_compute % LANES):
+      raise ValueError(f"Variants.kv_compute={self.kv_compute} is invalid: use a positive "
+                       f"multiple of {LANES} (keys per step of the body), or None for the whole "
+                       "tile.")
+
+
+def _key_chunks(cfg, bk: int, body):
+  """Runs ``body(keys, offset)`` over the chunks of a ``bk``-key tile (``Variants.kv_compute``
+  keys each; ``keys`` a ``pl.ds`` of the tile's keys, ``offset`` its traced start) in a rolled
+  loop; one call over the whole tile when the chunk does not divide it."""
+  kc = (cfg.variants or Variants()).kv_compute
+  if kc is None or kc >= bk or bk % kc:
+    body(pl.ds(0, bk), 0)
+    return
+
+  def step(ci, carry):
+    offset = pl.multiple_of(ci * kc, kc)
+    body(pl.ds(offset, kc), offset)
+    return carry
+
+  lax.fori_loop(jnp.int32(0), jnp.int32(bk // kc), step, 0)
 
 
 # Scalar memory for one kernel call's plan lists. SMEM is 1 MiB on v5e and the lists grow as
@@ -184,13 +221,13 @@ class _View(NamedTuple):
       return pltpu.bitcast(ref[...], jnp.uint32)
     return ref.bitcast(jnp.uint32)
 
-  def get(self, ref, c):
-    """Head ``c`` (traced) of a block: ``(rows, H)``."""
+  def get(self, ref, c, rows=slice(None)):
+    """Head ``c`` (traced) of a block: ``(rows, H)`` (its ``rows``, a slice, when given)."""
     if not self.in_place:
-      return ref[:, self._lanes(c)]
+      return ref[rows, self._lanes(c)]
     if ref.dtype.itemsize == 4:
-      return ref[0, :, c, :]
-    words = self._words(ref)[0, :, lax.shift_right_logical(c, 1), :]
+      return ref[0, rows, c, :]
+    words = self._words(ref)[0, rows, lax.shift_right_logical(c, 1), :]
     half = lax.shift_right_logical(words, (c & 1).astype(jnp.uint32) * 16)
     return lax.bitcast_convert_type(half.astype(jnp.uint16), ref.dtype)
 
@@ -297,9 +334,9 @@ class _Info(NamedTuple):
   cols: Any  # int32 [Bp, 1, Sp] dropout column keys
 
 
-def _head(ref, h: int):
-  """Head ``h`` of a per-head block (a broadcast head axis has one)."""
-  return None if ref is None else ref[h if ref.shape[0] > 1 else 0]
+def _head(ref, h: int, keys=slice(None)):
+  """Head ``h`` of a per-head block (a broadcast head axis has one), its ``keys`` columns."""
+  return None if ref is None else ref[h if ref.shape[0] > 1 else 0, :, keys]
 
 
 def _info_arrays(ops) -> _Info:
@@ -343,8 +380,9 @@ def _info_specs(arrays: _Info, bq, bk, hb, q_block, k_block, head_block):
                     head_spec(a.rows, bq, 1, q_block, zero), kspec(a.cols)))
 
 
-def _tile(cfg, info: _Info, h, s, k_block_index, bk, masked):
-  """Adds head ``h``'s bias / ALiBi to logits ``s [bq, bk]``, sets its invisible entries to
+def _tile(cfg, info: _Info, h, s, k0, keys, masked):
+  """Adds head ``h``'s bias / ALiBi to logits ``s [bq, bk]`` of the tile's ``keys`` (a slice of
+  its key block, whose first key is key ``k0`` of the shard), sets its invisible entries to
   ``NEG_INF`` when ``masked`` (traced: the tile is PARTIAL), and draws its dropout keep.
 
   The mask is one ``lax.cond`` inside the shared body rather than a second copy of the body
@@ -353,20 +391,21 @@ def _tile(cfg, info: _Info, h, s, k_block_index, bk, masked):
   Returns:
     ``(s, keep)``; ``keep`` None without dropout.
   """
-  get = lambda r: None if r is None else r[...]
-  q_pos, k_pos = info.qpos[...], info.kpos[...]
-  s = common.score_terms(s, _head(info.bias, h), _head(info.alibi, h), q_pos, k_pos)
+  cols = lambda r: None if r is None else r[:, keys]  # (1, bk) key-side vectors
+  q_pos, k_pos = info.qpos[...], cols(info.kpos)
+  s = common.score_terms(s, _head(info.bias, h, keys), _head(info.alibi, h), q_pos, k_pos)
 
   def mask(s):
-    k_index = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) + k_block_index * bk
-    vis = common.tile_visible(cfg, q_pos, k_pos, k_index, get(info.qseg), get(info.kseg),
-                              _head(info.dense, h))
+    k_index = jax.lax.broadcasted_iota(jnp.int32, (1, s.shape[1]), 1) + k0
+    vis = common.tile_visible(cfg, q_pos, k_pos, k_index,
+                              None if info.qseg is None else info.qseg[...], cols(info.kseg),
+                              _head(info.dense, h, keys))
     return jnp.where(vis, s, common.NEG_INF)
 
   s = lax.cond(masked, mask, lambda s: s, s)
   keep = None
   if cfg.dropout_rate:
-    keep = common.dropout_keep(cfg.dropout_rate, _head(info.rows, h), info.cols[...])
+    keep = common.dropout_keep(cfg.dropout_rate, _head(info.rows, h), cols(info.cols))
   return s, keep
 
 
@@ -455,20 +494,24 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
-    s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv.get(k_ref, c))
-    s, keep = _tile(cfg, info, h, s, k_block, cfg.block_kv, masked)
-    m_prev = m_sc[h]  # [bq, 128]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    # Rows with nothing visible yet keep m = NEG_INF: subtracting 0 there makes their masked
-    # entries exp(NEG_INF) = 0 (not exp(0) = 1).
-    p = jnp.exp(s - jnp.where(m_new == common.NEG_INF, 0.0, m_new)[:, :1])
-    alpha = jnp.exp(m_prev - m_new)
-    l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
-    pv = p if keep is None else jnp.where(keep, p, 0.0)
-    v = heads.kv.get(v_ref, c)
-    pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
-    m_sc[h] = m_new
+
+    def chunk(keys, offset):
+      s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv.get(k_ref, c, keys))
+      s, keep = _tile(cfg, info, h, s, k_block * cfg.block_kv + offset, keys, masked)
+      m_prev = m_sc[h]  # [bq, 128]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      # Rows with nothing visible yet keep m = NEG_INF: subtracting 0 there makes their masked
+      # entries exp(NEG_INF) = 0 (not exp(0) = 1).
+      p = jnp.exp(s - jnp.where(m_new == common.NEG_INF, 0.0, m_new)[:, :1])
+      alpha = jnp.exp(m_prev - m_new)
+      l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
+      pv = p if keep is None else jnp.where(keep, p, 0.0)
+      v = heads.kv.get(v_ref, c, keys)
+      pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
+      m_sc[h] = m_new
+
+    _key_chunks(cfg, cfg.block_kv, chunk)
 
   _live_tile_loop(klass, heads.hb, compute)
 
@@ -570,11 +613,11 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
 
 # ---------------------------------------------------------------------------------- backward --
 
-def _probs(cfg, info, h, q, k, lse, k_block_index, masked):
+def _probs(cfg, info, h, q, k, lse, k0, keys, masked):
   """Recomputed probabilities ``p [bq, bk]``, capped logits ``s`` and dropout keep of head
-  ``h``'s tile."""
+  ``h``'s tile (``keys`` of its key block, from key ``k0`` of the shard: ``_tile``)."""
   s_cap = _capped_logits(cfg, q, k)
-  s, keep = _tile(cfg, info, h, s_cap, k_block_index, cfg.block_kv_bwd, masked)
+  s, keep = _tile(cfg, info, h, s_cap, k0, keys, masked)
   return jnp.exp(s - common.safe_lse(lse)), s_cap, keep  # (masked: exp(NEG_INF - lse) = 0)
 
 
@@ -597,14 +640,18 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
-    k = heads.kv.get(k_ref, c)
-    p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
-                        k_block, masked)
-    dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv.get(v_ref, c), _NT,
-                             preferred_element_type=jnp.float32)
-    ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
-          * common.softcap_grad(s, cfg))
-    dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    def chunk(keys, offset):
+      k = heads.kv.get(k_ref, c, keys)
+      p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
+                          k_block * cfg.block_kv_bwd + offset, keys, masked)
+      dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv.get(v_ref, c, keys), _NT,
+                               preferred_element_type=jnp.float32)
+      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+            * common.softcap_grad(s, cfg))
+      dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    _key_chunks(cfg, cfg.block_kv_bwd, chunk)
 
   _live_tile_loop(klass, heads.hb, compute)
 
@@ -633,15 +680,20 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
     q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)
-    p, s, keep = _probs(cfg, info, h, q, heads.kv.get(k_ref, c), stats.load(lse_ref, h),
-                        lists.r0 + jk, masked)
-    dv_sc[c] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do, _TN,
-                                    preferred_element_type=jnp.float32)
-    dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c), _NT, preferred_element_type=jnp.float32)
-    ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
-          * common.softcap_grad(s, cfg))
-    dk_sc[c] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
-                                    preferred_element_type=jnp.float32)
+
+    def chunk(keys, offset):
+      p, s, keep = _probs(cfg, info, h, q, heads.kv.get(k_ref, c, keys), stats.load(lse_ref, h),
+                          (lists.r0 + jk) * cfg.block_kv_bwd + offset, keys, masked)
+      dv_sc[c, keys, :] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do,
+                                               _TN, preferred_element_type=jnp.float32)
+      dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c, keys), _NT,
+                               preferred_element_type=jnp.float32)
+      ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
+            * common.softcap_grad(s, cfg))
+      dk_sc[c, keys, :] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
+                                               preferred_element_type=jnp.float32)
+
+    _key_chunks(cfg, cfg.block_kv_bwd, chunk)
 
   _live_tile_loop(klass, heads.hb, compute)
 
@@ -751,6 +803,7 @@ class TpuBackend(backend.Backend):
 
   name = "pallas_tpu"
   platform = "tpu"
+  variants_cls = Variants
 
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
     kind = device_kind.lower()
@@ -759,7 +812,11 @@ class TpuBackend(backend.Backend):
       wide = dtype is not None and _compute_dtype(dtype).itemsize > 2
       return BlockSizes(256, 256 if wide else 512, 128, 256, None, None)
     big = "v6" in kind or "v5p" in kind
-    return BlockSizes(512, 1024 if big else 512, 256, 512, None, None)
+    # Above head dim 128 a 256-row query tile: the body's vector code grows with the query tile
+    # times the head dim (the float32 output rows), and with 512 rows the forward compiled in
+    # 2.5-2.9x splash's time (BENCHMARKS.md, "Compile time against splash attention").
+    return BlockSizes(512 if head_dim <= 128 else 256, 1024 if big else 512, 256, 512, None,
+                      None)
 
   def block_size_error(self, field, value):
     unit = LANES if "kv" in field else 8
