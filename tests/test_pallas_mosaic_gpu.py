@@ -85,21 +85,29 @@ def test_every_configuration_lowers_for_cuda(name):
   assert _kernels_of_gradients(text)
 
 
-def _terms(name, rate=0.1):
-  """ALiBi slopes for a case's heads and dropout at ``rate``: the score terms of ``terms``."""
-  n = CASES[name][3]
-  return dict(alibi_slopes=np.linspace(0.05, 0.5, n, dtype=np.float32), dropout_rate=rate,
-              dropout_rng=jax.random.key(3))
+def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
+  """The score terms of ``terms`` for a case: ALiBi slopes for its heads, dropout at ``rate``,
+  and (random, seeded) a per-head float32 bias and a dense mask broadcast over the batch."""
+  _, t, s, n = CASES[name][:4]
+  rng = np.random.default_rng(seed)
+  kw = dict(alibi_slopes=np.linspace(0.05, 0.5, n, dtype=np.float32), dropout_rate=rate,
+            dropout_rng=jax.random.key(seed))
+  if bias:
+    kw["bias"] = rng.standard_normal((1, n, t, s)).astype(np.float32)
+  if dense:
+    kw["dense_mask"] = rng.random((1, 1, t, s)) < 0.7
+  return kw
 
 
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
                                   "full_odd_lengths"])
-def test_alibi_and_dropout_lower_for_cuda(name):
-  """ALiBi and dropout stay on the Mosaic GPU kernels (the wide backward too): one forward
-  kernel, three with gradients, no Triton; the dropout hash's shifts are in the kernels."""
+@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True)])
+def test_score_terms_lower_for_cuda(name, bias, dense):
+  """ALiBi, dropout, a bias and a dense mask stay on the Mosaic GPU kernels (the wide backward
+  too): one forward kernel, three with gradients, no Triton."""
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f = _attention({**kw, **_terms(name)})
+  f = _attention({**kw, **_terms(name, bias=bias, dense=dense)})
   text = _lower(f, *args, *seg)
   assert text.count(MOSAIC) == 1 and TRITON not in text
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -358,8 +366,7 @@ def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   pick = lambda dt, **kw: kernels.variants("auto", None, kernels.Call(dt, 128, **kw))["cuda"][0]
   assert pick(jnp.bfloat16) == pick(jnp.float16) == "pallas_mosaic_gpu"
   assert pick(jnp.float32) == "pallas_triton"
-  assert pick(jnp.bfloat16, bias=True) == pick(jnp.bfloat16, dense=True) == "pallas_triton"
-  assert pick(jnp.bfloat16, alibi=True, dropout=True) == "pallas_mosaic_gpu"
+  assert pick(jnp.bfloat16, bias=True, dense=True, alibi=True, dropout=True) == "pallas_mosaic_gpu"
   assert pick(jnp.bfloat16, block_sizes=BlockSizes(block_q=64)) == "pallas_triton"
   assert pick(jnp.bfloat16, decode=True) == "pallas_triton"  # (it serves, but slower)
   kernels.check_explicit("pallas_mosaic_gpu", kernels.Call(jnp.bfloat16, 128, decode=True))
@@ -375,17 +382,14 @@ def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   text = _lower(grad, *args)
   assert _kernels_of_gradients(text)
-  # A dense mask is not served by the Mosaic GPU kernel: auto takes Triton for both passes.
-  dense = jax.ShapeDtypeStruct((1, 1, 512, 512), jnp.bool_)
-  g = lambda q, k, v, d: flash_attention(q, k, v, dense_mask=d)
-  text = _lower(g, *args, dense)
-  assert MOSAIC not in text and text.count(TRITON) == 1
+  # float32 inputs are not served by the Mosaic GPU kernels: auto takes Triton for both passes.
+  args32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in args]
+  text = _lower(grad, *args32)
+  assert MOSAIC not in text and text.count(TRITON) == 3
 
 
 @pytest.mark.parametrize("what, kw, reason", [
     ("float32", dict(dtype=jnp.float32), "inputs of dtype float32"),
-    ("dense", dict(dense_mask=np.ones((1, 1, 64, 64), bool)), "a dense mask"),
-    ("bias", dict(bias=np.zeros((64, 64), np.float32)), "a bias"),
 ])
 def test_explicit_request_it_cannot_serve_names_reason_and_fallback(what, kw, reason):
   kw = dict(kw)
@@ -505,26 +509,29 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
                                   "h256_documents_gqa_softcap", "h192_padded_fp16", "window_mqa"])
-def test_native_alibi_and_dropout_match_and_are_bitwise_reproducible(name):
-  """ALiBi and dropout in both Mosaic GPU passes: output and gradients against the float32 xla
-  backend (the same dropout hash), and the same bits on a second run."""
+@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True)])
+def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense):
+  """ALiBi, dropout, a bias and a dense mask in both Mosaic GPU passes: output and gradients
+  (the bias's too) against the float32 xla backend (the same dropout hash), and the same bits
+  on a second run."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   rng = np.random.default_rng(7)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
              for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
   do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
-  kw = dict(mask=mask, softcap=cap, **_terms(name, rate=0.3))
+  kw = dict(mask=mask, softcap=cap, **_terms(name, rate=0.3, bias=bias, dense=dense))
+  b0 = jnp.asarray(kw.pop("bias")) if bias else None
   if segs:
     kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
 
-  def run(backend, *args):
-    f = lambda *a: flash_attention(*a, backend=backend, **kw).astype(jnp.float32)
-    out, vjp = jax.vjp(f, *args)
-    return (out, *vjp(do))
+  def run(backend, q, k, v, b0):
+    f = lambda *a: flash_attention(*a[:3], bias=a[3], backend=backend, **kw).astype(jnp.float32)
+    out, vjp = jax.vjp(f, q, k, v, b0)
+    return (out, *(g for g in vjp(do) if g is not None))
 
   run_mosaic = jax.jit(functools.partial(run, "pallas_mosaic_gpu"))
-  got, again = run_mosaic(q, k, v), run_mosaic(q, k, v)
-  ref = jax.jit(functools.partial(run, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)))
+  got, again = run_mosaic(q, k, v, b0), run_mosaic(q, k, v, b0)
+  ref = jax.jit(functools.partial(run, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)), b0)
   for a, b, r in zip(got, again, ref):
     assert rel_err(a, r) < 2e-2
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -560,4 +567,4 @@ class TestPallasMosaicGpu(Conformance):
   """The conformance suite on the Hopper kernels; float32 cases run in bfloat16."""
 
   backend = "pallas_mosaic_gpu"
-  dense_mask = bias = float32 = False
+  float32 = False

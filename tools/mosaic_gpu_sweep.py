@@ -17,8 +17,9 @@
     python tools/mosaic_gpu_sweep.py step      # a ring step's forward at 8k: alone, merging
     python tools/mosaic_gpu_sweep.py spans     # ours vs cuDNN timed on the device: batches
                                                # and single calls ([fwd] [bwd] [shape words])
-    python tools/mosaic_gpu_sweep.py features  # ALiBi and dropout against the plain kernel,
-                                               # as spans ([fwd] [bwd] [shape words])
+    python tools/mosaic_gpu_sweep.py features  # ALiBi, dropout, bias, dense masks against the
+                                               # plain kernel, as spans ([fwd] [bwd] [features]
+                                               # [shape words])
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
@@ -532,17 +533,26 @@ def _span_rows(title, fns, args, flops, base):
             f"{flops / med / 1e9:5.0f} TFLOP/s, {len(samples[impl])} samples{vs}", flush=True)
 
 
-_FEATURES = {"alibi": lambda n: dict(alibi_slopes=2.0 ** -jnp.arange(1, n + 1, dtype=jnp.float32)),
-             "dropout": lambda n: dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))}
+_FEATURES = {  # name: keyword arguments of flash_attention for (N, T)
+    "alibi": lambda n, t: dict(alibi_slopes=2.0 ** -jnp.arange(1, n + 1, dtype=jnp.float32)),
+    "dropout": lambda n, t: dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    # a bfloat16 bias shared by the heads (its gradient: XLA's, for every lowering)
+    "bias": lambda n, t: dict(bias=jax.random.normal(jax.random.key(1), (1, 1, t, t),
+                                                     jnp.bfloat16)),
+    # a dense mask hiding 10% of the pairs at random: every tile is partial
+    "dense": lambda n, t: dict(dense_mask=jax.random.uniform(jax.random.key(2), (1, 1, t, t))
+                               < 0.9)}
 
 
 def features(*only):
-  """The cost of ALiBi and dropout in the Mosaic GPU kernels: each against the plain kernel in
-  the same interleaved run (``_span_rows``; ratios: plain time / time), beside the Triton
-  kernels with the feature and cuDNN without it. Words: ``fwd`` and/or ``bwd`` (default: bwd,
-  forward+backward), and shapes by their first word (default: causal, dense)."""
+  """The cost of ALiBi, dropout, a bias and a dense mask in the Mosaic GPU kernels: each against
+  the plain kernel in the same interleaved run (``_span_rows``; ratios: plain time / time),
+  beside the Triton kernels with the feature and cuDNN without it. Words: ``fwd`` and/or
+  ``bwd`` (default: bwd, forward+backward), feature names (default: all), and shapes by their
+  first word (default: causal, dense)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["bwd"]
-  only = [o for o in only if o not in ("fwd", "bwd")] or ["causal", "dense"]
+  feats = [f for f in _FEATURES if f in only] or list(_FEATURES)
+  only = [o for o in only if o not in ("fwd", "bwd", *_FEATURES)] or ["causal", "dense"]
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
       if name.split()[0] not in only or kind in ("documents", "window"):
@@ -553,9 +563,10 @@ def features(*only):
       attn = lambda be, **kw: comp(lambda q, k, v: flash_attention(q, k, v, mask=mask,
                                                                     backend=be, **kw))
       fns = {"plain": attn("pallas_mosaic_gpu")}
-      for feat, kw in _FEATURES.items():
-        fns[feat] = attn("pallas_mosaic_gpu", **kw(n))
-        fns[f"triton {feat}"] = attn("pallas_triton", **kw(n))
+      for feat in feats:
+        kw = _FEATURES[feat](n, t)
+        fns[feat] = attn("pallas_mosaic_gpu", **kw)
+        fns[f"triton {feat}"] = attn("pallas_triton", **kw)
       fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
       flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)

@@ -16,8 +16,8 @@ from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, load_ref, meet, pingpong, slot_of, swizzled_smem, token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2, terms_of,
-    with_alibi)
+    Terms, bias_tile, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2,
+    terms_of, with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
     backward_unsupported, dkv_head_splits, ops_call, unsupported)
@@ -172,20 +172,21 @@ class _TileTerms(NamedTuple):
   alibi: Any = None
   lse_shift: Any = None
   keep: Any = None
+  bias: Any = None  # the tile's ``bias_tile``
 
 
 def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys, slope=None,
-                split=None):
+                split=None, bias=None):
   """The ``_TileTerms`` of a tile from its sides' token info (broadcast to the tile, queries'
   rows then keys': positions, segment ids, and the keys' dropout column keys), the broadcast
-  dropout ``row_keys``, and ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
-  tile, query term)`` (``terms.position_term``)."""
+  dropout ``row_keys``, ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
+  tile, query term)`` (``terms.position_term``), and its ``bias_tile``."""
   vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
                              *k_info[1:g.info_rows]) if masked else None)
   alibi, lse_shift = split if split is not None else (
       None if slope is None else (slope, q_info[0], k_info[0]), None)
   return _TileTerms(vis, alibi, lse_shift,
-                    (lambda: keep(cfg, row_keys, k_info[-1])) if g.terms.dropout else None)
+                    (lambda: keep(cfg, row_keys, k_info[-1])) if g.terms.dropout else None, bias)
 
 
 def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
@@ -194,7 +195,7 @@ def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
   transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without)."""
   s, c = logits(s_raw, cfg)
   dlogits = None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
-  s, c = with_alibi(s, c, terms.alibi)
+  s, c = with_terms(s, c, terms.alibi, terms.bias)
   if terms.lse_shift is not None:
     lse2 = lse2 + terms.lse_shift
   p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
@@ -233,7 +234,7 @@ def _finish(done, stage, *results):
 
 
 def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _BwdGeometry):
-  slopes_ref, row_keys_ref, refs = g.terms.refs(refs)
+  extra, refs = g.terms.refs(refs)  # (``TermRefs``; the dK/dV kernel's tile bias: transposed)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, owned, walked, out2, bars = refs
   k_own2, v_own2, kinfo_own2, p_smem = owned  # p_smem: the wide kernel's p^T buffers
   q_smem, do_smem, lse_smem, delta_smem, qinfo_smem, rkey_smem = walked
@@ -279,25 +280,28 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     k_info = broadcast_info(kinfo_own, ROWS, tile, 0, g.key_rows)
     k_index = k0 + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
     if not g.terms.alibi_split:
-      return own, (k_info, k_index, None)
+      return own, (k0, k_info, k_index, None)
     # A split ALiBi's anchor (``terms``): the first owned key's position.
     anchor = kinfo_ref[k_info_b, 0, k0]
-    return own, (k_info, k_index, (load_ref(kinfo_own.at[0], ROWS), anchor))
+    return own, (k0, k_info, k_index, (load_ref(kinfo_own.at[0], ROWS), anchor))
 
-  def tile_terms(h, slot, masked, keys):
-    """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``)."""
+  def tile_terms(h, start, slot, masked, keys):
+    """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``, queries from
+    ``start``)."""
+    k0, k_info, k_index, split_keys = keys
+    bias = (bias_tile(extra.tile_bias, batch, q_head(h), k0, start, tile)
+            if g.terms.tile_bias_on(masked) else None)
     if not g.with_info(masked):
-      return _TileTerms()
-    k_info, k_index, split_keys = keys
+      return _TileTerms(bias=bias)
     q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
     row_keys = (broadcast(load_ref(rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
                 else None)
-    slope, split = slope2(slopes_ref, batch, q_head(h)), None
+    slope, split = slope2(extra.slopes, batch, q_head(h)), None
     if split_keys is not None:
       k_pos, anchor = split_keys
       split = (broadcast(position_term(slope, k_pos, anchor), tile, 0),
                position_term(slope, load_ref(qinfo_smem.at[slot].at[0], COLS), anchor))
-    return _tile_terms(cfg, g, masked, q_info, k_info, k_index, row_keys, slope, split)
+    return _tile_terms(cfg, g, masked, q_info, k_info, k_index, row_keys, slope, split, bias)
 
   def walk(body, *acc):
     """The consumers' walk from accumulators ``acc``; returns them."""
@@ -318,7 +322,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         # s^T = K q^T, dp^T = V dO^T
         s, dp = _products(tile, ((k_own, q), (v_own, do)),
                           functools.partial(meet, sched))
-        terms = tile_terms(h, slot, masked, keys)
+        terms = tile_terms(h, start, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
         keep_mask = None if terms.keep is None else terms.keep()
         ds = _grad_logits(p, dp, kept_delta(load_ref(delta_smem.at[slot], COLS), cfg), dlogits,
@@ -347,7 +351,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         slot, buf = slot_of(n, g.slots), slot_of(n, 2)
         plgpu.barrier_wait(q_bar.at[slot])
         (s,) = _products(tile, ((k_own, q_smem.at[slot]),))
-        terms = tile_terms(h, slot, masked, keys)
+        terms = tile_terms(h, start, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
 
         @pl.when(n >= 2)
@@ -412,8 +416,8 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       else:
         plgpu.barrier_arrive(q_bar.at[slot])  # the phase's third arrival, without data
       if g.terms.dropout:
-        at = lambda dim, i: common.sel(row_keys_ref.shape[dim], i)
-        plgpu.copy_gmem_to_smem(row_keys_ref.at[at(0, batch), at(1, qh), seq],
+        at = lambda dim, i: common.sel(extra.row_keys.shape[dim], i)
+        plgpu.copy_gmem_to_smem(extra.row_keys.at[at(0, batch), at(1, qh), seq],
                                 rkey_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, seq, qh], do_smem.at[slot], do_bar.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[batch, qh, seq], delta_smem.at[slot], do_bar.at[slot])
@@ -425,7 +429,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _BwdGeometry):
   # After ``g.terms``' inputs, q, k, v, dO and lse: the row term's refs: delta in, or
   # (``g.delta_from_o``) o and optionally dlse in, delta out; then dq_acc in (``g.add_dq``).
-  slopes_ref, row_keys_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, *refs) = g.terms.refs(refs)
+  extra, (q_ref, k_ref, v_ref, do_ref, lse_ref, *refs) = g.terms.refs(refs)
   *io, owned, walked, out2, bars = refs
   outs = 2 if g.delta_from_o else 1
   ins, (dq_ref, *delta_out) = io[:-outs], io[-outs:]
@@ -462,8 +466,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
                      (lse_ref.at[batch, head, seq], lse_own2.at[wg]),
                      (qinfo_ref.at[q_info_b, :, seq], qinfo_own2.at[wg]),
                      *([(row_in.at[batch, head, seq], delta_own)] if row_in is not None else []),
-                     *([(row_keys_ref.at[common.sel(row_keys_ref.shape[0], batch),
-                                         common.sel(row_keys_ref.shape[1], head), seq],
+                     *([(extra.row_keys.at[common.sel(extra.row_keys.shape[0], batch),
+                                           common.sel(extra.row_keys.shape[1], head), seq],
                          rkey_own2.at[wg])] if g.terms.dropout else [])):
       plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg])
     if g.delta_from_o:  # (global loads issued while the copies fly; o is read only here)
@@ -483,7 +487,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
     else:
       delta = load_ref(delta_own, ROWS)
     delta = kept_delta(delta, cfg)
-    slope = slope2(slopes_ref, batch, head)
+    slope = slope2(extra.slopes, batch, head)
     row_keys = load_ref(rkey_own2.at[wg], ROWS) if g.terms.dropout else None
     if g.terms.alibi_split:  # (``terms``: the anchor is the first owned row's position)
       anchor = qinfo_ref[q_info_b, 0, q0]
@@ -497,7 +501,9 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       plgpu.barrier_wait(v_bar.at[slot])
 
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
-      terms = _TileTerms()
+      bias = (bias_tile(extra.tile_bias, batch, head, q0, start, tile)
+              if g.terms.tile_bias_on(masked) else None)
+      terms = _TileTerms(bias=bias)
       if g.with_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
@@ -507,7 +513,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
           split = (broadcast(k_term, tile, 1), q_term)
         terms = _tile_terms(cfg, g, masked, q_info, k_info, k_index,
                             None if row_keys is None else broadcast(row_keys, tile, 0), slope,
-                            split)
+                            split, bias)
       p, dlogits = _probs(s, lse2, terms, cfg, row_axis=0)
       ds = _grad_logits(p, dp, delta, dlogits, row_axis=0,
                         keep_mask=None if terms.keep is None else terms.keep())
@@ -618,7 +624,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                         walked_heads=heads, walk=walk, wide=wide, terms=terms)
 
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
-  infos = (token_info(ops.q_info), key_info(ops), *terms.inputs(ops))
+  # Token info and the score terms' inputs (the dK/dV kernel's tile bias transposed).
+  infos = lambda dkv: (token_info(ops.q_info), key_info(ops), *terms.inputs(ops, dkv))
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
   smem = functools.partial(swizzled_smem, dt)
@@ -648,7 +655,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
                                                   if from_o else [])),
         (n, g.blocks, b), ("heads", "q_seq", "batch"),
-        (plan.kv_index, plan.kv_count, plan.kv_full, *infos, q, k, v, do, lse2,
+        (plan.kv_index, plan.kv_count, plan.kv_full, *infos(False), q, k, v, do, lse2,
          *([delta.o] if from_o else []), *row_in,
          *([] if dq_acc is None else [dq_acc.astype(out_dt)])), cfg=cfg, g=g)
     dq, delta = out if from_o else (out[0], *row_in)
@@ -672,10 +679,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, info_rows, w), i32), plgpu.SMEM((sl, w if drop else 8), i32)),
        swizzled_smem(out_dt, two, rows, hp),
-       (barriers(3, two), barriers(3 + drop, sl), barriers(2, sl), barriers(two, sl), barriers(two, 1),
-        barriers(1, 2) if wide else None, barriers(1, 2) if wide else None)),
+       (barriers(3, two), barriers(3 + drop, sl), barriers(2, sl), barriers(two, sl),
+        barriers(two, 1), barriers(1, 2) if wide else None, barriers(1, 2) if wide else None)),
       (dkv_shape, dkv_shape), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
-      (plan.q_index, plan.q_count, plan.q_full, *infos, q, k, v, do, lse2, delta), cfg=cfg, g=g)
+      (plan.q_index, plan.q_count, plan.q_full, *infos(True), q, k, v, do, lse2, delta), cfg=cfg,
+      g=g)
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
     total = lambda x: functools.reduce(jnp.add, [x[i] for i in range(splits)])
     dk, dv = (total(x).astype(cfg.out_dtype) for x in (dk, dv))

@@ -18,8 +18,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, keep_alive, load_ref, mark_issued, pingpong, row_vector, slot_of,
     swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
-    with_alibi)
+    Terms, bias_tile, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
+    with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, Variants, check_tiles, item_order, ops_call,
     overlaps, persistent_ctas, slots, unsupported)
@@ -77,9 +77,9 @@ def _each_item(g: _Geometry, body, carry):
 
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _Geometry):
-  # refs: ``g.terms``' inputs (ALiBi slopes, dropout row keys), q, k, v, the earlier passes'
+  # refs: ``g.terms``' inputs (``TermRefs``), q, k, v, the earlier passes'
   # (o, lse) when merging, o, lse, and the scoped scratch.
-  slopes_ref, row_keys_ref, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
+  extra, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
   *acc_refs, o_ref, lse_ref, scoped = io
   (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem, rkey_smem2), bars = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
@@ -108,8 +108,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       plgpu.copy_gmem_to_smem(qinfo_ref.at[common.sel(qinfo_ref.shape[0], batch), :,
                                            pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
       if g.terms.dropout:
-        rows_at = lambda dim, i: common.sel(row_keys_ref.shape[dim], i)
-        plgpu.copy_gmem_to_smem(row_keys_ref.at[rows_at(0, batch), rows_at(1, head),
+        rows_at = lambda dim, i: common.sel(extra.row_keys.shape[dim], i)
+        plgpu.copy_gmem_to_smem(extra.row_keys.at[rows_at(0, batch), rows_at(1, head),
                                                 pl.ds(q0, bq)], rkey_smem, q_bar.at[wg])
 
     def item(i, base):
@@ -122,7 +122,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       plgpu.barrier_wait(q_bar.at[wg])
       # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
       q_info = broadcast_info(qinfo_smem, ROWS, (bq, bk), 0, g.info_rows)
-      slope = slope2(slopes_ref, batch, head)
+      slope = slope2(extra.slopes, batch, head)
       if g.terms.alibi_split:  # (``terms``: the anchor is this consumer's first row's position)
         anchor = qinfo_ref[common.sel(qinfo_ref.shape[0], batch), 0, q0]
         q_term = position_term(slope, load_ref(qinfo_smem.at[0], ROWS), anchor)
@@ -146,7 +146,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
           alibi = (slope, q_info[0], k_info[0])
-        s, c = with_alibi(*logits(s_raw, cfg), alibi)
+        bias = (bias_tile(extra.tile_bias, batch, head, q0, k0, (bq, bk))
+                if g.terms.tile_bias_on(masked) else None)
+        s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           s = jnp.where(vis, s, common.NEG_INF)
@@ -172,7 +174,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           return acc_ref[...]
 
         p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                       idx_row[j] * bk if masked else None, slot, m, l, masked)
+                                       idx_row[j] * bk, slot, m, l, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_wait(v_bar.at[slot])
@@ -218,7 +220,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
 
         p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                       idx_row[j] * bk if masked else None, slot, m, l, masked)
+                                       idx_row[j] * bk, slot, m, l, masked)
         if p16_prev is not None:
           plgpu.wgmma_wait(0)
           keep_alive(p16_prev)

@@ -1,4 +1,5 @@
-"""Score terms of the Mosaic GPU kernels beyond ``q.k``: the soft-cap, ALiBi and dropout.
+"""Score terms of the Mosaic GPU kernels beyond ``q.k``: the soft-cap, ALiBi, an additive bias,
+dense masks and dropout.
 
 Every kernel computes base-2 logits ``s * c`` (``logits``). ALiBi subtracts
 ``slope * log2(e) * |q_pos - k_pos|`` from them, with the positions of the token info (exact
@@ -13,20 +14,29 @@ statistics) and the column keys (an extra row of the keys' token info, ``key_inf
 are scaled by ``1 / (1 - rate)`` once per output (``o``, ``dq``, ``dk``, ``dv``), and the
 backward uses ``delta * (1 - rate)`` (``kept_delta``), as the Triton kernels do. Tiles with either
 term read the token info of both sides on every tile, not only on masked ones.
+
+A bias and a dense mask travel as one additive tile term (``tile_bias``): the bias, and ``-inf``
+where the dense mask hides a key (``exp2(-inf) = 0``; rows hidden entirely keep their running max
+at ``NEG_INF`` and give zeros, as every masked row does). Each consumer reads its ``[rows, keys]``
+window of it straight from global memory into registers, on every tile with a bias and on the
+plan's partial tiles with a dense mask alone (its full tiles are all visible); the dK/dV kernel
+reads a transposed copy. Its gradient is computed in XLA for every lowering (``pair.ops_grad``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import token_info
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import load_ref, token_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,30 +46,69 @@ class Terms:
   alibi: bool = False  # ALiBi slopes ``[Ba, N, 1]`` are given
   alibi_split: bool = False  # ALiBi under a causal-type mask: key and query terms (above)
   dropout: bool = False  # dropout keys are given (``cfg.dropout_rate > 0``)
+  bias: bool = False  # an additive bias is given: ``tile_bias`` on every tile
+  dense: bool = False  # a dense mask is given: ``tile_bias`` (on the partial tiles without bias)
 
   @property
   def every_tile_info(self) -> bool:
     """Whether every tile needs the token info of both sides (positions, column keys)."""
     return self.alibi or self.dropout
 
-  def inputs(self, ops: common.Operands) -> tuple:
-    """The kernels' extra inputs, in order: ALiBi slopes float32 ``[Ba, N, 1]``, dropout row keys
-    int32 ``[Bd, Nd, Tp]`` (the column keys travel in ``key_info``)."""
-    return ((ops.alibi.astype(jnp.float32),) if self.alibi else ()) + (
-        (ops.dropout.rows,) if self.dropout else ())
+  def tile_bias_on(self, masked: bool) -> bool:
+    """Whether a tile (``masked``: a partial one) adds the ``tile_bias`` term."""
+    return self.bias or (self.dense and masked)
 
-  def refs(self, refs) -> tuple[Optional[jax.Array], Optional[jax.Array], tuple]:
-    """``(slopes_ref, row_keys_ref, rest)`` from refs that start with ``inputs``."""
-    slopes = refs[0] if self.alibi else None
-    refs = refs[self.alibi:]
-    return slopes, (refs[0] if self.dropout else None), refs[self.dropout:]
+  def inputs(self, ops: common.Operands, transposed: bool = False) -> tuple:
+    """The kernels' extra inputs, in order: ALiBi slopes float32 ``[Ba, N, 1]``, dropout row keys
+    int32 ``[Bd, Nd, Tp]`` (the column keys travel in ``key_info``), ``tile_bias`` (transposed
+    for the dK/dV kernel)."""
+    return ((ops.alibi.astype(jnp.float32),) if self.alibi else ()) + (
+        (ops.dropout.rows,) if self.dropout else ()) + (
+        (tile_bias(ops, transposed),) if self.bias or self.dense else ())
+
+  def refs(self, refs) -> tuple[TermRefs, tuple]:
+    """``(TermRefs, rest)`` from refs that start with ``inputs``."""
+    used = (self.alibi, self.dropout, self.bias or self.dense)
+    it = iter(refs[:sum(used)])
+    return TermRefs(*(next(it) if u else None for u in used)), refs[sum(used):]
+
+
+class TermRefs(NamedTuple):
+  """The kernel refs of ``Terms.inputs`` (None where absent)."""
+
+  slopes: Optional[jax.Array] = None
+  row_keys: Optional[jax.Array] = None
+  tile_bias: Optional[jax.Array] = None
 
 
 def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
   """The ``Terms`` of a call's operands."""
   alibi = ops.alibi is not None
   return Terms(alibi=alibi, alibi_split=alibi and masks_lib.is_causal(cfg.mask),
-               dropout=ops.dropout is not None)
+               dropout=ops.dropout is not None, bias=ops.bias is not None,
+               dense=ops.dense is not None)
+
+
+def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
+  """The additive tile term ``[Bt, Nt, Tp, Sp]`` (``transposed``: ``[Bt, Nt, Sp, Tp]``): the bias
+  (natural-log units, its dtype; at most float32), ``-inf`` where the dense mask hides a key
+  (bfloat16 zeros and ``-inf`` for a dense mask alone)."""
+  x = ops.bias
+  if x is not None and jnp.dtype(x.dtype).itemsize > 4:
+    x = x.astype(jnp.float32)
+  if ops.dense is not None:
+    x = jnp.where(ops.dense, jnp.zeros((), jnp.bfloat16) if x is None else x, -jnp.inf)
+  return jnp.swapaxes(x, 2, 3) if transposed else x
+
+
+def bias_tile(ref, batch, head, rows, cols, shape):
+  """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
+  in base-2 units, read from global memory into the wgmma layout; None without the term."""
+  if ref is None:
+    return None
+  window = ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head),
+                  pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
+  return load_ref(window, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32) * common.LOG2E
 
 
 def key_info(ops: common.Operands) -> jax.Array:
@@ -90,21 +139,25 @@ def logits(qk, cfg: common.KernelConfig):
   return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
 
 
-def with_alibi(s, c, alibi=None):
-  """``(s, c)`` of ``logits`` with ALiBi's term added (None: no ALiBi); ``s`` is then the base-2
-  logit (``c = 1``).
+def with_terms(s, c, alibi=None, bias=None):
+  """``(s, c)`` of ``logits`` with ALiBi's and the tile bias's terms added (None: absent); ``s``
+  is then the base-2 logit (``c = 1``).
 
   Args:
     alibi: ``(slope2, q_pos, k_pos)``, the base-2 slope and the tile's int32 positions broadcast
       to its shape: ``-slope2 * |q_pos - k_pos|``; or, split (above), the keys' term
       (``position_term``) broadcast to the tile.
+    bias: the tile's ``bias_tile`` (base 2).
   """
-  if alibi is None:
+  if alibi is None and bias is None:
     return s, c
-  if not isinstance(alibi, tuple):
-    return s * c + alibi, 1.0
-  slope, q_pos, k_pos = alibi
-  return s * c - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32)), 1.0
+  s = s * c
+  if isinstance(alibi, tuple):
+    slope, q_pos, k_pos = alibi
+    s = s - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32))
+  elif alibi is not None:
+    s = s + alibi
+  return (s if bias is None else s + bias), 1.0
 
 
 def position_term(slope, positions, anchor):

@@ -70,15 +70,7 @@ def unsupported(call: backend.Call) -> Optional[str]:
   head_dim = padded_head_dim(call.head_dim)
   if head_dim % 64 or head_dim > 256:
     return f"head dim {head_dim} (the kernel takes 64, 128 or 256 after padding)"
-  for what, used in call.features:
-    if used and what in UNSERVED:
-      return f"{what} (not implemented in the Mosaic GPU kernels yet)"
   return None
-
-
-# The optional score terms (``backend.Call.features``) these kernels do not apply yet; ALiBi
-# and dropout are served (``terms``).
-UNSERVED = ("a dense mask", "a bias")
 
 
 def ops_call(q, ops: common.Operands) -> backend.Call:
