@@ -514,14 +514,13 @@ def spans(*only):
             implementation="cudnn"))
       flops = 4 * n * visible_pairs(t, kind, window=window or 0) * h * (
           1 if pass_ == "fwd" else 3.5)
-      _span_rows(f"{pass_} {name}", fns, args, flops, "cudnn")
+      _span_rows(f"{pass_} {name}", {i: (f, args) for i, f in fns.items()}, flops, "cudnn")
 
 
-def _span_rows(title, fns, args, flops, base):
-  """Times ``fns`` (label -> compiled function of ``args``) interleaved on the device clock, in
-  batches of at least 50 ms and as calls synchronized one at a time (40 each), and prints each
-  one's median (quartiles), TFLOP/s and the ratio of ``base``'s time to it."""
-  calls = {i: (f, args) for i, f in fns.items()}
+def _span_rows(title, calls, flops, base):
+  """Times ``calls`` (label -> (compiled function, its arguments)) interleaved on the device
+  clock, in batches of at least 50 ms and as calls synchronized one at a time (40 each), and
+  prints each one's median (quartiles), TFLOP/s and the ratio of ``base``'s time to it."""
   for how, batch_s, iters, reps in (("batches", bench.MIN_BATCH_S, 10, 8),
                                     ("one call", 0.0, 1, 40)):
     with bench.clock("device"):
@@ -559,18 +558,31 @@ def features(*only):
         continue
       q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
-      comp = lambda f: _compiled(jax.jit(f) if pass_ == "fwd" else bench.fwd_bwd(f), *args)
-      attn = lambda be, **kw: comp(lambda q, k, v: flash_attention(q, k, v, mask=mask,
-                                                                    backend=be, **kw))
-      fns = {"plain": attn("pallas_mosaic_gpu")}
+
+      def call(f, **kw):
+        """``(compiled, arguments)`` of ``f(q, k, v, **kw)``; the array keyword arguments are
+        passed as arguments (a closed-over bias would be a constant of the program)."""
+        names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
+        g = lambda q, k, v, *x: f(q, k, v, **{**kw, **dict(zip(names, x))})
+        if pass_ == "fwd":
+          step = jax.jit(g)
+        else:
+          step = jax.jit(lambda q, k, v, do, *x: (lambda out, vjp: (out, vjp(do)))(
+              *jax.vjp(lambda q, k, v: g(q, k, v, *x), q, k, v)))
+        full = (*args, *(kw[i] for i in names))
+        return _compiled(step, *full), full
+
+      attn = lambda be: lambda q, k, v, **kw: flash_attention(q, k, v, mask=mask, backend=be,
+                                                              **kw)
+      calls = {"plain": call(attn("pallas_mosaic_gpu"))}
       for feat in feats:
         kw = _FEATURES[feat](n, t)
-        fns[feat] = attn("pallas_mosaic_gpu", **kw)
-        fns[f"triton {feat}"] = attn("pallas_triton", **kw)
-      fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
+        calls[feat] = call(attn("pallas_mosaic_gpu"), **kw)
+        calls[f"triton {feat}"] = call(attn("pallas_triton"), **kw)
+      calls["cudnn"] = call(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
       flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
-      _span_rows(f"{pass_} {name}", fns, args, flops, "plain")
+      _span_rows(f"{pass_} {name}", calls, flops, "plain")
 
 
 def _hlo_lines(f, args, path):
