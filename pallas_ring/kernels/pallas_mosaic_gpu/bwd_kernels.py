@@ -318,11 +318,11 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         slot = slot_of(n, g.slots)
         q, do = q_smem.at[slot], do_smem.at[slot]
         plgpu.barrier_wait(q_bar.at[slot])
-        terms = tile_terms(h, start, slot, masked, keys)  # (its global loads fly meanwhile)
         plgpu.barrier_wait(do_bar.at[slot])
         # s^T = K q^T, dp^T = V dO^T
         s, dp = _products(tile, ((k_own, q), (v_own, do)),
                           functools.partial(meet, sched))
+        terms = tile_terms(h, start, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
         keep_mask = None if terms.keep is None else terms.keep()
         ds = _grad_logits(p, dp, kept_delta(load_ref(delta_smem.at[slot], COLS), cfg), dlogits,
@@ -350,8 +350,8 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         n, dv = carry
         slot, buf = slot_of(n, g.slots), slot_of(n, 2)
         plgpu.barrier_wait(q_bar.at[slot])
-        terms = tile_terms(h, start, slot, masked, keys)  # (its global loads fly meanwhile)
         (s,) = _products(tile, ((k_own, q_smem.at[slot]),))
+        terms = tile_terms(h, start, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
 
         @pl.when(n >= 2)
@@ -497,11 +497,12 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       n, dq = carry
       slot = slot_of(n, g.slots)
       k, v = k_smem.at[slot], v_smem.at[slot]
-      bias = (bias_tile(extra.tile_bias, batch, head, q0, start, tile)  # (loads fly meanwhile)
-              if g.terms.tile_bias_on(masked) else None)
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
+
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
+      bias = (bias_tile(extra.tile_bias, batch, head, q0, start, tile)
+              if g.terms.tile_bias_on(masked) else None)
       terms = _TileTerms(bias=bias)
       if g.with_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)

@@ -127,15 +127,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         anchor = qinfo_ref[common.sel(qinfo_ref.shape[0], batch), 0, q0]
         q_term = position_term(slope, load_ref(qinfo_smem.at[0], ROWS), anchor)
 
-      def tile_bias(k0, masked):
-        """The tile bias term of the tile of keys from ``k0`` (None without one): read at the
-        start of a step, so that its global loads fly while q.k^T runs."""
-        return (bias_tile(extra.tile_bias, batch, head, q0, k0, (bq, bk))
-                if g.terms.tile_bias_on(masked) else None)
-
-      def softmax(s_raw, k0, slot, m, l, masked, bias):
-        """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0`` (with its
-        ``tile_bias``); releases the tile's K slot."""
+      def softmax(s_raw, k0, slot, m, l, masked):
+        """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases
+        the tile's K slot."""
         # The slot's key info is read before the slot is released to the producer (which then
         # overwrites it with a later tile's).
         k_info = (broadcast_info(kinfo_smem.at[slot], COLS, (bq, bk), 1, g.key_rows)
@@ -152,6 +146,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
           alibi = (slope, q_info[0], k_info[0])
+        bias = (bias_tile(extra.tile_bias, batch, head, q0, k0, (bq, bk))
+                if g.terms.tile_bias_on(masked) else None)
         s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
@@ -171,7 +167,6 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
         acc, m, l = carry
         slot = at(j)
-        bias = tile_bias(idx_row[j] * bk, masked)
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -179,7 +174,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           return acc_ref[...]
 
         p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                       idx_row[j] * bk, slot, m, l, masked, bias)
+                                       idx_row[j] * bk, slot, m, l, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_wait(v_bar.at[slot])
@@ -212,7 +207,6 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         ``o_ref``, and returns tile j's ``(p16, m, l)`` from its softmax, run while p.v runs;
         then waits for p.v and rescales ``o_ref``."""
         slot, prev = at(j), at(j + g.slots - 1)
-        bias = tile_bias(idx_row[j] * bk, masked)
         plgpu.barrier_wait(k_bar.at[slot])
         wait_to_issue()
 
@@ -226,7 +220,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
 
         p16, m_new, l, alpha = softmax(pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)),
-                                       idx_row[j] * bk, slot, m, l, masked, bias)
+                                       idx_row[j] * bk, slot, m, l, masked)
         if p16_prev is not None:
           plgpu.wgmma_wait(0)
           keep_alive(p16_prev)
