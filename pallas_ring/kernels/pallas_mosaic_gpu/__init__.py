@@ -21,15 +21,15 @@ when given a ``common.RowTerm``. For backward tiles other than 128 x 128 it is
 ``pallas_triton``'s on the same plan (``backward_unsupported`` says why; the contract allows
 different lowerings per pass).
 
-ALiBi and dropout are applied in every kernel (``terms``). Not served here (``unsupported`` says
-why; ``backend="auto"`` then uses ``pallas_triton``): dense masks, bias, float32 inputs, GPUs
-before sm_90.
+Every score term (soft-cap, ALiBi, bias, dense masks, dropout) is applied in every kernel
+(``terms``). Not served here (``unsupported`` says why; ``backend="auto"`` then uses
+``pallas_triton``): float32 inputs, GPUs before sm_90.
 
 One module per concern, as FlashAttention-3's ``hopper/``:
 
 * ``tiles``: sizes, the shared-memory budget, what is served, the kernel ``Variants`` and rules;
 * ``pipeline``: shared-memory tiles and slots, token info, named barriers, the consumers' schedule;
-* ``terms``: the score terms beyond ``q.k`` (soft-cap, ALiBi, dropout) and their inputs;
+* ``terms``: the score terms beyond ``q.k`` (soft-cap, ALiBi, bias, dense masks, dropout);
 * ``fwd_kernel``: work items, the main loop (serial and overlapped walks), producer, epilogue;
 * ``bwd_kernels``: the dK/dV and dQ kernels;
 * this module: the backend object (``BACKEND``) registered in ``pallas_ring.kernels``.
