@@ -16,7 +16,7 @@ from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, load_ref, meet, pingpong, slot_of, swizzled_smem, token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, bias_tile, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2,
+    Terms, bias_window, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2,
     terms_of, with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
@@ -73,7 +73,7 @@ class _BwdGeometry:
   splits: int = 1  # dK/dV: CTAs sharing a kv block's query heads (each walks walked_heads)
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
-  terms: Terms = Terms()  # ALiBi / dropout (``terms``)
+  terms: Terms = Terms()  # score terms: ALiBi, bias, dense mask, dropout (``terms``)
 
   rows = BWD_ROWS  # owned rows per warpgroup
 
@@ -172,7 +172,7 @@ class _TileTerms(NamedTuple):
   alibi: Any = None
   lse_shift: Any = None
   keep: Any = None
-  bias: Any = None  # the tile's ``bias_tile``
+  bias: Any = None  # the tile's ``bias_window``
 
 
 def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys, slope=None,
@@ -180,7 +180,7 @@ def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys,
   """The ``_TileTerms`` of a tile from its sides' token info (broadcast to the tile, queries'
   rows then keys': positions, segment ids, and the keys' dropout column keys), the broadcast
   dropout ``row_keys``, ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
-  tile, query term)`` (``terms.position_term``), and its ``bias_tile``."""
+  tile, query term)`` (``terms.position_term``), and its ``bias_window``."""
   vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
                              *k_info[1:g.info_rows]) if masked else None)
   alibi, lse_shift = split if split is not None else (
@@ -289,7 +289,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``, queries from
     ``start``)."""
     k0, k_info, k_index, split_keys = keys
-    bias = (bias_tile(extra.tile_bias, batch, q_head(h), k0, start, tile)
+    bias = (bias_window(extra.tile_bias, batch, q_head(h), k0, start, tile)
             if g.terms.tile_bias_on(masked) else None)
     if not g.with_info(masked):
       return _TileTerms(bias=bias)
@@ -501,7 +501,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       plgpu.barrier_wait(v_bar.at[slot])
 
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
-      bias = (bias_tile(extra.tile_bias, batch, head, q0, start, tile)
+      bias = (bias_window(extra.tile_bias, batch, head, q0, start, tile)
               if g.terms.tile_bias_on(masked) else None)
       terms = _TileTerms(bias=bias)
       if g.with_info(masked):

@@ -18,7 +18,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, keep_alive, load_ref, mark_issued, pingpong, row_vector, slot_of,
     swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, bias_tile, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
+    Terms, bias_window, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
     with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, Variants, check_tiles, item_order, ops_call,
@@ -43,7 +43,7 @@ class _Geometry:
   merge: bool = False  # merge into the earlier passes' (o, lse) (``common.Partial``)
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
   order: str = "heads"  # work items' launch order (``item_order``)
-  terms: Terms = Terms()  # ALiBi / dropout (``terms``)
+  terms: Terms = Terms()  # score terms: ALiBi, bias, dense mask, dropout (``terms``)
 
   @property
   def key_rows(self) -> int:
@@ -146,7 +146,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
           alibi = (slope, q_info[0], k_info[0])
-        bias = (bias_tile(extra.tile_bias, batch, head, q0, k0, (bq, bk))
+        bias = (bias_window(extra.tile_bias, batch, head, q0, k0, (bq, bk))
                 if g.terms.tile_bias_on(masked) else None)
         s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])

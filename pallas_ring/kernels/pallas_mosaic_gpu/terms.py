@@ -101,7 +101,7 @@ def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
   return jnp.swapaxes(x, 2, 3) if transposed else x
 
 
-def bias_tile(ref, batch, head, rows, cols, shape):
+def bias_window(ref, batch, head, rows, cols, shape):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
   in base-2 units, read from global memory into the wgmma layout; None without the term."""
   if ref is None:
@@ -147,7 +147,7 @@ def with_terms(s, c, alibi=None, bias=None):
     alibi: ``(slope2, q_pos, k_pos)``, the base-2 slope and the tile's int32 positions broadcast
       to its shape: ``-slope2 * |q_pos - k_pos|``; or, split (above), the keys' term
       (``position_term``) broadcast to the tile.
-    bias: the tile's ``bias_tile`` (base 2).
+    bias: the tile's ``bias_window`` (base 2).
   """
   if alibi is None and bias is None:
     return s, c
