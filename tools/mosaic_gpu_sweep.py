@@ -564,11 +564,12 @@ def features(*only):
         passed as arguments (a closed-over bias would be a constant of the program)."""
         names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
         g = lambda q, k, v, *x: f(q, k, v, **{**kw, **dict(zip(names, x))})
-        if pass_ == "fwd":
-          step = jax.jit(g)
-        else:
-          step = jax.jit(lambda q, k, v, do, *x: (lambda out, vjp: (out, vjp(do)))(
-              *jax.vjp(lambda q, k, v: g(q, k, v, *x), q, k, v)))
+
+        def fwd_bwd(q, k, v, do, *x):  # (bench.fwd_bwd with the extra arguments)
+          out, vjp = jax.vjp(lambda q, k, v: g(q, k, v, *x), q, k, v)
+          return out, vjp(do)
+
+        step = jax.jit(g if pass_ == "fwd" else fwd_bwd)
         full = (*args, *(kw[i] for i in names))
         return _compiled(step, *full), full
 

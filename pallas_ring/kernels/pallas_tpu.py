@@ -494,9 +494,10 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
+    q = heads.q.get(q_ref, h)  # (once per head, not per key chunk)
 
     def chunk(keys, offset):
-      s = _capped_logits(cfg, heads.q.get(q_ref, h), heads.kv.get(k_ref, c, keys))
+      s = _capped_logits(cfg, q, heads.kv.get(k_ref, c, keys))
       s, keep = _tile(cfg, info, h, s, k_block * cfg.block_kv + offset, keys, masked)
       m_prev = m_sc[h]  # [bq, 128]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -640,12 +641,13 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
+    q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)  # (once per head, not per key chunk)
 
     def chunk(keys, offset):
       k = heads.kv.get(k_ref, c, keys)
-      p, s, keep = _probs(cfg, info, h, heads.q.get(q_ref, h), k, stats.load(lse_ref, h),
+      p, s, keep = _probs(cfg, info, h, q, k, stats.load(lse_ref, h),
                           k_block * cfg.block_kv_bwd + offset, keys, masked)
-      dp = jax.lax.dot_general(heads.q.get(do_ref, h), heads.kv.get(v_ref, c, keys), _NT,
+      dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c, keys), _NT,
                                preferred_element_type=jnp.float32)
       ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
             * common.softcap_grad(s, cfg))

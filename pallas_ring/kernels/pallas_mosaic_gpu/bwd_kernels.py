@@ -14,7 +14,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
-    COLS, ROWS, broadcast_info, load_ref, meet, pingpong, slot_of, swizzled_smem, token_info)
+    COLS, ROWS, broadcast_info, head_view, load_ref, meet, pingpong, slot_of, swizzled_smem,
+    token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, bias_window, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2,
     terms_of, with_terms)
@@ -174,6 +175,10 @@ class _TileTerms(NamedTuple):
   keep: Any = None
   bias: Any = None  # the tile's ``bias_window``
 
+  def keep_mask(self):
+    """Dropout's keep mask of the tile (computed now), or None without dropout."""
+    return None if self.keep is None else self.keep()
+
 
 def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys, slope=None,
                 split=None, bias=None):
@@ -254,7 +259,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
   tile = (rows, g.walk)  # [keys, queries]
 
   def plan_row(h):
-    at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], q_head(h))]
+    at = lambda ref: head_view(ref, batch, q_head(h))
     blk = g.plan_block(kj)
     return at(idx_ref).at[blk], at(cnt_ref)[blk], at(full_ref)[blk]
 
@@ -289,8 +294,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``, queries from
     ``start``)."""
     k0, k_info, k_index, split_keys = keys
-    bias = (bias_window(extra.tile_bias, batch, q_head(h), k0, start, tile)
-            if g.terms.tile_bias_on(masked) else None)
+    bias = bias_window(g.terms, extra.tile_bias, masked, batch, q_head(h), k0, start, tile)
     if not g.with_info(masked):
       return _TileTerms(bias=bias)
     q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
@@ -324,7 +328,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                           functools.partial(meet, sched))
         terms = tile_terms(h, start, slot, masked, keys)
         p, dlogits = _probs(s, load_ref(lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
-        keep_mask = None if terms.keep is None else terms.keep()
+        keep_mask = terms.keep_mask()
         ds = _grad_logits(p, dp, kept_delta(load_ref(delta_smem.at[slot], COLS), cfg), dlogits,
                           row_axis=1, keep_mask=keep_mask)
         p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype),
@@ -360,7 +364,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 
         # (soft-cap folded; with dropout, dropped terms negated: ``_signed_grad_logits``)
         ps = p if dlogits is None else p * dlogits
-        keep_mask = None if terms.keep is None else terms.keep()
+        keep_mask = terms.keep_mask()
         p_smem.at[buf][...] = (ps if keep_mask is None else jnp.where(keep_mask, ps, -ps)
                                ).astype(g.dtype)
         plgpu.barrier_arrive(p_full.at[buf])
@@ -416,8 +420,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       else:
         plgpu.barrier_arrive(q_bar.at[slot])  # the phase's third arrival, without data
       if g.terms.dropout:
-        at = lambda dim, i: common.sel(extra.row_keys.shape[dim], i)
-        plgpu.copy_gmem_to_smem(extra.row_keys.at[at(0, batch), at(1, qh), seq],
+        plgpu.copy_gmem_to_smem(head_view(extra.row_keys, batch, qh).at[seq],
                                 rkey_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, seq, qh], do_smem.at[slot], do_bar.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[batch, qh, seq], delta_smem.at[slot], do_bar.at[slot])
@@ -451,7 +454,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
 
   def plan_row(h):
     del h
-    at = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
+    at = lambda ref: head_view(ref, batch, head)
     blk = g.plan_block(qi)
     return at(idx_ref).at[blk], at(cnt_ref)[blk], at(full_ref)[blk]
 
@@ -466,9 +469,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
                      (lse_ref.at[batch, head, seq], lse_own2.at[wg]),
                      (qinfo_ref.at[q_info_b, :, seq], qinfo_own2.at[wg]),
                      *([(row_in.at[batch, head, seq], delta_own)] if row_in is not None else []),
-                     *([(extra.row_keys.at[common.sel(extra.row_keys.shape[0], batch),
-                                           common.sel(extra.row_keys.shape[1], head), seq],
-                         rkey_own2.at[wg])] if g.terms.dropout else [])):
+                     *([(head_view(extra.row_keys, batch, head).at[seq], rkey_own2.at[wg])]
+                       if g.terms.dropout else [])):
       plgpu.copy_gmem_to_smem(src, dst, own_bar.at[wg])
     if g.delta_from_o:  # (global loads issued while the copies fly; o is read only here)
       o = load_ref(o_ref.at[own], plgpu.Layout.WGMMA, optimized=False)
@@ -501,8 +503,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       plgpu.barrier_wait(v_bar.at[slot])
 
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
-      bias = (bias_window(extra.tile_bias, batch, head, q0, start, tile)
-              if g.terms.tile_bias_on(masked) else None)
+      bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, start, tile)
       terms = _TileTerms(bias=bias)
       if g.with_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
@@ -516,7 +517,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
                             split, bias)
       p, dlogits = _probs(s, lse2, terms, cfg, row_axis=0)
       ds = _grad_logits(p, dp, delta, dlogits, row_axis=0,
-                        keep_mask=None if terms.keep is None else terms.keep())
+                        keep_mask=terms.keep_mask())
       (dq,) = _accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
       plgpu.barrier_arrive(free.at[slot])
       return n + 1, dq

@@ -15,8 +15,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common, pallas_triton
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
-    COLS, ROWS, broadcast_info, keep_alive, load_ref, mark_issued, pingpong, row_vector, slot_of,
-    swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
+    COLS, ROWS, broadcast_info, head_view, keep_alive, load_ref, mark_issued, pingpong,
+    row_vector, slot_of, swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, bias_window, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
     with_terms)
@@ -88,7 +88,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 
   def plan_row(batch, head, qi):
     """``(kv index row, count, n_full)`` of an item's plan row."""
-    lists = lambda ref: ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
+    lists = lambda ref: head_view(ref, batch, head)
     return lists(idx_ref).at[qi], lists(cnt_ref)[qi], lists(full_ref)[qi]
 
   @pl.when(wg < COMPUTE_WGS)
@@ -108,9 +108,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       plgpu.copy_gmem_to_smem(qinfo_ref.at[common.sel(qinfo_ref.shape[0], batch), :,
                                            pl.ds(q0, bq)], qinfo_smem, q_bar.at[wg])
       if g.terms.dropout:
-        rows_at = lambda dim, i: common.sel(extra.row_keys.shape[dim], i)
-        plgpu.copy_gmem_to_smem(extra.row_keys.at[rows_at(0, batch), rows_at(1, head),
-                                                pl.ds(q0, bq)], rkey_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(head_view(extra.row_keys, batch, head).at[pl.ds(q0, bq)],
+                                rkey_smem, q_bar.at[wg])
 
     def item(i, base):
       """This consumer's rows of item ``i``; ``base`` counts the CTA's earlier tiles (the slot
@@ -146,8 +145,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
           alibi = (slope, q_info[0], k_info[0])
-        bias = (bias_window(extra.tile_bias, batch, head, q0, k0, (bq, bk))
-                if g.terms.tile_bias_on(masked) else None)
+        bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, k0, (bq, bk))
         s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:

@@ -21,6 +21,8 @@ except ImportError:  # a JAX without it: the forward keeps the serial walk (``ti
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
+from pallas_ring.kernels import common
+
 # Layouts of a wgmma accumulator's row and column vectors.
 ROWS, COLS = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -57,6 +59,12 @@ def swizzled_smem(dtype, *shape):
 def broadcast_info(ref, layout, shape, dim, info_rows):
   """Token-info rows (positions, then segment ids) of a tile, broadcast to ``shape``."""
   return [lax.broadcast_in_dim(load_ref(ref.at[f], layout), shape, [dim]) for f in range(info_rows)]
+
+
+def head_view(ref, batch, head):
+  """The (batch, head) slice of a ``[Bx, Nx, ...]`` input whose leading axes may be broadcast
+  (size 1: index 0): plan lists, dropout row keys, the tile bias."""
+  return ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
 
 
 def token_info(info) -> jax.Array:

@@ -36,7 +36,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import load_ref, token_info
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import head_view, load_ref, token_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +101,13 @@ def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
   return jnp.swapaxes(x, 2, 3) if transposed else x
 
 
-def bias_window(ref, batch, head, rows, cols, shape):
+def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
-  in base-2 units, read from global memory into the wgmma layout; None without the term."""
-  if ref is None:
+  in base-2 units, read from global memory into the wgmma layout; None where the tile adds no
+  such term (``Terms.tile_bias_on``)."""
+  if not terms.tile_bias_on(masked):
     return None
-  window = ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head),
-                  pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
+  window = head_view(ref, batch, head).at[pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
   return load_ref(window, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32) * common.LOG2E
 
 
