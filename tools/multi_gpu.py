@@ -5,7 +5,9 @@
 2. the sequence-parallel strategies at 32k tokens per GPU, MHA 16/16 and GQA 32/8, against
    all-gather + cuDNN and one GPU doing the same work (``bench.ring``).
 
-    PYTHONPATH=. python tools/multi_gpu.py [decode,ring,gqa] [TOKENS_PER_GPU]
+    PYTHONPATH=. python tools/multi_gpu.py [decode,ring,gqa,causal] [TOKENS_PER_GPU]
+
+(``causal``: only the causal ring layouts, contiguous against zigzag, MHA 16/16.)
 
 Logs each row as it is measured; the table at the end.
 """
@@ -31,6 +33,9 @@ def main(parts=("decode", "ring", "gqa"), tokens=32768):
     if "gqa" in parts:
       rows += bench.ring((tokens,), n=32, kv_heads=8, log=log,
                          cases=(("ring", "contiguous", False), ("ring", "zigzag", True)))
+    if "causal" in parts:
+      rows += bench.ring((tokens,), n=16, log=log,
+                         cases=(("ring", "contiguous", True), ("ring", "zigzag", True)))
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r.case} | {r.impl} | {r.pass_} | {r.ms:.3f} | {r.tflops:.1f} | {r.ratio} |")
