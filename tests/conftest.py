@@ -144,14 +144,14 @@ def ring_step(case, backend, interpret, variants=None):
   return step, plain, args
 
 
-def check_ring_step(case, backend, interpret):
+def check_ring_step(case, backend, interpret, variants=None):
   """Checks ``ring_step``: given running results (random, with rows no earlier pass saw: lse
   -inf, o 0) a lowering's forward and backward equal ``common.merge`` and an add after its plain
-  calls."""
+  calls (dK/dV bitwise where deterministic; ``variants``: the backend's kernel variants)."""
   import jax
   import jax.numpy as jnp
   from pallas_ring.kernels import common
-  step, plain, args = ring_step(case, backend, interpret)
+  step, plain, args = ring_step(case, backend, interpret, variants)
   rng = np.random.default_rng(11)
   q, k, v, do = (jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in args[:4])
   seg = jnp.asarray(np.sort(rng.integers(0, 4, args[4].shape), axis=1), jnp.int32)
@@ -170,5 +170,8 @@ def check_ring_step(case, backend, interpret):
   fin = np.isfinite(np.asarray(lse_ref))
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_ref)[fin], rtol=1e-5)
   assert rel_err(dq, dq_acc + dq1) < 1e-6
-  np.testing.assert_array_equal(np.asarray(dk), np.asarray(dk1))
-  np.testing.assert_array_equal(np.asarray(dv), np.asarray(dv1))
+  if getattr(variants, "deterministic", True):
+    np.testing.assert_array_equal(np.asarray(dk), np.asarray(dk1))
+    np.testing.assert_array_equal(np.asarray(dv), np.asarray(dv1))
+  else:  # (XLA computes delta for the fused kernel: its sum's order may differ per program)
+    assert rel_err(dk, dk1) < 1e-5 and rel_err(dv, dv1) < 1e-5

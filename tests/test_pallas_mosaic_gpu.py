@@ -477,6 +477,37 @@ def test_native_x64_gives_the_same_bits(name, ctas):
     np.testing.assert_array_equal(a, b)
 
 
+REDUCE_ADD = "cp.reduce.async.bulk.tensor"  # a TMA reduce-add (the fused backward's dQ)
+
+
+@pytest.mark.parametrize("name, terms", [("causal_gqa", False), ("softcap_h64", False),
+                                         ("window_mqa", False), ("documents", True),
+                                         ("full_odd_lengths", True), ("h256", False)])
+def test_fused_backward_lowers_as_one_kernel(name, terms):
+  """``Variants(deterministic=False)``: gradients run the forward and one fused backward kernel
+  that reduce-adds dQ (no dQ kernel, no Triton; with every score term, and with the dK/dV split
+  of few kv heads); above head dim 128 the two deterministic kernels stay."""
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+  f = _attention({**kw, **(_terms(name, bias=True, dense=True) if terms else {})},
+                 deterministic=False)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = _lower(grad, *args, *seg)
+  wide = CASES[name][5] > 128
+  assert text.count(MOSAIC) == (3 if wide else 2) and TRITON not in text
+  assert (REDUCE_ADD in text) != wide
+
+
+def test_fused_backward_adds_the_rings_running_dq():
+  """A ring step's fused backward starts dQ from the running dq (no add after the kernel)."""
+  step, _, args = ring_step(CASES["causal_gqa"], "pallas_mosaic_gpu", interpret=False,
+                            variants=Variants(deterministic=False))
+  text = _lower(step, *args)
+  assert text.count(MOSAIC) == 3 and REDUCE_ADD in text  # two forwards, the fused backward
+  rows = "tensor<" + "x".join(map(str, args[7].shape)) + "xf32>"  # dq's shape
+  assert not any("= stablehlo.add " in line and rows in line for line in text.splitlines())
+
+
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
@@ -535,6 +566,48 @@ def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense
   for a, b, r in zip(got, again, ref):
     assert rel_err(a, r) < 2e-2
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name, terms", [("causal_gqa", False), ("documents", False),
+                                         ("softcap_h64", False), ("full_odd_lengths", False),
+                                         ("window_mqa", False), ("h96_padded_fp16", False),
+                                         ("causal_gqa", True),
+                                         ("softcap_h64", True)])
+def test_native_fused_backward_matches(name, terms):
+  """The fused backward (``deterministic=False``): gradients against the float32 xla backend and
+  the deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with
+  ALiBi, dropout, a bias and a dense mask where ``terms``."""
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  rng = np.random.default_rng(8)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+  kw = dict(mask=mask, softcap=cap, **(_terms(name, rate=0.3, bias=True, dense=True)
+                                        if terms else {}))
+  if segs:
+    kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
+
+  def grads(backend, *args, **variants):
+    bs = BlockSizes(variants=Variants(**variants)) if variants else None
+    loss = lambda *a: jnp.sum(flash_attention(*a, backend=backend, block_sizes=bs, **kw).astype(
+        jnp.float32) * do)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False)
+  det = grads("pallas_mosaic_gpu", q, k, v)
+  ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+  for a, d, r in zip(fused, det, ref):
+    assert rel_err(a, r) < 2e-2 and rel_err(a, d) < 5e-3
+    assert not np.isnan(np.asarray(a, np.float32)).any()
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+def test_native_fused_backward_adds_the_rings_running_dq():
+  check_ring_step(CASES["documents"], "pallas_mosaic_gpu", interpret=False,
+                  variants=Variants(deterministic=False))
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

@@ -49,6 +49,12 @@ from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
 #     one's elementwise work overlaps the other's matmuls.
 #   dQ: one consumer owns the CTA's 64 rows (two sets of q, dO and K/V slots do not fit in
 #     shared memory).
+# Variants(deterministic=False), head dims <= 128: one fused kernel. The dK/dV consumers also
+# write each tile's ds^T to shared memory and add ds K of their 64 keys to a float32 dQ in
+# global memory by a TMA reduce-add through a staging tile, in whatever order the CTAs reach
+# it: dQ is not bitwise reproducible, and q.k^T and dO.v^T are computed once instead of twice
+# (5 matmuls per tile instead of 7). Where registers allow (``Variants.dq_with_dkv_up_to``) the
+# ds^T K matmul is issued with dV's and dK's, else after them. Measured in BENCHMARKS.md.
 # In every kernel the output staging tiles share memory with the walked slots (plgpu.RefUnion):
 # the consumers meet once both are done with the slots, then write. This leaves room for longer
 # walked tiles (dQ at H=128: 128 keys, wgmmas of N = 128) or more slots.
@@ -74,6 +80,8 @@ class _BwdGeometry:
   splits: int = 1  # dK/dV: CTAs sharing a kv block's query heads (each walks walked_heads)
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
+  fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
+  dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   terms: Terms = Terms()  # score terms: ALiBi, bias, dense mask, dropout (``terms``)
 
   rows = BWD_ROWS  # owned rows per warpgroup
@@ -240,8 +248,11 @@ def _finish(done, stage, *results):
 
 def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _BwdGeometry):
   extra, refs = g.terms.refs(refs)  # (``TermRefs``; the dK/dV kernel's tile bias: transposed)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, owned, walked, out2, bars = refs
-  k_own2, v_own2, kinfo_own2, p_smem = owned  # p_smem: the wide kernel's p^T buffers
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+  dq_ref = refs.pop(0) if g.fused_dq else None  # (fused: the float32 dQ, a mutable input)
+  dk_ref, dv_ref, owned, walked, out2, bars = refs
+  # p_smem: the wide kernel's p^T buffers; dq_smem: the fused kernel's ds^T tiles and dQ staging
+  k_own2, v_own2, kinfo_own2, p_smem, dq_smem = owned
   q_smem, do_smem, lse_smem, delta_smem, qinfo_smem, rkey_smem = walked
   own_bar, q_bar, do_bar, free, sched, p_full, p_free = bars
   batch, wg = lax.axis_index("batch"), lax.axis_index("wg")
@@ -317,6 +328,23 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       plgpu.set_max_registers(CONSUMER_REGS, action="increase")
       own, keys = own_keys()
 
+      def stage_ds(ds):
+        """Fused: this consumer's ``ds^T`` tile to shared memory (the A operand of ds^T K)."""
+        ds_t = dq_smem[0].at[wg]
+        ds_t[...] = ds
+        plgpu.commit_smem()
+        return (_zeros((g.walk, g.head_dim)), ds_t.transpose((1, 0)), k_own)
+
+      def add_dq(dq, h, start):
+        """Fused: ``dq[start:start + walk] += dq`` (``ds^T K`` over this consumer's keys) by a
+        TMA reduce-add from its staging tile, once the previous one has read it."""
+        stage = dq_smem[1].at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage[...] = dq * (cfg.scale * cfg.keep_scale)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, dq_ref.at[batch, pl.ds(start, g.walk), q_head(h)],
+                                reduction_op="add")
+
       def body(h, start, masked, carry):
         n, dk, dv = carry
         slot = slot_of(n, g.slots)
@@ -334,8 +362,15 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype),
                                           ds.astype(g.dtype)))
         meet(sched)  # the other warpgroup's matmuls are issued
-        dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
+        if g.dq_with_dkv:
+          dv, dk, dq = _accumulate(((dv, p, do), (dk, ds, q), stage_ds(ds)))
+        else:
+          dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
         plgpu.barrier_arrive(free.at[slot])
+        if g.fused_dq:
+          if not g.dq_with_dkv:
+            (dq,) = _accumulate((stage_ds(ds),))
+          add_dq(dq, h, start)
         return n + 1, dk, dv
 
       acc = _zeros((rows, g.head_dim))
@@ -563,10 +598,18 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
     pl.run_scoped(lambda own, sh, b: kernel(*refs, own, *sh, b, cfg=cfg, g=g),
                   owned, shared, bars, collective_axes="wg")
 
-  return plgpu.kernel(
-      entry, out_type=out_shapes, grid=grid, grid_names=grid_names,
-      num_threads=consumers + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+  params = plgpu.CompilerParams(approx_math=True)
+  if not g.fused_dq:
+    return plgpu.kernel(entry, out_type=out_shapes, grid=grid, grid_names=grid_names,
+                        num_threads=consumers + 1, thread_name="wg", compiler_params=params)(*args)
+  # The fused kernel adds to dQ in place: its last argument, float32, is the start of a ref that
+  # it updates, as are dK/dV (``pl.run_state``; ``pl.kernel`` aliases ref arguments, which
+  # plgpu.kernel's batching wrapper does not take). Returns ``(dq, *outputs)``.
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=consumers + 1,
+                    thread_name="wg")
+  run = lambda refs: pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(
+      *args[:-1], *refs)
+  return pl.run_state(run)((args[-1], *(jnp.zeros(o.shape, o.dtype) for o in out_shapes)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
@@ -598,10 +641,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32
   tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
 
-  def geometry(dkv: bool, seq, heads, walk=None, staged=out_dt):
+  def geometry(dkv: bool, seq, heads, walk=None, staged=out_dt, fused=False):
     """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time (default
     ``variants.dkv_walk_rows`` / ``dq_walk_rows``) in as many slots as fit beside its owned
-    tiles (the output staging tiles, of dtype ``staged``, alias the slots)."""
+    tiles (the output staging tiles, of dtype ``staged``, alias the slots); ``fused``: the
+    fused dK/dV kernel's."""
     wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
     owners = _owners(wide)
     if walk is None:
@@ -613,16 +657,19 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     owned = owners * (2 * tile_bytes + 4 * rows * (info_rows if dkv else 2 + info_rows) +
                       4 * rows * drop)
     owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
+    # Fused: ds^T and the dQ staging tiles (float32) of each owner.
+    owned += owners * walk * (rows * dt.itemsize + 4 * hp) if fused else 0
     staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
     per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows + drop))
     room = SMEM_BYTES - owned
     n_slots = min(4, room // per_slot)
     if n_slots < 2 and walk > rows:  # shorter walked tiles
-      return geometry(dkv, seq, heads, rows, staged)
+      return geometry(dkv, seq, heads, rows, staged, fused)
     assert n_slots >= 2 and staging <= room, (hp, out_dt)  # (holds for every served head dim)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
                         info_rows=info_rows, blocks=seq // (owners * rows),
-                        walked_heads=heads, walk=walk, wide=wide, terms=terms)
+                        walked_heads=heads, walk=walk, wide=wide, terms=terms, fused_dq=fused,
+                        dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to)
 
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # Token info and the score terms' inputs (the dK/dV kernel's tile bias transposed).
@@ -634,10 +681,13 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # dQ first: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V. Given
   # a RowTerm it computes delta from o and returns it for the dK/dV kernel (H100, 16 causal
   # documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's separate pass).
-  if not variants.delta_in_dq or not want_dq:
+  # Fused (``Variants.deterministic=False``): no dQ kernel; the dK/dV kernel adds to dQ.
+  fused = (not variants.deterministic and want_dq and want_dkv and
+           hp <= variants.wide_dkv_above)
+  if not variants.delta_in_dq or not want_dq or fused:
     delta = common.delta_array(delta, do)
   dq = None
-  if want_dq:
+  if want_dq and not fused:
     from_o = isinstance(delta, common.RowTerm)
     row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
     row_in = () if row_in is None else (row_in.astype(f32),)
@@ -665,27 +715,34 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   # dK/dV: the owned tiles are K/V, the walked ones q, dO, lse, delta (and q token info).
   group = n // kh
-  g = geometry(True, sp, group)
+  g = geometry(True, sp, group, fused=fused)
   splits = dkv_head_splits(group, kh * g.blocks * b, variants)
   if splits > 1:  # float32 partials
     out_dt = jnp.dtype(f32)
-    g = dataclasses.replace(geometry(True, sp, group // splits, staged=f32), splits=splits)
+    g = dataclasses.replace(geometry(True, sp, group // splits, staged=f32, fused=fused),
+                            splits=splits)
   sl, w, two, wide = g.slots, g.walk, COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
+  dq_smem, dq_in = None, ()
+  if fused:  # a ds^T tile and a dQ staging tile per consumer; dQ's start
+    dq_smem = (smem(two, rows, w), swizzled_smem(f32, two, w, hp))
+    dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
   dkv_shape = jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, hp), out_dt)
-  dk, dv = _bwd_call(
+  *dq_out, dk, dv = _bwd_call(
       _dkv_kernel, two,
       ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, g.key_rows, rows), i32),
-        smem(2, rows, w) if wide else None),
+        smem(2, rows, w) if wide else None, dq_smem),
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, info_rows, w), i32), plgpu.SMEM((sl, w if drop else 8), i32)),
        swizzled_smem(out_dt, two, rows, hp),
        (barriers(3, two), barriers(3 + drop, sl), barriers(2, sl), barriers(two, sl),
         barriers(two, 1), barriers(1, 2) if wide else None, barriers(1, 2) if wide else None)),
       (dkv_shape, dkv_shape), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
-      (plan.q_index, plan.q_count, plan.q_full, *infos(True), q, k, v, do, lse2, delta), cfg=cfg,
-      g=g)
+      (plan.q_index, plan.q_count, plan.q_full, *infos(True), q, k, v, do, lse2, delta, *dq_in),
+      cfg=cfg, g=g)
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
     total = lambda x: functools.reduce(jnp.add, [x[i] for i in range(splits)])
     dk, dv = (total(x).astype(cfg.out_dtype) for x in (dk, dv))
+  if fused:
+    dq = dq_out[0].astype(cfg.out_dtype)
   return common.accumulated(None, (dq, dk, dv), dkv_acc)

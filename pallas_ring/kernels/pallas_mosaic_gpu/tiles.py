@@ -48,6 +48,13 @@ class Variants:
   dkv_head_splits: Optional[int] = None
   dkv_min_waves: int = 4  # the rule splits below this many waves of dK/dV CTAs (one per SM)
   dkv_max_splits: int = 4  # ... into at most this many CTAs per kv block
+  # False: one fused backward kernel at head dims <= 128 (``bwd_kernels``): the dK/dV kernel
+  # also adds each tile's ds^T K to a float32 dQ by atomic (TMA reduce) adds, in no fixed order,
+  # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible.
+  deterministic: bool = True
+  # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
+  # (above, their registers do not fit beside its float32 result: after them).
+  dq_with_dkv_up_to: int = 64
 
   def __post_init__(self):
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
