@@ -498,6 +498,16 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
   assert (REDUCE_ADD in text) != wide
 
 
+def test_fused_backward_lowers_under_vmap():
+  """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
+  args, _, kw = _structs("causal_gqa")
+  f = _attention(kw, deterministic=False)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in args]
+  text = _lower(jax.vmap(grad), *batched)
+  assert text.count(MOSAIC) == 2 and REDUCE_ADD in text and "stablehlo.while" in text
+
+
 def test_fused_backward_adds_the_rings_running_dq():
   """A ring step's fused backward starts dQ from the running dq (no add after the kernel)."""
   step, _, args = ring_step(CASES["causal_gqa"], "pallas_mosaic_gpu", interpret=False,

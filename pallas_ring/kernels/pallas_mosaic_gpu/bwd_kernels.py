@@ -604,20 +604,32 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
                         num_threads=consumers + 1, thread_name="wg", compiler_params=params)(*args)
   # The fused kernel adds to dQ in place: its last argument, float32, is the start of a ref that
   # it updates, as are dK/dV (``pl.run_state``; ``pl.kernel`` aliases ref arguments, which
-  # plgpu.kernel's batching wrapper does not take). Returns ``(dq, *outputs)``.
+  # plgpu.kernel's batching wrapper does not take). Returns ``(dq, *outputs)``; under vmap, one
+  # call per element (run_state has no batching rule).
   mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=consumers + 1,
                     thread_name="wg")
-  run = lambda refs: pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(
-      *args[:-1], *refs)
-  return pl.run_state(run)((args[-1], *(jnp.zeros(o.shape, o.dtype) for o in out_shapes)))
+
+  @jax.custom_batching.custom_vmap
+  def fused(*args):
+    run = lambda refs: pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(
+        *args[:-1], *refs)
+    return pl.run_state(run)((args[-1], *(jnp.zeros(o.shape, o.dtype) for o in out_shapes)))
+
+  @fused.def_vmap
+  def _(size, batched, *args):
+    args = [x if b else jnp.broadcast_to(x, (size, *x.shape)) for x, b in zip(args, batched)]
+    outs = lax.map(lambda xs: fused(*xs), args)
+    return outs, (True,) * len(outs)
+
+  return fused(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
-  ``dq_acc``, the ring's running dq, to its rows before writing them; ``dkv_acc`` is added after
-  the dK/dV kernel).
+  ``dq_acc``, the ring's running dq, to its rows before writing them, and the fused kernel
+  starts dQ from it; ``dkv_acc`` is added after the dK/dV kernel).
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
   ``pallas_triton`` backward on the same plan instead (``cfg.num_stages`` means the forward's
