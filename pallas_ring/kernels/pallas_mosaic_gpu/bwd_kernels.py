@@ -362,14 +362,12 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype),
                                           ds.astype(g.dtype)))
         meet(sched)  # the other warpgroup's matmuls are issued
-        if g.dq_with_dkv:
-          dv, dk, dq = _accumulate(((dv, p, do), (dk, ds, q), stage_ds(ds)))
-        else:
-          dv, dk = _accumulate(((dv, p, do), (dk, ds, q)))  # dV += p^T dO, dK += ds^T q
+        # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
+        with_dkv = (stage_ds(ds),) if g.dq_with_dkv else ()
+        dv, dk, *dq = _accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
         plgpu.barrier_arrive(free.at[slot])
         if g.fused_dq:
-          if not g.dq_with_dkv:
-            (dq,) = _accumulate((stage_ds(ds),))
+          (dq,) = dq or _accumulate((stage_ds(ds),))
           add_dq(dq, h, start)
         return n + 1, dk, dv
 
