@@ -121,6 +121,24 @@ def test_gpu_schedule_ring_of_two_with_caller_positions():
     assert rel_err(a, b_) < 2e-3, (name, rel_err(a, b_))
 
 
+@pytest.mark.parametrize("shapes, word", [
+    ((((4, 6), jnp.bfloat16), ((3,), jnp.float32), ((5,), jnp.int32)), jnp.uint32),
+    ((((3, 5), jnp.bfloat16), ((2,), jnp.float32)), jnp.uint16),  # 30 bytes
+    ((((3,), jnp.int8), ((2,), jnp.bfloat16)), jnp.uint8),
+])
+def test_packed_sends_round_trip_in_the_widest_word(shapes, word):
+  """GPU rings send each step's arrays as one buffer of the widest word their byte sizes allow
+  (4-byte words: XLA:GPU copies byte buffers far slower), and unpack them bit for bit."""
+  from pallas_ring import ring
+  rng = np.random.default_rng(4)
+  arrays = [jnp.asarray(rng.standard_normal(shape) * 100, dtype) for shape, dtype in shapes]
+  buf = jax.jit(ring.pack_buffers)(arrays)
+  assert buf.dtype == word and buf.size * word(0).itemsize == sum(x.nbytes for x in arrays)
+  for got, want in zip(ring.unpack_buffers(buf, arrays), arrays):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_heads_over_a_tensor_axis_and_checkpoint():
   mesh = jax.make_mesh((2, 4), ("tp", "sp"), axis_types=(AxisType.Auto,) * 2)
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", head_axis="tp", backend="xla")

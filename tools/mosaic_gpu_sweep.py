@@ -600,13 +600,17 @@ def _hlo_lines(f, args, path):
   return lines
 
 
-def calls(*only):
+def calls(*opts):
   """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: with one
   shape, ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` profiles the second
-  call's three kernels (forward, dK/dV, dQ). Words select shapes as in ``bwd`` (default: dense)."""
+  call's three kernels (forward, dQ, dK/dV; two with ``deterministic=False``: forward, fused
+  dK/dV). Words select shapes as in ``bwd`` (default: dense) and one ``Variants`` setting."""
+  only = [o for o in opts if "=" not in o]
+  (variants,) = _variants(opts)[1]
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
-    f = bench.fwd_bwd(lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                                      backend="pallas_mosaic_gpu"))
+    f = bench.fwd_bwd(lambda q, k, v: flash_attention(
+        q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu",
+        block_sizes=BlockSizes(variants=variants)))
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do))
     print(f"{name}: two forward+backward calls", flush=True)

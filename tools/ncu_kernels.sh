@@ -2,22 +2,26 @@
 # Profiles the three Mosaic GPU kernels of the second forward+backward call of one shape under
 # Nsight Compute, with per-instruction warp-stall samples (run on a device machine):
 #
-#   tools/ncu_kernels.sh OUT_DIR [shape word, default dense] [NAME=value switches]
+#   tools/ncu_kernels.sh OUT_DIR [shape word, default dense] [Variants field=value]
 #
 # Writes OUT_DIR/{fwd,dq,dkv}_sass.csv.gz (the SASS of each kernel with its samples, for
 # tools/ncu_stalls.py) and OUT_DIR/ncu_details.csv (speed of light, warp states). Kernels launch
-# in the order forward, dQ, dK/dV. The clocks are left alone (--clock-control none).
+# in the order forward, dQ, dK/dV; with deterministic=False, the forward and the fused dK/dV.
+# The clocks are left alone (--clock-control none).
 set -u
 out=$1; shift
 shape=${1:-dense}; shift || true
 rep=/tmp/ncu_kernels
-ncu --clock-control none --kernel-name regex:mosaic --launch-skip 3 --launch-count 3 \
+kernels="fwd dq dkv"
+case " $* " in *" deterministic=False "*) kernels="fwd dkv";; esac
+n=$(echo $kernels | wc -w)
+ncu --clock-control none --kernel-name regex:mosaic --launch-skip $n --launch-count $n \
   --section SourceCounters --section WarpStateStats --section SpeedOfLight \
   --section LaunchStats --import-source no -f -o $rep \
   python3 tools/mosaic_gpu_sweep.py calls "$shape" "$@" || exit
 ncu -i $rep.ncu-rep --page details --csv > "$out/ncu_details.csv"
 i=0
-for k in fwd dq dkv; do
+for k in $kernels; do
   ncu -i $rep.ncu-rep --launch-skip $i --launch-count 1 --page source --csv \
     --print-source sass | gzip > "$out/${k}_sass.csv.gz"
   i=$((i + 1))

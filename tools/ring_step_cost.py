@@ -81,14 +81,15 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     dq, dk, dv = ring.pair_backward(st, q, k, v, do, lse, delta, ops, dq_acc)[:3]
     return dq, dkv_acc + jnp.stack([dk, dv])
 
-  def ahead(mask, layout):
+  def ahead(mask, layout, device):
     """``(st, device_ops, plan_of)``: a pair of ``layout`` under ``mask`` (rank and source as
-    traced arguments), its Operands with positions computed on device, and its plan selected
-    from those built ahead (``plan_of(rank, src, backward)``)."""
+    traced arguments), its Operands with positions computed on device, and its plan
+    (``plan_of(rank, src, backward)``): built on device from those positions when ``device``
+    (the planner knows no layout), else selected from those built ahead."""
     c = pair.kernel_config(tiles, mask=mask, scale=h ** -0.5, softcap=None, q_len=tokens,
                            kv_len=tokens, out_dtype=f32, interpret=False)
-    planner = plans.for_config(c, tokens, tokens,
-                               plans.RingLayout(r * tokens, layout, r, False))
+    planner = plans.for_config(
+        c, tokens, tokens, None if device else plans.RingLayout(r * tokens, layout, r, False))
     s = ring.RingStatic(c, backend, "x", r, "ring", 1, tokens, planner,
                         use_cond=False, pack_sends=True)
     pos = lambda rank: block_sparse.make_token_info(
@@ -98,17 +99,16 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     return s, dev, plan
 
   def fwd_ahead(mask, layout, device):
-    s, dev, plan = ahead(mask, layout)
+    s, dev, plan = ahead(mask, layout, device)
     return lambda q, k, v, o_acc, lse_acc, rank, src: tuple(ring.pair_forward(
-        s, q, k, v, dev(rank, src), common.Partial(o_acc, lse_acc),
-        None if device else plan(rank, src)))
+        s, q, k, v, dev(rank, src), common.Partial(o_acc, lse_acc), plan(rank, src)))
 
   def bwd_ahead(mask, layout, device):
-    s, dev, plan = ahead(mask, layout)
+    s, dev, plan = ahead(mask, layout, device)
 
     def run(q, k, v, do, lse, delta, dq_acc, dkv_acc, rank, src):
       dq, dk, dv = ring.pair_backward(s, q, k, v, do, lse, delta, dev(rank, src), dq_acc,
-                                      plan=None if device else plan(rank, src, True))[:3]
+                                      plan=plan(rank, src, True))[:3]
       return dq, dkv_acc + jnp.stack([dk, dv])
     return run
 
