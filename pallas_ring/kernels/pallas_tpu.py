@@ -14,7 +14,9 @@ written in place in ``(rows, 8, H)`` blocks; others as ``[B, L, heads * H]`` lan
 costs one relayout copy each (``_View``). The body is one loop over the block's heads (rolled:
 compile time does not grow with them) with per-head row statistics; the heads of a block share
 one schedule (``block_sparse.merge_heads``), and a PARTIAL tile's mask is a ``lax.cond`` inside
-that body.
+that body, which first copies the head's q, dO, K and V rows out of in-place blocks into dense
+scratch by a rolled loop over packed tiles (``_View.staged``): the per-row gathers of those
+reads, unrolled, were a third of the forward's compile time.
 dK/dV accumulate over the query heads of their group inside one program per kv block, so no
 per-query-head float32 temporary exists. Inside a tile the body runs over chunks of
 ``Variants.kv_compute`` keys in a rolled loop (``_key_chunks``), as splash attention's
@@ -230,6 +232,24 @@ class _View(NamedTuple):
     words = self._words(ref)[0, rows, lax.shift_right_logical(c, 1), :]
     half = lax.shift_right_logical(words, (c & 1).astype(jnp.uint32) * 16)
     return lax.bitcast_convert_type(half.astype(jnp.uint16), ref.dtype)
+
+  def staged(self, ref, c, scratch):
+    """A reader ``rows -> (rows, H)`` of head ``c`` (traced) of a block. In place, the head is
+    first copied to the dense ``scratch [rows, H]`` by a rolled loop over groups of a packed
+    tile's rows, so the kernel holds one group's gather code instead of one per row of every
+    read (a third of the forward's compile time); the reads are then plain slices. Lane views,
+    and blocks whose rows are no whole number of groups, are read directly."""
+    n, group = scratch.shape[0], 32 // ref.dtype.itemsize  # (rows of one packed (8, 128) tile)
+    if not self.in_place or n % group:
+      return lambda rows=slice(None): self.get(ref, c, rows)
+
+    def step(r, carry):
+      rows = pl.ds(pl.multiple_of(r * group, group), group)
+      scratch[rows, :] = self.get(ref, c, rows)
+      return carry
+
+    lax.fori_loop(jnp.int32(0), jnp.int32(n // group), step, 0)
+    return lambda rows=slice(None): scratch[rows, :]
 
   def put_all(self, ref, scratch, scale=None, add=None):
     """Writes float32 head-major ``scratch [heads, rows, H]`` (times ``scale``, plus the same
@@ -473,13 +493,18 @@ def _vmem_bytes(blocks, scratch, bq, bk):
   return 2 * sum(blocks) + scratch + 4 * bq * bk * 4
 
 
+def _staging(dtype, h, *rows):
+  """Scratch for one head's tiles of ``rows`` rows each, read through ``_View.staged``."""
+  return [pltpu.VMEM((r, h), dtype) for r in rows]
+
+
 # ----------------------------------------------------------------------------------- forward --
 
 def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref = refs[9:12]
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[12 + n_aliased:]  # (aliased outputs: unread)
-  b, j, i, s_ = (pl.program_id(a) for a in range(4))
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc, k_sc, v_sc = refs[12 + n_aliased:]  # (aliased
+  b, j, i, s_ = (pl.program_id(a) for a in range(4))                           # outputs: unread)
   rank = heads.rank(j)
 
   @pl.when(s_ == 0)
@@ -494,10 +519,11 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
-    q = heads.q.get(q_ref, h)  # (once per head, not per key chunk)
+    q = heads.q.staged(q_ref, h, q_sc)()  # (once per head, not per key chunk)
+    k_at, v_at = heads.kv.staged(k_ref, c, k_sc), heads.kv.staged(v_ref, c, v_sc)
 
     def chunk(keys, offset):
-      s = _capped_logits(cfg, q, heads.kv.get(k_ref, c, keys))
+      s = _capped_logits(cfg, q, k_at(keys))
       s, keep = _tile(cfg, info, h, s, k_block * cfg.block_kv + offset, keys, masked)
       m_prev = m_sc[h]  # [bq, 128]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -507,7 +533,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
       alpha = jnp.exp(m_prev - m_new)
       l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
       pv = p if keep is None else jnp.where(keep, p, 0.0)
-      v = heads.kv.get(v_ref, c, keys)
+      v = v_at(keys)
       pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
       acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
       m_sc[h] = m_new
@@ -590,7 +616,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   stats = _RowStats(bq, heads.hb)
   item = q.dtype.itemsize
   vmem = _vmem_bytes([2 * bq * heads.hb * h * item, 2 * bk * heads.hk * h * item],
-                     heads.hb * bq * (2 * LANES + h) * 4, bq, bk)
+                     heads.hb * bq * (2 * LANES + h) * 4 + (bq + 2 * bk) * h * item, bq, bk)
 
   def grid_spec(r0, r1):
     lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats, heads,
@@ -600,7 +626,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
         in_specs=info_specs + [q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
         scratch_shapes=[pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
                         pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
-                        pltpu.VMEM((heads.hb, bq, h), jnp.float32)],
+                        pltpu.VMEM((heads.hb, bq, h), jnp.float32),
+                        *_staging(q.dtype, h, bq, bk, bk)],
     ), lists
 
   o, lse = _chained_call(
@@ -627,7 +654,7 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   acc_ref = refs[15] if accumulate else None  # the running dq (aliased to dq)
-  dq_ref, dq_sc = refs[15 + n_aliased:]
+  dq_ref, dq_sc, q_sc, do_sc, k_sc, v_sc = refs[15 + n_aliased:]
   b, j, i, s_ = (pl.program_id(a) for a in range(4))
   rank = heads.rank(j)
 
@@ -641,14 +668,14 @@ def _dq_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, s
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
-    q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)  # (once per head, not per key chunk)
+    q, do = (heads.q.staged(x, h, sc)() for x, sc in ((q_ref, q_sc), (do_ref, do_sc)))
+    k_at, v_at = heads.kv.staged(k_ref, c, k_sc), heads.kv.staged(v_ref, c, v_sc)
 
     def chunk(keys, offset):
-      k = heads.kv.get(k_ref, c, keys)
+      k = k_at(keys)
       p, s, keep = _probs(cfg, info, h, q, k, stats.load(lse_ref, h),
                           k_block * cfg.block_kv_bwd + offset, keys, masked)
-      dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c, keys), _NT,
-                               preferred_element_type=jnp.float32)
+      dp = jax.lax.dot_general(do, v_at(keys), _NT, preferred_element_type=jnp.float32)
       ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
             * common.softcap_grad(s, cfg))
       dq_sc[h] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -667,7 +694,7 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[9:15]
   dk_acc, dv_acc = refs[15:17] if accumulate else (None, None)  # aliased to dk, dv
-  dk_ref, dv_ref, dk_sc, dv_sc = refs[15 + n_aliased:]
+  dk_ref, dv_ref, dk_sc, dv_sc, q_sc, do_sc, k_sc, v_sc = refs[15 + n_aliased:]
   b, kvb, jk, step = (pl.program_id(a) for a in range(4))
 
   @pl.when(step == 0)
@@ -681,15 +708,15 @@ def _dkv_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
 
   def compute(masked, h):
     c = heads.kv_head(rank, h)
-    q, do = heads.q.get(q_ref, h), heads.q.get(do_ref, h)
+    q, do = (heads.q.staged(x, h, sc)() for x, sc in ((q_ref, q_sc), (do_ref, do_sc)))
+    k_at, v_at = heads.kv.staged(k_ref, c, k_sc), heads.kv.staged(v_ref, c, v_sc)
 
     def chunk(keys, offset):
-      p, s, keep = _probs(cfg, info, h, q, heads.kv.get(k_ref, c, keys), stats.load(lse_ref, h),
+      p, s, keep = _probs(cfg, info, h, q, k_at(keys), stats.load(lse_ref, h),
                           (lists.r0 + jk) * cfg.block_kv_bwd + offset, keys, masked)
       dv_sc[c, keys, :] += jax.lax.dot_general(common.dropped(p, keep, cfg).astype(do.dtype), do,
                                                _TN, preferred_element_type=jnp.float32)
-      dp = jax.lax.dot_general(do, heads.kv.get(v_ref, c, keys), _NT,
-                               preferred_element_type=jnp.float32)
+      dp = jax.lax.dot_general(do, v_at(keys), _NT, preferred_element_type=jnp.float32)
       ds = (p * (common.dropped(dp, keep, cfg) - stats.load(delta_ref, h))
             * common.softcap_grad(s, cfg))
       dk_sc[c, keys, :] += jax.lax.dot_general(ds.astype(q.dtype), q, _TN,
@@ -735,6 +762,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   info = _info_arrays(ops)
   item = q.dtype.itemsize
   q_bytes, kv_bytes = bq * heads.hb * h * item, bk * heads.hk * h * item
+  staged_bytes = 2 * (bq + bk) * h * item  # one head's q, dO, K and V (``_View.staged``)
 
   # dQ: rows are q blocks, slots walk the live kv blocks.
   def dq_grid(r0, r1):
@@ -743,7 +771,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
         in_specs=info_specs + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((heads.hb, bq, h), jnp.float32)]), lists
+        out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((heads.hb, bq, h), jnp.float32),
+                                            *_staging(q.dtype, h, bq, bq, bk, bk)]), lists
 
   args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
           *rows]
@@ -759,7 +788,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                         [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
                         "pallas_ring_dq",
                         _vmem_bytes([3 * q_bytes, 2 * kv_bytes, acc_bytes(dq_in, bq, heads.hb)],
-                                    heads.hb * bq * h * 4, bq, bk),
+                                    heads.hb * bq * h * 4 + staged_bytes, bq, bk),
                         acc=None if dq_in is None else [heads.q.array(dq_in)])
     dq = heads.q.unview(dq)
 
@@ -784,7 +813,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         in_specs=_info_specs(info, bq, bk, heads.hb, q_at, k_at, head_block)
         + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[kv_spec, kv_spec],
-        scratch_shapes=[pltpu.VMEM((heads.hk, bk, h), jnp.float32)] * 2), lists
+        scratch_shapes=[pltpu.VMEM((heads.hk, bk, h), jnp.float32)] * 2
+        + _staging(q.dtype, h, bq, bq, bk, bk)), lists
 
   if want_dkv:
     dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), cfg.out_dtype)
@@ -793,7 +823,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
                            "pallas_ring_dkv",
                            _vmem_bytes([2 * q_bytes, 4 * kv_bytes,
                                         2 * acc_bytes(dkv_in, bk, heads.hk)],
-                                       2 * heads.hk * bk * h * 4, bq, bk),
+                                       2 * heads.hk * bk * h * 4 + staged_bytes, bq, bk),
                            acc=None if dkv_in is None else [heads.kv.array(x) for x in dkv_in])
     dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
   return common.accumulated(None if dq_in is not None else dq_acc, (dq, dk, dv),
