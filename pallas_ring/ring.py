@@ -105,7 +105,7 @@ def _perm(r):
 
 def _word(arrays):
   """The widest unsigned dtype (4, 2 or 1 bytes) dividing every array's byte size: the packed
-  buffer's element (byte elements made XLA:GPU's packing copies 40x slower than 4-byte ones)."""
+  buffer's element (XLA:GPU packs and unpacks 4-byte words faster than bytes: BENCHMARKS.md)."""
   size = next(w for w in (4, 2, 1) if all(x.size * x.dtype.itemsize % w == 0 for x in arrays))
   return jnp.dtype(f"uint{8 * size}")
 

@@ -128,7 +128,7 @@ def test_gpu_schedule_ring_of_two_with_caller_positions():
 ])
 def test_packed_sends_round_trip_in_the_widest_word(shapes, word):
   """GPU rings send each step's arrays as one buffer of the widest word their byte sizes allow
-  (4-byte words: XLA:GPU copies byte buffers far slower), and unpack them bit for bit."""
+  (XLA:GPU copies 4-byte words faster than bytes), and unpack them bit for bit."""
   from pallas_ring import ring
   rng = np.random.default_rng(4)
   arrays = [jnp.asarray(rng.standard_normal(shape) * 100, dtype) for shape, dtype in shapes]

@@ -503,8 +503,9 @@ def _staging(dtype, h, *rows):
 def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, stats):
   info = _Info(*refs[:9])
   q_ref, k_ref, v_ref = refs[9:12]
-  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc, k_sc, v_sc = refs[12 + n_aliased:]  # (aliased
-  b, j, i, s_ = (pl.program_id(a) for a in range(4))                           # outputs: unread)
+  # (aliased outputs: unread); scratch: row statistics, output rows, the staged q, K, V
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc, k_sc, v_sc = refs[12 + n_aliased:]
+  b, j, i, s_ = (pl.program_id(a) for a in range(4))
   rank = heads.rank(j)
 
   @pl.when(s_ == 0)
