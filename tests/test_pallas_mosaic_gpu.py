@@ -87,29 +87,37 @@ def test_every_configuration_lowers_for_cuda(name):
 
 def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
   """The score terms of ``terms`` for a case: ALiBi slopes for its heads, dropout at ``rate``,
-  and (random, seeded) a per-head float32 bias and a dense mask broadcast over the batch."""
+  and (random, seeded) a per-head bias (float32, or ``bias``'s dtype where it is one) and a
+  dense mask broadcast over the batch."""
   _, t, s, n = CASES[name][:4]
   rng = np.random.default_rng(seed)
   kw = dict(alibi_slopes=np.linspace(0.05, 0.5, n, dtype=np.float32), dropout_rate=rate,
             dropout_rng=jax.random.key(seed))
   if bias:
-    kw["bias"] = rng.standard_normal((1, n, t, s)).astype(np.float32)
+    kw["bias"] = jnp.asarray(rng.standard_normal((1, n, t, s)),
+                             np.float32 if bias is True else bias)
   if dense:
     kw["dense_mask"] = rng.random((1, 1, t, s)) < 0.7
   return kw
 
 
+STAGED = "copy_bias.<locals>.copy"  # (a source name in a forward kernel staging its bias)
+
+
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
                                   "full_odd_lengths"])
-@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True),
+                                         (jnp.bfloat16, False)])
 def test_score_terms_lower_for_cuda(name, bias, dense):
   """ALiBi, dropout, a bias and a dense mask stay on the Mosaic GPU kernels (the wide backward
-  too): one forward kernel, three with gradients, no Triton."""
+  too): one forward kernel, three with gradients, no Triton. A 16-bit term (a dense mask alone,
+  a bfloat16 bias) is staged through shared memory, a float32 one is not."""
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
   f = _attention({**kw, **_terms(name, bias=bias, dense=dense)})
   text = _lower(f, *args, *seg)
   assert text.count(MOSAIC) == 1 and TRITON not in text
+  assert (STAGED in text) == (bias is jnp.bfloat16 or (dense and not bias))
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   assert _kernels_of_gradients(_lower(grad, *args, *seg))
 
@@ -418,6 +426,13 @@ def test_slots_fill_shared_memory_with_at_least_two():
   assert pallas_mosaic_gpu.slots(cfg(128), 128, 2) == 2  # 32 KiB q + 2 x 64 KiB K/V
   assert pallas_mosaic_gpu.slots(cfg(64), 128, 2) == 4  # 32 KiB q + 4 x 32 KiB (capped at 4)
   assert pallas_mosaic_gpu.slots(cfg(64, stages=3), 128, 2) == 3
+  # beside staged bias windows: 32 KiB leave room for 4 slots of 32 KiB, 96 KiB for 2
+  assert pallas_mosaic_gpu.slots(cfg(64), 128, 2, staged=32 * 1024) == 4
+  assert pallas_mosaic_gpu.slots(cfg(64), 128, 2, staged=96 * 1024) == 2
+  assert tiles.fwd_smem(cfg(128), 128, 2, staged=32 * 1024) == 192 * 1024  # (room: 223 KiB)
+  assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(), 2, 64, 128) == 32 * 1024
+  assert tiles.staged_bias_bytes(jnp.float32, Variants(), 2, 64, 128) == 0
+  assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(stage_bias=False), 2, 64, 128) == 0
 
 
 def test_interpret_on_cpu_emulates_the_plan_walk():
@@ -550,7 +565,8 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
                                   "h256_documents_gqa_softcap", "h192_padded_fp16", "window_mqa"])
-@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True),
+                                         (jnp.bfloat16, False)])
 def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense):
   """ALiBi, dropout, a bias and a dense mask in both Mosaic GPU passes: output and gradients
   (the bias's too) against the float32 xla backend (the same dropout hash), and the same bits
@@ -576,6 +592,39 @@ def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense
   for a, b, r in zip(got, again, ref):
     assert rel_err(a, r) < 2e-2
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name", ["causal_gqa", "softcap_h64", "h256_documents_gqa_softcap",
+                                  "full_odd_lengths"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_native_staged_bias_gives_the_bits_of_global_loads(name, deterministic):
+  """A bfloat16 bias with a dense mask staged through shared memory (the default) gives the
+  same bits as read from global memory (``Variants.stage_bias=False``): output and gradients
+  (the fused backward's dQ, added in no fixed order, to rounding)."""
+  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  rng = np.random.default_rng(9)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+  kw = _terms(name, rate=0.0, bias=jnp.bfloat16, dense=True)
+  b0 = kw.pop("bias")
+  seg = (jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32),) * 2 if segs else ()
+
+  def run(stage, q, k, v, b0):
+    f = lambda q, k, v, b: _attention(dict(mask=mask, softcap=cap, bias=b, **kw),
+                                      stage_bias=stage, deterministic=deterministic)(
+                                          q, k, v, *seg).astype(jnp.float32)
+    out, vjp = jax.vjp(f, q, k, v, b0)
+    return (out, *vjp(do))
+
+  staged, loaded = (jax.jit(functools.partial(run, st))(q, k, v, b0) for st in (True, False))
+  for i, (a, b) in enumerate(zip(staged, loaded)):
+    if i == 1 and not deterministic:
+      assert rel_err(a, b) < 5e-3
+    else:
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

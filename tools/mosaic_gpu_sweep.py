@@ -547,11 +547,14 @@ def features(*only):
   """The cost of ALiBi, dropout, a bias and a dense mask in the Mosaic GPU kernels: each against
   the plain kernel in the same interleaved run (``_span_rows``; ratios: plain time / time),
   beside the Triton kernels with the feature and cuDNN without it. Words: ``fwd`` and/or
-  ``bwd`` (default: bwd, forward+backward), feature names (default: all), and shapes by their
-  first word (default: causal, dense)."""
+  ``bwd`` (default: bwd, forward+backward), feature names (default: all), shapes by their
+  first word (default: causal, dense), and ``field=v1,v2`` to time each feature once per value
+  of that ``Variants`` field (then without the Triton kernels)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["bwd"]
   feats = [f for f in _FEATURES if f in only] or list(_FEATURES)
-  only = [o for o in only if o not in ("fwd", "bwd", *_FEATURES)] or ["causal", "dense"]
+  settings = _variants(only)
+  only = [o for o in only if o not in ("fwd", "bwd", *_FEATURES) and not _is_variant(o)] or [
+      "causal", "dense"]
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
       if name.split()[0] not in only or kind in ("documents", "window"):
@@ -573,13 +576,16 @@ def features(*only):
         full = (*args, *(kw[i] for i in names))
         return _compiled(step, *full), full
 
-      attn = lambda be: lambda q, k, v, **kw: flash_attention(q, k, v, mask=mask, backend=be,
-                                                              **kw)
+      attn = lambda be, bs=None: lambda q, k, v, **kw: flash_attention(
+          q, k, v, mask=mask, backend=be, block_sizes=bs, **kw)
       calls = {"plain": call(attn("pallas_mosaic_gpu"))}
       for feat in feats:
         kw = _FEATURES[feat](n, t)
-        calls[feat] = call(attn("pallas_mosaic_gpu"), **kw)
-        calls[f"triton {feat}"] = call(attn("pallas_triton"), **kw)
+        for label, v in zip(*settings):
+          calls[f"{feat} {label}".strip()] = call(
+              attn("pallas_mosaic_gpu", BlockSizes(variants=v)), **kw)
+        if settings[0] == [""]:
+          calls[f"triton {feat}"] = call(attn("pallas_triton"), **kw)
       calls["cudnn"] = call(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
       flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)

@@ -17,11 +17,11 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, load_ref, meet, pingpong, slot_of, swizzled_smem,
     token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, bias_window, broadcast, keep, kept, kept_delta, key_info, logits, position_term, slope2,
-    terms_of, with_terms)
+    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, kept_delta, key_info, logits,
+    open_stage, position_term, slope2, stage_scratch, terms_of, tile_bias_dtype, with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
-    backward_unsupported, dkv_head_splits, ops_call, unsupported)
+    backward_unsupported, dkv_head_splits, ops_call, staged_bias_bytes, unsupported)
 
 
 # Two kernels, each warp-specialized like the forward (a producer warpgroup streams tiles by TMA
@@ -251,8 +251,10 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   dq_ref = refs.pop(0) if g.fused_dq else None  # (fused: the float32 dQ, a mutable input)
   dk_ref, dv_ref, owned, walked, out2, bars = refs
-  # p_smem: the wide kernel's p^T buffers; dq_smem: the fused kernel's ds^T tiles and dQ staging
-  k_own2, v_own2, kinfo_own2, p_smem, dq_smem = owned
+  # p_smem: the wide kernel's p^T buffers; dq_smem: the fused kernel's ds^T tiles and dQ staging;
+  # stage: a staged bias's windows (``BiasStage``; read by warpgroup 0 alone when wide)
+  k_own2, v_own2, kinfo_own2, p_smem, dq_smem, stage = owned
+  stage = BiasStage(*stage) if g.terms.staged else None
   q_smem, do_smem, lse_smem, delta_smem, qinfo_smem, rkey_smem = walked
   own_bar, q_bar, do_bar, free, sched, p_full, p_free = bars
   batch, wg = lax.axis_index("batch"), lax.axis_index("wg")
@@ -305,7 +307,8 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     """The ``_TileTerms`` of the walked tile in ``slot`` (query head rank ``h``, queries from
     ``start``)."""
     k0, k_info, k_index, split_keys = keys
-    bias = bias_window(g.terms, extra.tile_bias, masked, batch, q_head(h), k0, start, tile)
+    bias = bias_window(g.terms, extra.tile_bias, masked, batch, q_head(h), k0, start, tile,
+                       stage, wg)
     if not g.with_info(masked):
       return _TileTerms(bias=bias)
     q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
@@ -326,6 +329,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     @pl.when(wg < COMPUTE_WGS)
     def _consumer():  # each consumer: its own 64 keys' p, ds, dK and dV
       plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+      open_stage(g.terms, stage, wg)
       own, keys = own_keys()
 
       def stage_ds(ds):
@@ -381,6 +385,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     @pl.when(wg == 0)
     def _p_and_dv():  # p^T = exp(K q^T - lse) to warpgroup 1, dV += p^T dO
       plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+      open_stage(g.terms, stage, wg)
       own, keys = own_keys(v=False)
 
       def body(h, start, masked, carry):
@@ -457,6 +462,8 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                                 rkey_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, seq, qh], do_smem.at[slot], do_bar.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[batch, qh, seq], delta_smem.at[slot], do_bar.at[slot])
+      copy_bias(g.terms, extra.tile_bias, stage, g.owners, masked, batch, qh, kj * g.cta_rows,
+                start, tile)
       return n + 1
 
     _walk(g, plan_row, body, jnp.int32(0))
@@ -476,7 +483,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
     row_in, delta_out = (dlse_ref[0] if dlse_ref else None), delta_out[0]
   else:
     (row_in,), o_ref = ins, None
-  q_own2, do_own2, lse_own2, delta_own2, qinfo_own2, rkey_own2 = owned
+  q_own2, do_own2, lse_own2, delta_own2, qinfo_own2, rkey_own2, stage = owned
+  stage = BiasStage(*stage) if g.terms.staged else None  # (a staged bias's windows)
   k_smem, v_smem, kinfo_smem = walked
   own_bar, k_bar, v_bar, free, done = bars
   batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
@@ -494,6 +502,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
   @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+    open_stage(g.terms, stage, wg)
     q_own, do_own = q_own2.at[wg], do_own2.at[wg]
     q0 = qi * g.cta_rows + wg * rows
     own, seq = (batch, pl.ds(q0, rows), head), pl.ds(q0, rows)
@@ -536,7 +545,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       plgpu.barrier_wait(v_bar.at[slot])
 
       s, dp = _products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
-      bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, start, tile)
+      bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, start, tile, stage,
+                         wg)
       terms = _TileTerms(bias=bias)
       if g.with_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
@@ -581,6 +591,8 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       else:
         plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
       plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+      copy_bias(g.terms, extra.tile_bias, stage, consumers, masked, batch, head, qi * g.cta_rows,
+                start, (rows, g.walk))
       return n + 1
 
     _walk(g, plan_row, body, jnp.int32(0))
@@ -646,16 +658,18 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   info_rows = 1 if ops.q_info.segment_ids is None else 2
   terms = terms_of(ops, cfg)
+  bias_dt = tile_bias_dtype(ops)
   drop = int(terms.dropout)
   out_dt = jnp.dtype(cfg.out_dtype)
   dt, rows, f32, i32 = q.dtype, BWD_ROWS, jnp.float32, jnp.int32
   tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
 
-  def geometry(dkv: bool, seq, heads, walk=None, staged=out_dt, fused=False):
+  def geometry(dkv: bool, seq, heads, walk=None, staged=out_dt, fused=False, stage=True):
     """The dK/dV (``dkv``) or dQ kernel's tiles walked ``walk`` rows at a time (default
     ``variants.dkv_walk_rows`` / ``dq_walk_rows``) in as many slots as fit beside its owned
-    tiles (the output staging tiles, of dtype ``staged``, alias the slots); ``fused``: the
-    fused dK/dV kernel's."""
+    tiles (the output staging tiles, of dtype ``staged``, alias the slots) and, where ``stage``
+    and room allow, a staged bias's windows (one per owner); ``fused``: the fused dK/dV
+    kernel's."""
     wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
     owners = _owners(wide)
     if walk is None:
@@ -669,16 +683,22 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
     # Fused: ds^T and the dQ staging tiles (float32) of each owner.
     owned += owners * walk * (rows * dt.itemsize + 4 * hp) if fused else 0
+    bias_bytes = (staged_bias_bytes(bias_dt, variants, owners, rows, walk)
+                  if stage and (terms.bias or terms.dense) else 0)
+    owned += bias_bytes
     staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
     per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + info_rows + drop))
     room = SMEM_BYTES - owned
     n_slots = min(4, room // per_slot)
     if n_slots < 2 and walk > rows:  # shorter walked tiles
-      return geometry(dkv, seq, heads, rows, staged, fused)
+      return geometry(dkv, seq, heads, rows, staged, fused, stage)
+    if n_slots < 2 and bias_bytes:  # the bias from global memory
+      return geometry(dkv, seq, heads, walk, staged, fused, False)
     assert n_slots >= 2 and staging <= room, (hp, out_dt)  # (holds for every served head dim)
     return _BwdGeometry(slots=n_slots, group=n // kh, head_dim=hp, dtype=dt,
                         info_rows=info_rows, blocks=seq // (owners * rows),
-                        walked_heads=heads, walk=walk, wide=wide, terms=terms, fused_dq=fused,
+                        walked_heads=heads, walk=walk, wide=wide,
+                        terms=dataclasses.replace(terms, staged=bias_bytes > 0), fused_dq=fused,
                         dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to)
 
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
@@ -687,6 +707,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
   smem = functools.partial(swizzled_smem, dt)
+  # A staged bias's windows: one [64, walk] tile per owner (``terms.BiasStage``).
+  stage_of = lambda g: stage_scratch(bias_dt, g.owners, (rows, g.walk)) if g.terms.staged else ()
 
   # dQ first: the owned tiles are q, dO, lse, delta (and token info), the walked ones K/V. Given
   # a RowTerm it computes delta from o and returns it for the dK/dV kernel (H100, 16 causal
@@ -708,7 +730,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
         _dq_kernel, owners,
         ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
           plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, info_rows, rows), i32),
-          plgpu.SMEM((owners, rows if drop else 8), i32)),  # (dropout row keys)
+          plgpu.SMEM((owners, rows if drop else 8), i32), stage_of(g)),  # (dropout row keys)
          (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, g.key_rows, w), i32)),
          swizzled_smem(out_dt, owners, rows, hp),
          (barriers(4 + len(row_in) + drop, owners), barriers(2, sl), barriers(1, sl),
@@ -741,7 +763,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   *dq_out, dk, dv = _bwd_call(
       _dkv_kernel, two,
       ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, g.key_rows, rows), i32),
-        smem(2, rows, w) if wide else None, dq_smem),
+        smem(2, rows, w) if wide else None, dq_smem, stage_of(g)),
        (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, info_rows, w), i32), plgpu.SMEM((sl, w if drop else 8), i32)),
        swizzled_smem(out_dt, two, rows, hp),

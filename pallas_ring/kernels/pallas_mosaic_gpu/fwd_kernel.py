@@ -18,11 +18,11 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, keep_alive, load_ref, mark_issued, pingpong,
     row_vector, slot_of, swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    Terms, bias_window, broadcast, keep, kept, key_info, logits, position_term, slope2, terms_of,
-    with_terms)
+    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, key_info, logits, open_stage,
+    position_term, slope2, stage_scratch, terms_of, tile_bias_dtype, with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, Variants, check_tiles, item_order, ops_call,
-    overlaps, persistent_ctas, slots, unsupported)
+    COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants, check_tiles, fwd_smem,
+    item_order, ops_call, overlaps, persistent_ctas, slots, staged_bias_bytes, unsupported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +78,11 @@ def _each_item(g: _Geometry, body, carry):
 
 def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: _Geometry):
   # refs: ``g.terms``' inputs (``TermRefs``), q, k, v, the earlier passes'
-  # (o, lse) when merging, o, lse, and the scoped scratch.
+  # (o, lse) when merging, o, lse, and the scoped scratch (with a staged bias's ``BiasStage``).
   extra, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
   *acc_refs, o_ref, lse_ref, scoped = io
-  (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem, rkey_smem2), bars = scoped
+  (q_smem2, k_smem, v_smem, lse_smem2, qinfo_smem2, kinfo_smem, rkey_smem2), bars, stage = scoped
+  stage = BiasStage(*stage) if g.terms.staged else None
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   wg = lax.axis_index("wg")
   bq, bk, h = g.bq, g.bk, g.head_dim
@@ -96,6 +97,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     plgpu.set_max_registers(CONSUMER_REGS, action="increase")
     q_smem, lse_smem, qinfo_smem = q_smem2.at[wg], lse_smem2.at[wg], qinfo_smem2.at[wg]
     rkey_smem = rkey_smem2.at[wg]
+    open_stage(g.terms, stage, wg)
     m0, l0 = row_vector(common.NEG_INF, bq), row_vector(0.0, bq)
 
     first_row = lambda qi: qi * (COMPUTE_WGS * bq) + wg * bq  # this consumer's, in q block qi
@@ -145,7 +147,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
           alibi = (slope, q_info[0], k_info[0])
-        bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, k0, (bq, bk))
+        bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, k0, (bq, bk),
+                           stage, wg)
         s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
@@ -315,8 +318,8 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 
         # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
         # which it always masks), unless ALiBi or dropout need it on every tile.
-        with_info = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
-        with_info = with_info | g.terms.every_tile_info
+        masked = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
+        with_info = masked | g.terms.every_tile_info
 
         @pl.when(with_info)
         def _():
@@ -326,6 +329,11 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         @pl.when(jnp.logical_not(with_info))
         def _():
           plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
+
+        # Both consumers' bias windows (staged), each once its reader has loaded the last:
+        # that is before it releases the V slot that the next copy waits for.
+        copy_bias(g.terms, extra.tile_bias, stage, COMPUTE_WGS, masked, batch, head,
+                  qi * (COMPUTE_WGS * bq), idx_row[j] * bk, (bq, bk))
 
         @pl.when(n >= g.slots)
         def _():
@@ -358,11 +366,17 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   terms = terms_of(ops, cfg)
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
-  check_tiles(cfg, hp, itemsize)
   variants = cfg.variants or Variants()
+  bq = cfg.block_q // COMPUTE_WGS
+  staged = (staged_bias_bytes(tile_bias_dtype(ops), variants, COMPUTE_WGS, bq, cfg.block_kv)
+            if terms.bias or terms.dense else 0)
+  if fwd_smem(cfg, hp, itemsize, staged) > SMEM_BYTES:
+    staged = 0  # (no room beside two K/V slots: read from global memory)
+  terms = dataclasses.replace(terms, staged=staged > 0)
+  check_tiles(cfg, hp, itemsize, staged)
   overlap = overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None, variants)
-  g = _Geometry(bq=cfg.block_q // COMPUTE_WGS, bk=cfg.block_kv,
-                slots=slots(cfg, hp, itemsize), group=n // k.shape[2], head_dim=hp,
+  g = _Geometry(bq=bq, bk=cfg.block_kv,
+                slots=slots(cfg, hp, itemsize, staged), group=n // k.shape[2], head_dim=hp,
                 dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                 q_blocks=tp // cfg.block_q, heads=n, batch=b,
                 ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
@@ -381,9 +395,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                plgpu.Barrier(num_arrivals=2 + terms.dropout, num_barriers=COMPUTE_WGS)),
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
+  stage = stage_scratch(tile_bias_dtype(ops), COMPUTE_WGS, (bq, g.bk)) if staged else ()
+
   def entry(*refs):
-    pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:]), cfg=cfg, g=g),
-                  *scratch, *barriers, collective_axes="wg")
+    pl.run_scoped(
+        lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:9], scoped[9]), cfg=cfg, g=g),
+        *scratch, *barriers, stage, collective_axes="wg")
 
   o_dtype = jnp.float32 if g.merge else q.dtype
   o, lse = plgpu.kernel(

@@ -18,15 +18,19 @@ term read the token info of both sides on every tile, not only on masked ones.
 A bias and a dense mask travel as one additive tile term (``tile_bias``): the bias, and ``-inf``
 where the dense mask hides a key (``exp2(-inf) = 0``; rows hidden entirely keep their running max
 at ``NEG_INF`` and give zeros, as every masked row does). Each consumer reads its ``[rows, keys]``
-window of it straight from global memory into registers, on every tile with a bias and on the
-plan's partial tiles with a dense mask alone (its full tiles are all visible); the dK/dV kernel
-reads a transposed copy. Its gradient is computed in XLA for every lowering (``pair.ops_grad``).
+window of it on every tile with a bias and on the plan's partial tiles with a dense mask alone
+(its full tiles are all visible); the dK/dV kernel reads a transposed copy. A 16-bit term is
+staged (``Terms.staged``, ``BiasStage``): the producer copies each reader's next window by TMA
+into that reader's shared-memory tile as soon as the reader has loaded the previous one, so the
+load's latency hides behind a step of matmuls; a float32 term, or one without room, is read from
+global memory into registers after the tile's ``q.k^T``. Its gradient is computed in XLA for
+every lowering (``pair.ops_grad``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -36,7 +40,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import head_view, load_ref, token_info
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
+    head_view, load_ref, swizzled_smem, token_info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Terms:
   dropout: bool = False  # dropout keys are given (``cfg.dropout_rate > 0``)
   bias: bool = False  # an additive bias is given: ``tile_bias`` on every tile
   dense: bool = False  # a dense mask is given: ``tile_bias`` (on the partial tiles without bias)
+  staged: bool = False  # ``tile_bias`` reaches its readers through shared memory (``BiasStage``)
 
   @property
   def every_tile_info(self) -> bool:
@@ -101,14 +107,85 @@ def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
   return jnp.swapaxes(x, 2, 3) if transposed else x
 
 
-def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape):
+def tile_bias_dtype(ops: common.Operands):
+  """The dtype of ``tile_bias``: the bias's (at most float32), else bfloat16."""
+  if ops.bias is None:
+    return jnp.dtype(jnp.bfloat16)
+  dt = jnp.dtype(ops.bias.dtype)
+  return jnp.dtype(jnp.float32) if dt.itemsize > 4 else dt
+
+
+class BiasStage(NamedTuple):
+  """A staged tile term's shared-memory windows, one per reader (a consumer warpgroup that adds
+  the term), and their barriers. A reader arrives at ``free`` once before its walk
+  (``open_stage``) and once per window it has loaded; the producer waits there before each
+  copy."""
+
+  smem: Any  # [readers, rows, cols] in the term's dtype (wgmma's swizzled layout)
+  full: Any  # per reader: its window has landed
+  free: Any  # per reader: its window may be overwritten
+
+
+def stage_scratch(dtype, readers: int, shape) -> tuple:
+  """``BiasStage``'s scratch: the windows of ``readers`` readers of ``shape``, and the barriers
+  (for ``pl.run_scoped``)."""
+  return (swizzled_smem(dtype, readers, *shape), plgpu.Barrier(num_barriers=readers),
+          plgpu.Barrier(num_barriers=readers))
+
+
+def open_stage(terms: Terms, stage: Optional[BiasStage], reader) -> None:
+  """A reader's first arrival at its ``free`` barrier (before its walk): its tile is free."""
+  if terms.staged:
+    plgpu.barrier_arrive(stage.free.at[reader])
+
+
+def _window(ref, batch, head, rows, cols, shape):
+  return head_view(ref, batch, head).at[pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
+
+
+def copy_bias(terms: Terms, ref, stage: Optional[BiasStage], readers: int, masked, batch, head,
+              rows, cols, shape) -> None:
+  """Producer: where the tile adds the term (``Terms.tile_bias_on``; ``masked`` may be traced),
+  copies each reader's ``shape`` window of ``tile_bias`` (reader ``w``'s rows from
+  ``rows + w * shape[0]``, columns from ``cols``) into its shared-memory tile, once the reader
+  has loaded its previous one. Nothing unless staged."""
+  if not terms.staged:
+    return
+  on = terms.tile_bias_on(masked)
+
+  def copy():
+    @pl.loop(0, readers)
+    def _(w):
+      plgpu.barrier_wait(stage.free.at[w])
+      plgpu.copy_gmem_to_smem(_window(ref, batch, head, rows + w * shape[0], cols, shape),
+                              stage.smem.at[w], stage.full.at[w])
+
+  if on is True:
+    copy()
+  elif on is not False:
+    pl.when(on)(copy)
+
+
+def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
+                stage: Optional[BiasStage] = None, reader=None):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
-  in base-2 units, read from global memory into the wgmma layout; None where the tile adds no
-  such term (``Terms.tile_bias_on``)."""
+  in base-2 units and the wgmma layout: from ``reader``'s tile of ``stage`` when staged (then
+  released to the producer), else from global memory; None where the tile adds no such term
+  (``Terms.tile_bias_on``)."""
   if not terms.tile_bias_on(masked):
     return None
-  window = head_view(ref, batch, head).at[pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
-  return load_ref(window, plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32) * common.LOG2E
+  if terms.staged:
+    plgpu.barrier_wait(stage.full.at[reader])
+    x = load_ref(stage.smem.at[reader], plgpu.Layout.WGMMA)
+    # The next TMA copy (the async proxy) overwrites the tile as soon as the reader releases it:
+    # its reads must be ordered before that by a proxy fence, or the copy can land first (H200,
+    # JAX 0.11.2: dQ and the wide dK/dV wrong without it).
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(stage.free.at[reader])
+  else:
+    x = load_ref(_window(ref, batch, head, rows, cols, shape), plgpu.Layout.WGMMA,
+                 optimized=False)
+  return x.astype(jnp.float32) * common.LOG2E
 
 
 def key_info(ops: common.Operands) -> jax.Array:

@@ -55,6 +55,11 @@ class Variants:
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
   # (above, their registers do not fit beside its float32 result: after them).
   dq_with_dkv_up_to: int = 64
+  # A 16-bit bias or dense-mask term reaches each consumer through a shared-memory tile that the
+  # producer fills by TMA a step ahead (``terms.BiasStage``), where it fits beside the slots.
+  # False: each consumer loads it from global memory after its tile's q.k^T (as a float32 term
+  # always is).
+  stage_bias: bool = True
 
   def __post_init__(self):
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
@@ -87,17 +92,34 @@ def ops_call(q, ops: common.Operands) -> backend.Call:
                       dropout=ops.dropout is not None)
 
 
-def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> int:
-  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit (at least 2)."""
+def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
+  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile and
+  ``staged`` bytes of staged bias windows (at least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
   q_bytes = cfg.block_q * head_dim * itemsize
   kv_bytes = 2 * cfg.block_kv * head_dim * itemsize
-  return max(2, min(4, (SMEM_BYTES - q_bytes) // kv_bytes))
+  return max(2, min(4, (SMEM_BYTES - q_bytes - staged) // kv_bytes))
 
 
-def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> None:
-  """Raises ValueError naming the rule when the forward tiles cannot run."""
+def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
+  """Shared memory of the forward's q tile, K/V slots and ``staged`` bytes."""
+  n = slots(cfg, head_dim, itemsize, staged)
+  return (cfg.block_q + 2 * n * cfg.block_kv) * head_dim * itemsize + staged
+
+
+def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
+                      cols: int) -> int:
+  """Bytes of the staged bias windows (``terms.BiasStage``) of ``readers`` readers of
+  ``[rows, cols]``, or 0 where the term is not staged (32-bit, or ``Variants.stage_bias``
+  off); callers stage only where it fits."""
+  itemsize = jnp.dtype(term_dtype).itemsize
+  return readers * rows * cols * itemsize if variants.stage_bias and itemsize == 2 else 0
+
+
+def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> None:
+  """Raises ValueError naming the rule when the forward tiles (beside ``staged`` bytes of bias
+  windows) cannot run."""
   if cfg.block_q % (COMPUTE_WGS * WG_ROWS):
     raise ValueError(
         f"block_q={cfg.block_q} cannot be used by backend 'pallas_mosaic_gpu': a CTA's query rows "
@@ -106,8 +128,8 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int) -> None:
   if cfg.block_kv % 64:
     raise ValueError(f"block_kv={cfg.block_kv} cannot be used by backend 'pallas_mosaic_gpu': "
                      "it must be a multiple of 64.")
-  n = slots(cfg, head_dim, itemsize)
-  need = (cfg.block_q + 2 * n * cfg.block_kv) * head_dim * itemsize
+  n = slots(cfg, head_dim, itemsize, staged)
+  need = fwd_smem(cfg, head_dim, itemsize, staged)
   if n < 2 or need > SMEM_BYTES:
     raise ValueError(
         f"pallas_mosaic_gpu tiles block_q={cfg.block_q}, block_kv={cfg.block_kv} with {n} K/V "
