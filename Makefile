@@ -15,11 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m pallas_ring demo
 
-# The full suite, as CI runs it (about 20 minutes on 2 cores; --durations lists the slowest).
+# The full suite, as CI runs it (about 35 minutes on 2 cores; --durations lists the slowest).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
 
-# The edit-test loop (under 5 minutes on 2 cores): everything not marked slow, i.e. the first case
+# The edit-test loop (about 10 minutes on 2 cores): everything not marked slow, i.e. the first case
 # of each parametrized test (tests/conftest.py), with fewer hypothesis examples.
 quick: $(STAMP)
 	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"

@@ -1,5 +1,5 @@
 """Property tests: random mask expressions x positions x segment ids x layouts x ring sizes x GQA
-against the dense reference, forward and gradients (150 + 60 examples per run, deterministic).
+against the dense reference, forward and gradients (60 + 24 examples per run, deterministic).
 
 Mask expressions come from a fixed pool so compiled programs are reused across examples; the
 data (positions, segment ids, inputs) is fresh in every example.
