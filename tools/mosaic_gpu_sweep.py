@@ -19,7 +19,7 @@
                                                # and single calls ([fwd] [bwd] [shape words])
     python tools/mosaic_gpu_sweep.py features  # ALiBi, dropout, bias, dense masks against the
                                                # plain kernel, as spans ([fwd] [bwd] [features]
-                                               # [shape words])
+                                               # [shape words] [field=v1,v2])
 
 Correctness: relative error ||got - ref|| / ||ref|| of the output and the lse against the ``xla``
 backend in float32 on fresh random inputs, and fully masked rows (zeros, never NaN). Timing: as
