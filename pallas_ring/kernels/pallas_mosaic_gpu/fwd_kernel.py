@@ -367,8 +367,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   b, tp, n, hp = q.shape
   itemsize = jnp.dtype(q.dtype).itemsize
   variants = cfg.variants or Variants()
-  bq = cfg.block_q // COMPUTE_WGS
-  staged = (staged_bias_bytes(tile_bias_dtype(ops), variants, COMPUTE_WGS, bq, cfg.block_kv)
+  bq, bias_dt = cfg.block_q // COMPUTE_WGS, tile_bias_dtype(ops)
+  staged = (staged_bias_bytes(bias_dt, variants, COMPUTE_WGS, bq, cfg.block_kv)
             if terms.bias or terms.dense else 0)
   if fwd_smem(cfg, hp, itemsize, staged) > SMEM_BYTES:
     staged = 0  # (no room beside two K/V slots: read from global memory)
@@ -395,7 +395,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                plgpu.Barrier(num_arrivals=2 + terms.dropout, num_barriers=COMPUTE_WGS)),
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
-  stage = stage_scratch(tile_bias_dtype(ops), COMPUTE_WGS, (bq, g.bk)) if staged else ()
+  stage = stage_scratch(bias_dt, COMPUTE_WGS, (bq, g.bk)) if staged else ()
 
   def entry(*refs):
     pl.run_scoped(

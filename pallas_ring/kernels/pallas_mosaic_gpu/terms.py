@@ -97,13 +97,12 @@ def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
 
 def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
   """The additive tile term ``[Bt, Nt, Tp, Sp]`` (``transposed``: ``[Bt, Nt, Sp, Tp]``): the bias
-  (natural-log units, its dtype; at most float32), ``-inf`` where the dense mask hides a key
-  (bfloat16 zeros and ``-inf`` for a dense mask alone)."""
-  x = ops.bias
-  if x is not None and jnp.dtype(x.dtype).itemsize > 4:
-    x = x.astype(jnp.float32)
+  (natural-log units, in ``tile_bias_dtype``), ``-inf`` where the dense mask hides a key (zeros
+  and ``-inf`` for a dense mask alone)."""
+  dt = tile_bias_dtype(ops)
+  x = None if ops.bias is None else ops.bias.astype(dt)
   if ops.dense is not None:
-    x = jnp.where(ops.dense, jnp.zeros((), jnp.bfloat16) if x is None else x, -jnp.inf)
+    x = jnp.where(ops.dense, jnp.zeros((), dt) if x is None else x, -jnp.inf)
   return jnp.swapaxes(x, 2, 3) if transposed else x
 
 
