@@ -435,6 +435,42 @@ def test_slots_fill_shared_memory_with_at_least_two():
   assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(stage_bias=False), 2, 64, 128) == 0
 
 
+@pytest.mark.parametrize("mask", [masks.Causal() & masks.SlidingWindow(40), masks.PrefixLM(30),
+                                  masks.ChunkedCausal(64)])
+def test_dense_term_carries_the_visibility_where_it_fits(mask):
+  """With a dense mask the tile term is ``-inf`` exactly where the reference hides a key (the
+  spec, the segment ids, the padding beyond ``kv_len``), so partial tiles need no visibility
+  of their own; token info batched where the dense mask is shared keeps the kernels' own."""
+  from pallas_ring import block_sparse
+  from pallas_ring.kernels import common
+  from pallas_ring.kernels.pallas_mosaic_gpu import terms
+  t, s, tp, sp = 150, 130, 256, 256
+  rng = np.random.default_rng(0)
+  dense = rng.random((1, 2, t, s)) < 0.8
+  seg = np.sort(rng.integers(0, 3, (1, t)), axis=1).astype(np.int32)
+  pos = lambda n: jnp.arange(n, dtype=jnp.int32)[None] + 7
+  pad = lambda x, n: jnp.pad(jnp.asarray(x), [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+  info = lambda n, np_, segs: block_sparse.TokenInfo(pad(pos(n), np_),
+                                                     None if segs is None else pad(segs, np_))
+  ops = common.Operands(info(t, tp, seg), info(s, sp, seg[:, :s]),
+                        jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s))))
+  cfg = common.KernelConfig(mask=mask, scale=1.0, softcap=None, q_len=t, kv_len=s, block_q=128,
+                            block_kv=128, block_q_bwd=64, block_kv_bwd=64)
+  found = terms.terms_of(ops, cfg)
+  assert found.dense_vis and not found.vis_on(True) and found.tile_info(True) is False
+  term = terms.tile_bias(ops, transposed=True, cfg=cfg)  # [1, 2, Sp, Tp] bfloat16
+  want = reference.visibility(mask, pos(t), pos(s), seg, seg[:, :s], dense)
+  np.testing.assert_array_equal(np.asarray(term[..., :s, :t] == 0).swapaxes(2, 3),
+                                np.broadcast_to(want, (1, 2, t, s)))
+  assert bool(jnp.all(term[..., s:, :] == -jnp.inf))
+  batched = ops._replace(q_info=info(t, tp, np.concatenate([seg, seg])),
+                         kv_info=info(s, sp, np.concatenate([seg, seg])[:, :s]))
+  found = terms.terms_of(batched, cfg)
+  assert not found.dense_vis and found.vis_on(True) and found.tile_info(True) is True
+  off = dataclasses.replace(cfg, variants=Variants(dense_visibility=False))
+  assert not terms.terms_of(ops, off).dense_vis
+
+
 def test_interpret_on_cpu_emulates_the_plan_walk():
   """On CPU the Mosaic GPU kernel cannot run (its interpreter lacks FA3 primitives): the call
   interprets the Triton kernels over the same tiles and plan, and is correct."""
@@ -599,10 +635,12 @@ def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense
 @pytest.mark.parametrize("name", ["causal_gqa", "softcap_h64", "h256_documents_gqa_softcap",
                                   "full_odd_lengths"])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_native_staged_bias_gives_the_bits_of_global_loads(name, deterministic):
+@pytest.mark.parametrize("switch", ["stage_bias", "dense_visibility"])
+def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
   """A bfloat16 bias with a dense mask staged through shared memory (the default) gives the
-  same bits as read from global memory (``Variants.stage_bias=False``): output and gradients
-  (the fused backward's dQ, added in no fixed order, to rounding)."""
+  same bits as read from global memory (``Variants.stage_bias=False``), and a dense term that
+  carries the visibility the same as one beside the kernels' own (``dense_visibility``):
+  output and gradients (the fused backward's dQ, added in no fixed order, to rounding)."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   rng = np.random.default_rng(9)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
@@ -612,15 +650,15 @@ def test_native_staged_bias_gives_the_bits_of_global_loads(name, deterministic):
   b0 = kw.pop("bias")
   seg = (jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32),) * 2 if segs else ()
 
-  def run(stage, q, k, v, b0):
+  def run(on, q, k, v, b0):
     f = lambda q, k, v, b: _attention(dict(mask=mask, softcap=cap, bias=b, **kw),
-                                      stage_bias=stage, deterministic=deterministic)(
+                                      deterministic=deterministic, **{switch: on})(
                                           q, k, v, *seg).astype(jnp.float32)
     out, vjp = jax.vjp(f, q, k, v, b0)
     return (out, *vjp(do))
 
-  staged, loaded = (jax.jit(functools.partial(run, st))(q, k, v, b0) for st in (True, False))
-  for i, (a, b) in enumerate(zip(staged, loaded)):
+  default, other = (jax.jit(functools.partial(run, on))(q, k, v, b0) for on in (True, False))
+  for i, (a, b) in enumerate(zip(default, other)):
     if i == 1 and not deterministic:
       assert rel_err(a, b) < 5e-3
     else:

@@ -92,9 +92,8 @@ class _BwdGeometry:
     return self.info_rows + self.terms.dropout
 
   def with_info(self, masked: bool) -> bool:
-    """Whether a walked tile reads the token info of its rows (masked tiles; every tile with
-    ALiBi or dropout)."""
-    return masked or self.terms.every_tile_info
+    """Whether a walked tile reads the token info of its rows (``Terms.tile_info``)."""
+    return self.terms.tile_info(masked)
 
   @property
   def nsub(self) -> int:
@@ -195,7 +194,7 @@ def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys,
   dropout ``row_keys``, ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
   tile, query term)`` (``terms.position_term``), and its ``bias_window``."""
   vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
-                             *k_info[1:g.info_rows]) if masked else None)
+                             *k_info[1:g.info_rows]) if g.terms.vis_on(masked) else None)
   alibi, lse_shift = split if split is not None else (
       None if slope is None else (slope, q_info[0], k_info[0]), None)
   return _TileTerms(vis, alibi, lse_shift,
@@ -703,7 +702,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # Token info and the score terms' inputs (the dK/dV kernel's tile bias transposed).
-  infos = lambda dkv: (token_info(ops.q_info), key_info(ops), *terms.inputs(ops, dkv))
+  infos = lambda dkv: (token_info(ops.q_info), key_info(ops), *terms.inputs(ops, cfg, dkv))
   # `num` barriers (one per owned tile or per slot) of `count` arrivals each.
   barriers = lambda count, num: plgpu.Barrier(num_arrivals=count, num_barriers=num)
   smem = functools.partial(swizzled_smem, dt)

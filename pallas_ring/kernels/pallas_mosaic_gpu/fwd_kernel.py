@@ -134,9 +134,9 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         # The slot's key info is read before the slot is released to the producer (which then
         # overwrites it with a later tile's).
         k_info = (broadcast_info(kinfo_smem.at[slot], COLS, (bq, bk), 1, g.key_rows)
-                  if masked or g.terms.every_tile_info else None)
+                  if g.terms.tile_info(masked) else None)
         vis = None
-        if masked:
+        if g.terms.vis_on(masked):
           k_index = k0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                                 layout=plgpu.Layout.WGMMA)
           vis = common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
@@ -151,12 +151,12 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                            stage, wg)
         s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
-        if masked:
+        if vis is not None:
           s = jnp.where(vis, s, common.NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1) * c)  # base 2
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        if masked:
+        if vis is not None:
           p = jnp.where(vis, p, 0.0)
         p_kept = p
         if g.terms.dropout:  # (after the row reductions: the mask is not live across them)
@@ -317,18 +317,20 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
         plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
 
         # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
-        # which it always masks), unless ALiBi or dropout need it on every tile.
+        # which it always masks), unless ALiBi or dropout need it on every tile
+        # (``Terms.tile_info``).
         masked = (j >= n_full) | (j == 0) if g.overlap else j >= n_full
-        with_info = masked | g.terms.every_tile_info
+        with_info = g.terms.tile_info(masked)
 
-        @pl.when(with_info)
-        def _():
+        def copy_info():
           plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
                                   k_bar.at[slot])
 
-        @pl.when(jnp.logical_not(with_info))
-        def _():
+        def no_info():
           plgpu.barrier_arrive(k_bar.at[slot])  # the phase's second arrival, without data
+
+        pl.when(with_info)(copy_info)
+        pl.when(not with_info if isinstance(with_info, bool) else ~with_info)(no_info)
 
         # Both consumers' bias windows (staged), each once its reader has loaded the last:
         # that is before it releases the V slot that the next copy waits for.
@@ -410,6 +412,6 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
       grid=(g.ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info), key_info(ops),
-    *terms.inputs(ops), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
+    *terms.inputs(ops, cfg), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
                                                                 acc.lse.astype(jnp.float32))))
   return o.astype(cfg.out_dtype), lse

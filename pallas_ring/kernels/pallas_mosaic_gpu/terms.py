@@ -19,7 +19,10 @@ A bias and a dense mask travel as one additive tile term (``tile_bias``): the bi
 where the dense mask hides a key (``exp2(-inf) = 0``; rows hidden entirely keep their running max
 at ``NEG_INF`` and give zeros, as every masked row does). Each consumer reads its ``[rows, keys]``
 window of it on every tile with a bias and on the plan's partial tiles with a dense mask alone
-(its full tiles are all visible); the dK/dV kernel reads a transposed copy. A 16-bit term is
+(its full tiles are all visible); the dK/dV kernel reads a transposed copy. Where the token
+info's batch axes fit the dense mask's (``Terms.dense_vis``), the term also hides what the mask
+spec, the segment ids and the padding hide (``dense_visibility``, computed in the same XLA fusion
+that builds the term), so a partial tile adds the term and computes no visibility of its own. A 16-bit term is
 staged (``Terms.staged``, ``BiasStage``): the producer copies each reader's next window by TMA
 into that reader's shared-memory tile as soon as the reader has loaded the previous one, so the
 load's latency hides behind a step of matmuls; a float32 term, or one without room, is read from
@@ -42,6 +45,7 @@ from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     head_view, load_ref, swizzled_smem, token_info)
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +58,36 @@ class Terms:
   bias: bool = False  # an additive bias is given: ``tile_bias`` on every tile
   dense: bool = False  # a dense mask is given: ``tile_bias`` (on the partial tiles without bias)
   staged: bool = False  # ``tile_bias`` reaches its readers through shared memory (``BiasStage``)
+  dense_vis: bool = False  # ``tile_bias`` carries the tile's whole visibility (above)
 
   @property
   def every_tile_info(self) -> bool:
     """Whether every tile needs the token info of both sides (positions, column keys)."""
     return self.alibi or self.dropout
 
+  def vis_on(self, masked: bool) -> bool:
+    """Whether a tile (``masked``: a partial one) computes its visibility from the token info."""
+    return masked and not self.dense_vis
+
+  def tile_info(self, masked):
+    """Whether a tile reads the token info of both sides (``masked`` may be traced)."""
+    if self.every_tile_info:
+      return True
+    return False if self.dense_vis else masked
+
   def tile_bias_on(self, masked: bool) -> bool:
     """Whether a tile (``masked``: a partial one) adds the ``tile_bias`` term."""
     return self.bias or (self.dense and masked)
 
-  def inputs(self, ops: common.Operands, transposed: bool = False) -> tuple:
+  def inputs(self, ops: common.Operands, cfg: common.KernelConfig,
+             transposed: bool = False) -> tuple:
     """The kernels' extra inputs, in order: ALiBi slopes float32 ``[Ba, N, 1]``, dropout row keys
     int32 ``[Bd, Nd, Tp]`` (the column keys travel in ``key_info``), ``tile_bias`` (transposed
     for the dK/dV kernel)."""
     return ((ops.alibi.astype(jnp.float32),) if self.alibi else ()) + (
         (ops.dropout.rows,) if self.dropout else ()) + (
-        (tile_bias(ops, transposed),) if self.bias or self.dense else ())
+        (tile_bias(ops, transposed, cfg if self.dense_vis else None),)
+        if self.bias or self.dense else ())
 
   def refs(self, refs) -> tuple[TermRefs, tuple]:
     """``(TermRefs, rest)`` from refs that start with ``inputs``."""
@@ -89,21 +106,42 @@ class TermRefs(NamedTuple):
 
 def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
   """The ``Terms`` of a call's operands."""
-  alibi = ops.alibi is not None
+  alibi, dense = ops.alibi is not None, ops.dense is not None
+  # The visibility folds into the term where that does not grow it: token info batched like
+  # the dense mask, or shared by the batch.
+  infos = (ops.q_info.positions, ops.kv_info.positions, ops.q_info.segment_ids,
+           ops.kv_info.segment_ids)
+  fits = dense and (cfg.variants or Variants()).dense_visibility and all(
+      x is None or x.shape[0] in (1, ops.dense.shape[0]) for x in infos)
   return Terms(alibi=alibi, alibi_split=alibi and masks_lib.is_causal(cfg.mask),
-               dropout=ops.dropout is not None, bias=ops.bias is not None,
-               dense=ops.dense is not None)
+               dropout=ops.dropout is not None, bias=ops.bias is not None, dense=dense,
+               dense_vis=fits)
 
 
-def tile_bias(ops: common.Operands, transposed: bool = False) -> jax.Array:
+def tile_bias(ops: common.Operands, transposed: bool = False,
+              cfg: Optional[common.KernelConfig] = None) -> jax.Array:
   """The additive tile term ``[Bt, Nt, Tp, Sp]`` (``transposed``: ``[Bt, Nt, Sp, Tp]``): the bias
   (natural-log units, in ``tile_bias_dtype``), ``-inf`` where the dense mask hides a key (zeros
-  and ``-inf`` for a dense mask alone)."""
+  and ``-inf`` for a dense mask alone) and, given ``cfg`` (``Terms.dense_vis``), where
+  ``dense_visibility`` does."""
   dt = tile_bias_dtype(ops)
   x = None if ops.bias is None else ops.bias.astype(dt)
   if ops.dense is not None:
-    x = jnp.where(ops.dense, jnp.zeros((), dt) if x is None else x, -jnp.inf)
+    vis = ops.dense if cfg is None else dense_visibility(ops, cfg)
+    x = jnp.where(vis, jnp.zeros((), dt) if x is None else x, -jnp.inf)
   return jnp.swapaxes(x, 2, 3) if transposed else x
+
+
+def dense_visibility(ops: common.Operands, cfg: common.KernelConfig) -> jax.Array:
+  """bool ``[Bm, Nm, Tp, Sp]``: the dense mask and everything ``common.tile_visible`` hides (the
+  mask spec on the token positions, the segment ids, the keys' padding)."""
+  q, k = ops.q_info, ops.kv_info
+  rows = lambda x: None if x is None else x[:, None, :, None]  # [B., 1, Tp, 1]
+  cols = lambda x: None if x is None else x[:, None, None, :]  # [B., 1, 1, Sp]
+  k_index = jnp.arange(ops.dense.shape[-1], dtype=jnp.int32)
+  vis = common.tile_visible(cfg, rows(q.positions), cols(k.positions), k_index,
+                            rows(q.segment_ids), cols(k.segment_ids), ops.dense)
+  return jnp.broadcast_to(vis, ops.dense.shape)
 
 
 def tile_bias_dtype(ops: common.Operands):

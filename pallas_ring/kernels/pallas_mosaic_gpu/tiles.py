@@ -60,6 +60,10 @@ class Variants:
   # False: each consumer loads it from global memory after its tile's q.k^T (as a float32 term
   # always is).
   stage_bias: bool = True
+  # A dense mask's term also hides what the mask spec, the segment ids and the padding hide,
+  # where the token info's batch axes fit the mask's (``terms.Terms.dense_vis``): partial tiles
+  # then add the term and compute no visibility. False: they compute it from the token info.
+  dense_visibility: bool = True
 
   def __post_init__(self):
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
