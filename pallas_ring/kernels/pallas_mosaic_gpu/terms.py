@@ -21,13 +21,13 @@ at ``NEG_INF`` and give zeros, as every masked row does). Each consumer reads it
 window of it on every tile with a bias and on the plan's partial tiles with a dense mask alone
 (its full tiles are all visible); the dK/dV kernel reads a transposed copy. Where the token
 info's batch axes fit the dense mask's (``Terms.dense_vis``), the term also hides what the mask
-spec, the segment ids and the padding hide (``dense_visibility``, computed in the same XLA fusion
-that builds the term), so a partial tile adds the term and computes no visibility of its own. A 16-bit term is
-staged (``Terms.staged``, ``BiasStage``): the producer copies each reader's next window by TMA
-into that reader's shared-memory tile as soon as the reader has loaded the previous one, so the
-load's latency hides behind a step of matmuls; a float32 term, or one without room, is read from
-global memory into registers after the tile's ``q.k^T``. Its gradient is computed in XLA for
-every lowering (``pair.ops_grad``).
+spec, the segment ids and the padding hide (``dense_visibility``, computed in the XLA fusion that
+builds the term), so a partial tile adds the term and computes no visibility of its own. A
+16-bit term is staged (``Terms.staged``, ``BiasStage``): the producer copies each reader's next
+window by TMA into that reader's shared-memory tile as soon as the reader has loaded the
+previous one, so the load's latency hides behind a step of matmuls; a float32 term, or one
+without room, is read from global memory into registers after the tile's ``q.k^T``. Its
+gradient is computed in XLA for every lowering (``pair.ops_grad``).
 """
 
 from __future__ import annotations
