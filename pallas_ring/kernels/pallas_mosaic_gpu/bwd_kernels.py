@@ -17,8 +17,9 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, load_ref, meet, pingpong, slot_of, swizzled_smem,
     token_info)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, kept_delta, key_info, logits,
-    open_stage, position_term, slope2, stage_scratch, terms_of, tile_bias_dtype, with_terms)
+    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, kept_delta, key_info,
+    logit_slope, logits, open_stage, position_term, slope2, stage_scratch, terms_of,
+    tile_bias_dtype, with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants,
     backward_unsupported, dkv_head_splits, ops_call, staged_bias_bytes, unsupported)
@@ -191,8 +192,9 @@ def _tile_terms(cfg, g: _BwdGeometry, masked, q_info, k_info, k_index, row_keys,
                 split=None, bias=None):
   """The ``_TileTerms`` of a tile from its sides' token info (broadcast to the tile, queries'
   rows then keys': positions, segment ids, and the keys' dropout column keys), the broadcast
-  dropout ``row_keys``, ALiBi: ``slope`` (unsplit) or ``split = (key term broadcast to the
-  tile, query term)`` (``terms.position_term``), and its ``bias_window``."""
+  dropout ``row_keys``, ALiBi: ``slope`` in ``with_terms``' units (unsplit) or ``split = (key
+  term in those units broadcast to the tile, base-2 query term)`` (``terms.position_term``), and
+  its ``bias_window``."""
   vis = (common.tile_visible(cfg, q_info[0], k_info[0], k_index, *q_info[1:],
                              *k_info[1:g.info_rows]) if g.terms.vis_on(masked) else None)
   alibi, lse_shift = split if split is not None else (
@@ -207,7 +209,7 @@ def _probs(s_raw, lse2, terms: _TileTerms, cfg, row_axis: int):
   transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without)."""
   s, c = logits(s_raw, cfg)
   dlogits = None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
-  s, c = with_terms(s, c, terms.alibi, terms.bias)
+  s = with_terms(s, c, terms.alibi, terms.bias)
   if terms.lse_shift is not None:
     lse2 = lse2 + terms.lse_shift
   p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
@@ -314,11 +316,12 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     row_keys = (broadcast(load_ref(rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
                 else None)
     slope, split = slope2(extra.slopes, batch, q_head(h)), None
+    k_slope = logit_slope(slope, cfg)
     if split_keys is not None:
       k_pos, anchor = split_keys
-      split = (broadcast(position_term(slope, k_pos, anchor), tile, 0),
+      split = (broadcast(position_term(k_slope, k_pos, anchor), tile, 0),
                position_term(slope, load_ref(qinfo_smem.at[slot].at[0], COLS), anchor))
-    return _tile_terms(cfg, g, masked, q_info, k_info, k_index, row_keys, slope, split, bias)
+    return _tile_terms(cfg, g, masked, q_info, k_info, k_index, row_keys, k_slope, split, bias)
 
   def walk(body, *acc):
     """The consumers' walk from accumulators ``acc``; returns them."""
@@ -531,6 +534,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       delta = load_ref(delta_own, ROWS)
     delta = kept_delta(delta, cfg)
     slope = slope2(extra.slopes, batch, head)
+    k_slope = logit_slope(slope, cfg)  # (the keys' side, in the units of ``with_terms``)
     row_keys = load_ref(rkey_own2.at[wg], ROWS) if g.terms.dropout else None
     if g.terms.alibi_split:  # (``terms``: the anchor is the first owned row's position)
       anchor = qinfo_ref[q_info_b, 0, q0]
@@ -552,10 +556,10 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
         split = None
         if g.terms.alibi_split:
-          k_term = position_term(slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
+          k_term = position_term(k_slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
           split = (broadcast(k_term, tile, 1), q_term)
         terms = _tile_terms(cfg, g, masked, q_info, k_info, k_index,
-                            None if row_keys is None else broadcast(row_keys, tile, 0), slope,
+                            None if row_keys is None else broadcast(row_keys, tile, 0), k_slope,
                             split, bias)
       p, dlogits = _probs(s, lse2, terms, cfg, row_axis=0)
       ds = _grad_logits(p, dp, delta, dlogits, row_axis=0,

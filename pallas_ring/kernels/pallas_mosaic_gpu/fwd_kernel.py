@@ -18,8 +18,9 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, keep_alive, load_ref, mark_issued, pingpong,
     row_vector, slot_of, swizzled_smem, token_info, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
-    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, key_info, logits, open_stage,
-    position_term, slope2, stage_scratch, terms_of, tile_bias_dtype, with_terms)
+    BiasStage, Terms, bias_window, broadcast, copy_bias, keep, kept, key_info, logit_slope,
+    logits, open_stage, position_term, slope2, stage_scratch, terms_of, tile_bias_dtype,
+    with_terms)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants, check_tiles, fwd_smem,
     item_order, ops_call, overlaps, persistent_ctas, slots, staged_bias_bytes, unsupported)
@@ -124,6 +125,7 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
       # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
       q_info = broadcast_info(qinfo_smem, ROWS, (bq, bk), 0, g.info_rows)
       slope = slope2(extra.slopes, batch, head)
+      k_slope = logit_slope(slope, cfg)  # (the keys' side, in the units of ``with_terms``)
       if g.terms.alibi_split:  # (``terms``: the anchor is this consumer's first row's position)
         anchor = qinfo_ref[common.sel(qinfo_ref.shape[0], batch), 0, q0]
         q_term = position_term(slope, load_ref(qinfo_smem.at[0], ROWS), anchor)
@@ -143,13 +145,14 @@ def _fwd_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
                                     *k_info[1:g.info_rows])
         alibi = None
         if g.terms.alibi_split:
-          k_term = position_term(slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
+          k_term = position_term(k_slope, load_ref(kinfo_smem.at[slot].at[0], COLS), anchor)
           alibi = broadcast(k_term, (bq, bk), 1)
         elif slope is not None:
-          alibi = (slope, q_info[0], k_info[0])
+          alibi = (k_slope, q_info[0], k_info[0])
         bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, k0, (bq, bk),
                            stage, wg)
-        s, c = with_terms(*logits(s_raw, cfg), alibi, bias)
+        s, c = logits(s_raw, cfg)
+        s = with_terms(s, c, alibi, bias)
         plgpu.barrier_arrive(k_free.at[slot])
         if vis is not None:
           s = jnp.where(vis, s, common.NEG_INF)

@@ -206,7 +206,7 @@ def copy_bias(terms: Terms, ref, stage: Optional[BiasStage], readers: int, maske
 def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
                 stage: Optional[BiasStage] = None, reader=None):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
-  in base-2 units and the wgmma layout: from ``reader``'s tile of ``stage`` when staged (then
+  in float32 (natural-log units) and the wgmma layout: from ``reader``'s tile of ``stage`` when staged (then
   released to the producer), else from global memory; None where the tile adds no such term
   (``Terms.tile_bias_on``)."""
   if not terms.tile_bias_on(masked):
@@ -222,7 +222,7 @@ def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
   else:
     x = load_ref(_window(ref, batch, head, rows, cols, shape), plgpu.Layout.WGMMA,
                  optimized=False)
-  return x.astype(jnp.float32) * common.LOG2E
+  return x.astype(jnp.float32)
 
 
 def key_info(ops: common.Operands) -> jax.Array:
@@ -244,34 +244,43 @@ def slope2(slopes_ref, batch, head):
   return slopes_ref[common.sel(slopes_ref.shape[0], batch), head, 0] * common.LOG2E
 
 
+def logit_slope(slope, cfg: common.KernelConfig):
+  """A base-2 ALiBi ``slope`` in the units of ``logits``'s ``s`` (``with_terms``), or None."""
+  return None if slope is None else slope * (1.0 / logit_scale(cfg))
+
+
+def logit_scale(cfg: common.KernelConfig) -> float:
+  """``c`` of ``logits``: ``scale * log2(e)``, or 1 with a soft-cap."""
+  return cfg.scale * common.LOG2E if cfg.softcap is None else 1.0
+
+
 def logits(qk, cfg: common.KernelConfig):
   """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
   raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
   fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
   if cfg.softcap is None:
-    return qk, cfg.scale * common.LOG2E
+    return qk, logit_scale(cfg)
   return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
 
 
 def with_terms(s, c, alibi=None, bias=None):
-  """``(s, c)`` of ``logits`` with ALiBi's and the tile bias's terms added (None: absent); ``s``
-  is then the base-2 logit (``c = 1``).
+  """``s`` of ``logits`` with ALiBi's and the tile bias's terms added in its own units (base-2
+  terms divided by ``c``), so that the softmax's ``exp2(s * c - m)`` stays one fused
+  multiply-add per element and a term costs one more (None: absent).
 
   Args:
-    alibi: ``(slope2, q_pos, k_pos)``, the base-2 slope and the tile's int32 positions broadcast
-      to its shape: ``-slope2 * |q_pos - k_pos|``; or, split (above), the keys' term
-      (``position_term``) broadcast to the tile.
-    bias: the tile's ``bias_window`` (base 2).
+    alibi: ``(slope, q_pos, k_pos)``, the slope in ``s``'s units (``slope2 / logit_scale``) and
+      the tile's int32 positions broadcast to its shape: ``-slope * |q_pos - k_pos|``; or, split
+      (above), the keys' term in ``s``'s units (``position_term`` of that slope) broadcast to
+      the tile.
+    bias: the tile's ``bias_window`` (natural-log units).
   """
-  if alibi is None and bias is None:
-    return s, c
-  s = s * c
   if isinstance(alibi, tuple):
     slope, q_pos, k_pos = alibi
     s = s - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32))
   elif alibi is not None:
     s = s + alibi
-  return (s if bias is None else s + bias), 1.0
+  return s if bias is None else s + bias * (common.LOG2E / c)
 
 
 def position_term(slope, positions, anchor):
