@@ -206,9 +206,9 @@ def copy_bias(terms: Terms, ref, stage: Optional[BiasStage], readers: int, maske
 def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
                 stage: Optional[BiasStage] = None, reader=None):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
-  in float32 (natural-log units) and the wgmma layout: from ``reader``'s tile of ``stage`` when staged (then
-  released to the producer), else from global memory; None where the tile adds no such term
-  (``Terms.tile_bias_on``)."""
+  in float32 (natural-log units) and the wgmma layout: from ``reader``'s tile of ``stage`` when
+  staged (then released to the producer), else from global memory; None where the tile adds no
+  such term (``Terms.tile_bias_on``)."""
   if not terms.tile_bias_on(masked):
     return None
   if terms.staged:
