@@ -92,10 +92,6 @@ class _BwdGeometry:
     """Rows of the keys' token info: ``info_rows``, then the dropout column keys."""
     return self.info_rows + self.terms.dropout
 
-  def with_info(self, masked: bool) -> bool:
-    """Whether a walked tile reads the token info of its rows (``Terms.tile_info``)."""
-    return self.terms.tile_info(masked)
-
   @property
   def nsub(self) -> int:
     """Walked tiles per plan block."""
@@ -310,7 +306,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
     k0, k_info, k_index, split_keys = keys
     bias = bias_window(g.terms, extra.tile_bias, masked, batch, q_head(h), k0, start, tile,
                        stage, wg)
-    if not g.with_info(masked):
+    if not g.terms.tile_info(masked):
       return _TileTerms(bias=bias)
     q_info = broadcast_info(qinfo_smem.at[slot], COLS, tile, 1, g.info_rows)
     row_keys = (broadcast(load_ref(rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
@@ -454,7 +450,7 @@ def _dkv_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g:
 
       plgpu.copy_gmem_to_smem(q_ref.at[batch, seq, qh], q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[batch, qh, seq], lse_smem.at[slot], q_bar.at[slot])
-      if g.with_info(masked):
+      if g.terms.tile_info(masked):
         plgpu.copy_gmem_to_smem(qinfo_ref.at[q_info_b, :, seq], qinfo_smem.at[slot],
                                 q_bar.at[slot])
       else:
@@ -551,7 +547,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
       bias = bias_window(g.terms, extra.tile_bias, masked, batch, head, q0, start, tile, stage,
                          wg)
       terms = _TileTerms(bias=bias)
-      if g.with_info(masked):
+      if g.terms.tile_info(masked):
         k_info = broadcast_info(kinfo_smem.at[slot], COLS, tile, 1, g.key_rows)
         k_index = start + plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
         split = None
@@ -588,7 +584,7 @@ def _dq_kernel(idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs, cfg, g: 
         plgpu.barrier_wait(free.at[slot])
 
       plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-      if g.with_info(masked):
+      if g.terms.tile_info(masked):
         plgpu.copy_gmem_to_smem(kinfo_ref.at[k_info_b, :, keys], kinfo_smem.at[slot],
                                 k_bar.at[slot])
       else:
