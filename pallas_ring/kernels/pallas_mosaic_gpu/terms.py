@@ -260,7 +260,8 @@ def logits(qk, cfg: common.KernelConfig):
   fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
   if cfg.softcap is None:
     return qk, logit_scale(cfg)
-  return (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap)), 1.0
+  capped = (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
+  return capped, logit_scale(cfg)
 
 
 def with_terms(s, c, alibi=None, bias=None):
