@@ -610,16 +610,20 @@ def calls(*opts):
   """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: with one
   shape, ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` profiles the second
   call's three kernels (forward, dQ, dK/dV; two with ``deterministic=False``: forward, fused
-  dK/dV). Words select shapes as in ``bwd`` (default: dense) and one ``Variants`` setting."""
-  only = [o for o in opts if "=" not in o]
+  dK/dV). Words select shapes as in ``bwd`` (default: dense), one ``Variants`` setting and one
+  feature of ``features`` (e.g. ``alibi``; its arrays are arguments, not constants)."""
+  feats = [o for o in opts if o in _FEATURES]
+  only = [o for o in opts if "=" not in o and o not in _FEATURES]
   (variants,) = _variants(opts)[1]
-  for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
-    f = bench.fwd_bwd(lambda q, k, v: flash_attention(
+  for name, (t, n, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
+    kw = _FEATURES[feats[0]](n, t) if feats else {}
+    names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
+    f = jax.jit(lambda q, k, v, do, *x: bench.fwd_bwd(lambda q, k, v: flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu",
-        block_sizes=BlockSizes(variants=variants)))
+        block_sizes=BlockSizes(variants=variants), **{**kw, **dict(zip(names, x))}))(q, k, v, do))
     for _ in range(2):
-      jax.block_until_ready(f(q, k, v, do))
-    print(f"{name}: two forward+backward calls", flush=True)
+      jax.block_until_ready(f(q, k, v, do, *(kw[i] for i in names)))
+    print(f"{name} {' '.join(feats)}: two forward+backward calls", flush=True)
 
 
 if __name__ == "__main__":
