@@ -26,6 +26,14 @@ def _problem(seed, b=2, t=64, n=8, kh=2, h=16):
   return q, k, v, seg
 
 
+def _run(f, q, k, v):
+  """``(f(q, k, v), gradients of sum(sin(its first output)))`` from one compiled program (run
+  eagerly, the sharded calls and their gradients dispatch op by op, several times slower)."""
+  first = lambda out: out[0] if isinstance(out, tuple) else out
+  grads = jax.grad(lambda *a: jnp.sum(jnp.sin(first(f(*a)))), argnums=(0, 1, 2))
+  return jax.jit(lambda *a: (f(*a), grads(*a)))(q, k, v)
+
+
 def _ulysses(mesh, layout, r=R, **cfg_kw):
   """``f(q, k, v, **kw)`` on naturally ordered arrays: permuted to ``layout``, Ulysses, back."""
   cfg = SequenceParallelConfig(axis_name="sp", layout=layout,
@@ -52,9 +60,9 @@ def test_matches_the_reference_forward_and_gradients(layout, kv_heads):
             alibi_slopes=jnp.linspace(0.05, 0.4, 8))
   ours = lambda q, k, v: _ulysses(_mesh(), layout)(q, k, v, segment_ids=seg, **kw)
   ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, **kw)[0]
-  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-6
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
-  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+  (out, grads), (out_ref, grads_ref) = _run(ours, q, k, v), _run(ref, q, k, v)
+  assert rel_err(out, out_ref) < 2e-6
+  for got, want in zip(grads, grads_ref):
     assert rel_err(got, want) < 2e-6
 
 
@@ -79,10 +87,12 @@ def test_dense_mask_bias_dropout_and_lse_equal_the_ring():
         perm(q), perm(k), perm(v), mesh=_mesh(), config=c, return_lse=True,
         **(kw | dict(bias=perm2(b), dense_mask=perm2(dense))))
 
-  for a, b_ in zip(run("ulysses")(q, k, v, bias), run("ring")(q, k, v, bias)):
-    assert rel_err(a, b_) < 2e-6
-  grads = lambda s: jax.grad(lambda *a: jnp.sum(jnp.sin(run(s)(*a)[0])), argnums=(0, 1, 2, 3))
-  for a, b_ in zip(grads("ulysses")(q, k, v, bias), grads("ring")(q, k, v, bias)):
+  def outputs_and_grads(strategy):  # (one compiled program: see ``_run``)
+    f = run(strategy)
+    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3))
+    return jax.jit(lambda *a: (*f(*a), *grads(*a)))(q, k, v, bias)
+
+  for a, b_ in zip(outputs_and_grads("ulysses"), outputs_and_grads("ring")):  # o, lse, 4 grads
     assert rel_err(a, b_) < 2e-6
 
 
@@ -138,10 +148,8 @@ def test_ulysses_ring_matches_the_reference(layout):
   ours = lambda q, k, v: _ulysses(mesh, layout, strategy="ulysses_ring", ulysses_axis="u")(
       q, k, v, segment_ids=seg, return_lse=True, **kw)
   ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, **kw)
-  for got, want in zip(ours(q, k, v), ref(q, k, v)):
-    assert rel_err(got, want) < 2e-6
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2))
-  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+  (outs, grads), (outs_ref, grads_ref) = _run(ours, q, k, v), _run(ref, q, k, v)
+  for got, want in zip((*outs, *grads), (*outs_ref, *grads_ref)):  # (o, lse, dq, dk, dv)
     assert rel_err(got, want) < 2e-6
 
 
@@ -208,9 +216,9 @@ def test_strategy_layout_mask_heads_matrix(mesh_name, layout, mask_name, kv_head
   ours = lambda q, k, v: _ulysses(mesh, layout, r=r, **fields)(q, k, v, segment_ids=seg,
                                                                 mask=mask)
   ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, mask=mask)[0]
-  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-6
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
-  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+  (out, grads), (out_ref, grads_ref) = _run(ours, q, k, v), _run(ref, q, k, v)
+  assert rel_err(out, out_ref) < 2e-6
+  for got, want in zip(grads, grads_ref):
     assert rel_err(got, want) < 2e-6
 
 
@@ -226,9 +234,9 @@ def test_pallas_backends_in_interpret_mode(backend, strategy):
   ours = lambda q, k, v: _ulysses(mesh, "zigzag", r=r, **fields)(
       q, k, v, segment_ids=seg, mask=masks.Causal(), interpret=True)
   ref = lambda q, k, v: reference.attention(q, k, v, segment_ids=seg, mask=masks.Causal())[0]
-  assert rel_err(ours(q, k, v), ref(q, k, v)) < 2e-3
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))
-  for got, want in zip(loss(ours)(q, k, v), loss(ref)(q, k, v)):
+  (out, grads), (out_ref, grads_ref) = _run(ours, q, k, v), _run(ref, q, k, v)
+  assert rel_err(out, out_ref) < 2e-3
+  for got, want in zip(grads, grads_ref):
     assert rel_err(got, want) < 2e-3
 
 
