@@ -26,12 +26,13 @@ def _problem(seed, b=2, t=64, n=8, kh=2, h=16):
   return q, k, v, seg
 
 
-def _run(f, q, k, v):
-  """``(f(q, k, v), gradients of sum(sin(its first output)))`` from one compiled program (run
-  eagerly, the sharded calls and their gradients dispatch op by op, several times slower)."""
+def _run(f, *args):
+  """``(f(*args), gradients of sum(sin(its first output)) by every argument)`` from one compiled
+  program (run eagerly, the sharded calls and their gradients dispatch op by op, several times
+  slower)."""
   first = lambda out: out[0] if isinstance(out, tuple) else out
-  grads = jax.grad(lambda *a: jnp.sum(jnp.sin(first(f(*a)))), argnums=(0, 1, 2))
-  return jax.jit(lambda *a: (f(*a), grads(*a)))(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(jnp.sin(first(f(*a)))), argnums=tuple(range(len(args))))
+  return jax.jit(lambda *a: (f(*a), grads(*a)))(*args)
 
 
 def _ulysses(mesh, layout, r=R, **cfg_kw):
@@ -87,12 +88,9 @@ def test_dense_mask_bias_dropout_and_lse_equal_the_ring():
         perm(q), perm(k), perm(v), mesh=_mesh(), config=c, return_lse=True,
         **(kw | dict(bias=perm2(b), dense_mask=perm2(dense))))
 
-  def outputs_and_grads(strategy):  # (one compiled program: see ``_run``)
-    f = run(strategy)
-    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3))
-    return jax.jit(lambda *a: (*f(*a), *grads(*a)))(q, k, v, bias)
-
-  for a, b_ in zip(outputs_and_grads("ulysses"), outputs_and_grads("ring")):  # o, lse, 4 grads
+  (outs, grads), (outs_ring, grads_ring) = (_run(run(s), q, k, v, bias)
+                                            for s in ("ulysses", "ring"))
+  for a, b_ in zip((*outs, *grads), (*outs_ring, *grads_ring)):  # o, lse, dq, dk, dv, dbias
     assert rel_err(a, b_) < 2e-6
 
 
