@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m pallas_ring demo
 
-# The full suite, as CI runs it (about 35 minutes on 2 cores; --durations lists the slowest).
+# The full suite, as CI runs it (about 31 minutes on 2 cores; --durations lists the slowest).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
 
