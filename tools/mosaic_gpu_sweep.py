@@ -543,6 +543,20 @@ _FEATURES = {  # name: keyword arguments of flash_attention for (N, T)
                                < 0.9)}
 
 
+def _with_arrays(f, kw, pass_="bwd"):
+  """``(step, arrays)``: ``step(q, k, v, *arrays)`` jitted, ``f(q, k, v, **kw)`` (``pass_``
+  "fwd") or ``(that, its vjp at do)`` from ``step(q, k, v, do, *arrays)``; the array keyword
+  arguments are passed as arguments (a closed-over bias would be a constant of the program)."""
+  names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
+  g = lambda q, k, v, *x: f(q, k, v, **{**kw, **dict(zip(names, x))})
+
+  def fwd_bwd(q, k, v, do, *x):  # (bench.fwd_bwd with the extra arguments)
+    out, vjp = jax.vjp(lambda q, k, v: g(q, k, v, *x), q, k, v)
+    return out, vjp(do)
+
+  return jax.jit(g if pass_ == "fwd" else fwd_bwd), tuple(kw[i] for i in names)
+
+
 def features(*only):
   """The cost of ALiBi, dropout, a bias and a dense mask in the Mosaic GPU kernels: each against
   the plain kernel in the same interleaved run (``_span_rows``; ratios: plain time / time),
@@ -563,17 +577,9 @@ def features(*only):
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
 
       def call(f, **kw):
-        """``(compiled, arguments)`` of ``f(q, k, v, **kw)``; the array keyword arguments are
-        passed as arguments (a closed-over bias would be a constant of the program)."""
-        names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
-        g = lambda q, k, v, *x: f(q, k, v, **{**kw, **dict(zip(names, x))})
-
-        def fwd_bwd(q, k, v, do, *x):  # (bench.fwd_bwd with the extra arguments)
-          out, vjp = jax.vjp(lambda q, k, v: g(q, k, v, *x), q, k, v)
-          return out, vjp(do)
-
-        step = jax.jit(g if pass_ == "fwd" else fwd_bwd)
-        full = (*args, *(kw[i] for i in names))
+        """``(compiled, arguments)`` of ``f(q, k, v, **kw)`` (``_with_arrays``)."""
+        step, arrays = _with_arrays(f, kw, pass_)
+        full = (*args, *arrays)
         return _compiled(step, *full), full
 
       attn = lambda be, bs=None: lambda q, k, v, **kw: flash_attention(
@@ -616,13 +622,12 @@ def calls(*opts):
   only = [o for o in opts if "=" not in o and o not in _FEATURES]
   (variants,) = _variants(opts)[1]
   for name, (t, n, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
-    kw = _FEATURES[feats[0]](n, t) if feats else {}
-    names = sorted(i for i, x in kw.items() if isinstance(x, jax.Array))
-    f = jax.jit(lambda q, k, v, do, *x: bench.fwd_bwd(lambda q, k, v: flash_attention(
+    feature = _FEATURES[feats[0]](n, t) if feats else {}
+    f, arrays = _with_arrays(lambda q, k, v, **kw: flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu",
-        block_sizes=BlockSizes(variants=variants), **{**kw, **dict(zip(names, x))}))(q, k, v, do))
+        block_sizes=BlockSizes(variants=variants), **kw), feature)
     for _ in range(2):
-      jax.block_until_ready(f(q, k, v, do, *(kw[i] for i in names)))
+      jax.block_until_ready(f(q, k, v, do, *arrays))
     print(f"{name} {' '.join(feats)}: two forward+backward calls", flush=True)
 
 
