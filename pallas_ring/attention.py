@@ -147,8 +147,9 @@ def run(q, k, v, checked: call.Checked):
 
 def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
-  b, t, n, h = q.shape
-  s = k.shape[1]
+  b, t, n, _ = q.shape
+  s, hv = k.shape[1], v.shape[-1]
+  h = pair.kernel_head_dim(q, v)
   st = settings
   segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras = arrays
   tiles = tuning.resolve(backend, st.block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
@@ -176,7 +177,7 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   pad = pair.pad_tokens
   out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), sinks, ops, cfg, planner,
                         backend)
-  out = out[:, :t, :, :h]
+  out = out[:, :t, :, :hv]
   if st.return_lse:
     return out, lse[:, :, :t]
   return out

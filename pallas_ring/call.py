@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import dropout, kernels, validation
+from pallas_ring import dropout, kernels, pair, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import tuning
@@ -85,16 +85,19 @@ class Checked(NamedTuple):
 
 
 def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
-                     extras: Optional[Extras] = None, decode: bool = False):
+                     extras: Optional[Extras] = None, decode: bool = False,
+                     head_dim: Optional[int] = None):
   """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
 
   ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
   ``"auto"`` and refused (with the reason and the fallback) when asked for by name. ``decode``:
-  the call is ``decode_attention``'s.
+  the call is ``decode_attention``'s. ``head_dim``: the head dim the kernels run at
+  (``pair.kernel_head_dim``; default q's).
   """
   block_sizes = tuning.as_block_sizes(block_sizes)
   ex = extras or Extras()
-  call = kernels.Call(jnp.result_type(q), q.shape[-1], dense=dense is not None,
+  head_dim = q.shape[-1] if head_dim is None else head_dim
+  call = kernels.Call(jnp.result_type(q), head_dim, dense=dense is not None,
                       bias=ex.bias is not None, alibi=ex.alibi is not None,
                       dropout=ex.seeds is not None, decode=decode, block_sizes=block_sizes)
   if backend != "auto":
@@ -111,7 +114,8 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   """Checks and normalizes the arguments of an attention call once.
 
   Args:
-    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (this device's, for a ring shard).
+    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (this device's, for a ring
+      shard).
     kv_shards: the K/V shards the dense mask and the bias span along their key axis (a ring
       shard's: the ring size R; their key axis is then ``R * S`` long).
     names: how the caller names its two position arguments (for errors).
@@ -149,7 +153,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   if sinks is not None:
     validation.check_sinks(sinks, n)
   block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras,
-                                               decode)
+                                               decode, pair.kernel_head_dim(q, v))
   settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
                       bool(return_lse))
   arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras)

@@ -142,8 +142,9 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
     alibi: float32 ``[Ba, N, 1]`` slopes or None.
     total: the cache's slots over every device (global S).
   """
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  b, t, n, _ = q.shape
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+  h = pair.kernel_head_dim(q, v)
   impl = kernels.get(backend)
   if impl.decode is not None and alibi is None:
     out = _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, settings=settings,
@@ -175,13 +176,13 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
     alibi = _split(alibi, p)  # [B * P, N, 1]
   ops = common.Operands(*_chunk_infos(q_pos, lengths, offset, p, c, tp, sp), alibi=alibi)
   pad = pair.pad_tokens
-  kc, vc = (pad(x.reshape(b * p, c, kh, h), sp, hp) for x in (k, v))
+  kc, vc = (pad(x.reshape(b * p, c, kh, x.shape[-1]), sp, hp) for x in (k, v))
   # (no sort: a few fused ops, or numpy constants when the positions are known while tracing)
   plan = block_sparse.BlockPlan(*map(jnp.asarray, block_sparse.range_plan(
       settings.mask, ops.q_info, ops.kv_info, block_q=tiles.block_q, block_kv=tiles.block_kv,
       q_len=rows, kv_len=c)))
   o, lse = impl.forward(pad(_split(q, p), tp, hp), kc, vc, ops, plan, cfg)
-  o = o[:, :rows, :, :h].astype(acc).reshape(b, p, rows, heads, h)
+  o = o[:, :rows, :, :hv].astype(acc).reshape(b, p, rows, heads, hv)
   lse = lse[:, :, :rows].reshape(b, p, heads, rows)
   o, lse = _merge_stacked(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0))
   return _unpack(o, lse, t) if pack else (o, lse)
@@ -192,8 +193,9 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   """``_local_on`` through the backend's dedicated decode kernel (``Backend.decode``): pack the
   rows, one launch, merge the chunks. None when the cache's tiles do not cut into whole chunks
   of the requested ``kv_splits`` (the generic path then serves the call)."""
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  b, t, n, _ = q.shape
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+  h = pair.kernel_head_dim(q, v)
   g = n // kh
   rows = t * g
   tiles = tuning.resolve(impl.name, settings.block_sizes, rows, s, h)
@@ -221,7 +223,7 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   # o [B, K, P, R, Hp] -> [P, B, R, K, Hp] and lse [B, K, P, R] -> [P, B, K, R]: the chunks
   # merge into the packed layout [B, R, K, Hp] / [B, K, R].
   o, lse = _merge_stacked(o.transpose(2, 0, 3, 1, 4), jnp.moveaxis(lse, 2, 0))
-  return _unpack(o[:, :rows, :, :h], lse[:, :, :rows], t)
+  return _unpack(o[:, :rows, :, :hv], lse[:, :, :rows], t)
 
 
 def _check(q, k_cache, kv_lengths, mesh_size: int):

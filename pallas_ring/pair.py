@@ -49,6 +49,15 @@ def finish_forward(o, lse, sinks, dtype):
   return o.astype(dtype), lse
 
 
+def kernel_head_dim(q, v) -> int:
+  """The head dim the kernels run at: q/k's ``H`` and v's ``Hv`` zero-padded to the larger.
+
+  Zero columns change no logit (``q . k``) and give zero output columns (``p @ v``), so a
+  separate value head dim (DeepSeek-style MLA: 192 / 128) runs on every backend's kernels; the
+  caller slices the output back to ``Hv`` (and autodiff slices dv)."""
+  return max(q.shape[-1], v.shape[-1])
+
+
 def pad_tokens(x, length, head_dim):
   """Zero-pads ``x [B, L, heads, H]`` to ``[B, length, heads, head_dim]``."""
   pads = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))

@@ -35,7 +35,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
 
   Args:
     q: ``[B, T, N, H]`` queries.
-    k, v: ``[B, S, K, H]`` keys and values, ``N % K == 0``.
+    k: ``[B, S, K, H]`` keys, ``N % K == 0``; v: ``[B, S, K, Hv]`` values (``Hv`` may differ).
     mask: a mask spec (default Full) in global positions.
     segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` int document ids.
     q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) positions; default arange.
@@ -49,7 +49,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
       ``pallas_ring.dropout_keep_mask``); kept weights are scaled by ``1 / (1 - rate)``.
 
   Returns:
-    ``(out [B, T, N, H] in q.dtype, lse [B, N, T] in the compute dtype, natural log)``.
+    ``(out [B, T, N, Hv] in q.dtype, lse [B, N, T] in the compute dtype, natural log)``.
   """
   mask = masks_lib.as_spec(mask)
   b, t, n, h = q.shape
@@ -101,7 +101,7 @@ def attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None, q_po
     w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bkgts,bskh->btkgh", w, v.astype(ctype), precision=jax.lax.Precision.HIGHEST)
   lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(denom_safe))[..., 0]
-  return out.reshape(b, t, n, h).astype(q.dtype), lse.reshape(b, n, t)
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, n, t)
 
 
 __all__ = ["attention", "visibility"]

@@ -179,7 +179,7 @@ def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
   """Kernel forward of one (q shard, kv shard) pair merged into ``acc`` (the earlier pairs'
   result, or None), skipped when its plan (default: the planner's for ``ops``) has nothing live."""
   plan = st.planner.plan(ops) if plan is None else plan
-  b, tp, n, h = q.shape
+  b, tp, n, hv = *q.shape[:3], v.shape[-1]
   dt = common.acc_dtype(q.dtype)
 
   def run():
@@ -189,7 +189,7 @@ def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
   def skip():
     if acc is not None:
       return acc
-    return common.Partial(jnp.zeros((b, tp, n, h), dt), jnp.full((b, n, tp), -jnp.inf, dt))
+    return common.Partial(jnp.zeros((b, tp, n, hv), dt), jnp.full((b, n, tp), -jnp.inf, dt))
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -469,7 +469,8 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs = settings
   r, derived = ring_size, derived_positions
-  b, t, _, h = q.shape
+  b, t, _, _ = q.shape
+  h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"
   tiles = tuning.resolve(backend, cs.block_sizes, t, t * r if gather else t, h, dtype=q.dtype,
                          group=q.shape[2] // k.shape[2],
@@ -510,7 +511,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   pad = pair.pad_tokens
   out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
                    kv_info, fixed, st)
-  out = out[:, :t, :, :h]
+  out = out[:, :t, :, :hv]
   return (out, lse[:, :, :t]) if cs.return_lse else out
 
 

@@ -39,15 +39,19 @@ def _check_float(name, x):
 
 
 def check_qkv(q, k, v) -> None:
-  """Ranks, head counts, head dims and dtypes of q ``[B, T, N, H]``, k / v ``[B, S, K, H]``."""
+  """Ranks, head counts, head dims and dtypes of q ``[B, T, N, H]``, k ``[B, S, K, H]`` and
+  v ``[B, S, K, Hv]`` (``Hv`` may differ from ``H``: DeepSeek-style MLA)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if np.ndim(x) != 4:
       raise ValueError(f"`{name}` must have rank 4 ([batch, seq, heads, head_dim]), got shape "
                        f"{_shape(x)}. Add the missing axes, e.g. `x[None]` for batch 1.")
     _check_float(name, x)
   (b, _, n, h), (bk, s, kh, hk), vs = _shape(q), _shape(k), _shape(v)
-  if vs != (bk, s, kh, hk):
-    raise ValueError(f"`k` and `v` must have the same shape, got k {(bk, s, kh, hk)} and v {vs}.")
+  if vs[:3] != (bk, s, kh):
+    raise ValueError(f"`k` and `v` must agree on [batch, seq, kv_heads], got k {(bk, s, kh, hk)} "
+                     f"and v {vs} (only their head dims may differ: v [B, S, K, Hv]).")
+  if vs[3] == 0:
+    raise ValueError(f"`v` has head dim 0 (shape {vs}); it must be >= 1.")
   if bk != b:
     raise ValueError(f"batch sizes differ: q has {b} (shape {_shape(q)}), k/v have {bk}.")
   if hk != h:

@@ -39,6 +39,10 @@ CASES = {
         {"positions": True, "sinks": True, "softcap": 2.0}),
     "head_dim_80_causal": (masks.Causal(), 40, 40, 2, 2, 80, jnp.float32, {}),
     "head_dim_256_window": (masks.SlidingWindow(16), 64, 64, 2, 1, 256, jnp.bfloat16, {}),
+    # DeepSeek-style MLA: v has its own head dim (192 / 128), and one wider than q/k's.
+    "mla_192_128_causal_bf16": (masks.Causal(), 64, 64, 2, 1, 192, jnp.bfloat16, {"hv": 128}),
+    "value_head_dim_wider_documents": (masks.Full(), 40, 40, 2, 2, 32, jnp.float32,
+                                       {"hv": 64, "segments": True}),
 }
 
 
@@ -49,7 +53,7 @@ def _inputs(name, seed=0, backend=None):
   b = 2
   q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
   k = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
-  v = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, s, kh, ex.get("hv", h))), dtype)
   kw = dict(mask=mask, softcap=ex.get("softcap"))
   if ex.get("sinks"):
     kw["sinks"] = jnp.asarray(rng.standard_normal(n), jnp.float32)
@@ -104,7 +108,7 @@ class FlashCases:
   def test_conformance(self, name):
     backend = self.backend
     q, k, v, kw, dtype = _inputs(name, backend=backend)
-    bs = small_blocks(backend, q.shape[-1])
+    bs = small_blocks(backend, max(q.shape[-1], v.shape[-1]))
     tol = TOL[dtype]
     if "dense_mask" in kw and not self.dense_mask:
       with pytest.raises(ValueError, match="cannot serve this call: a dense mask"):
@@ -112,7 +116,7 @@ class FlashCases:
       return
     out, lse = flash_attention(q, k, v, backend=backend, block_sizes=bs, return_lse=True, **kw)
     ref_out, ref_lse = reference.attention(q, k, v, **kw)
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[3:]
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
     finite = np.isfinite(np.asarray(ref_lse))

@@ -57,6 +57,22 @@ def test_matches_the_reference(case, backend, interpret):
   assert rel_err(lse, ref_lse) < 1e-5
 
 
+@pytest.mark.parametrize("backend, interpret", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_absorbed_mla_cache_with_its_own_value_head_dim(backend, interpret):
+  """DeepSeek-style absorbed MLA decode: one latent kv head, q/k head dim 576, v head dim 512
+  (the first 512 columns of the latent cache), ragged lengths: output ``[B, T, N, 512]``."""
+  rng = np.random.default_rng(11)
+  b, t, n, s, h, hv = 2, 2, 4, 256, 576, 512
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, s, 1, h)), jnp.float32)
+  v, lengths = k[..., :hv], jnp.asarray([s, 100], jnp.int32)
+  out = decode_attention(q, k, v, kv_lengths=lengths, scale=0.07, backend=backend,
+                         interpret=interpret, block_sizes=BlockSizes(kv_splits=2))
+  ref = _reference(q, k, v, lengths, masks.Causal(), scale=0.07)[0]
+  assert out.shape == (b, t, n, hv)
+  assert rel_err(out, ref) < 1e-5
+
+
 def test_default_lengths_positions_and_bfloat16():
   """No ``kv_lengths``: every slot is filled and the queries are its last T tokens; explicit
   ``q_positions`` are honoured; bfloat16 stays within 2x of a bfloat16 reference's error."""
@@ -156,16 +172,22 @@ def test_mistakes_raise_naming_the_argument(change, error, match):
 @pytest.mark.parametrize("backend, marker", [("pallas_triton", "__gpu$xla.gpu.triton"),
                                              ("pallas_mosaic_gpu", "@mosaic_gpu")])
 def test_lowers_to_one_gpu_kernel_for_cuda(backend, marker):
-  """GQA and MQA caches, split into chunks: one kernel call, lowered for CUDA on this host."""
+  """GQA, MQA and absorbed-MLA caches, split into chunks: one kernel call, lowered for CUDA on
+  this host. The Mosaic GPU decode kernel takes head dims up to 256: it refuses the absorbed MLA
+  cache (576 / 512) naming the Triton kernel, which ``auto`` then picks."""
   sd = jax.ShapeDtypeStruct
-  for n, kh in ((32, 8), (16, 1)):
-    args = (sd((2, 1, n, 128), jnp.bfloat16), sd((2, 4096, kh, 128), jnp.bfloat16),
-            sd((2, 4096, kh, 128), jnp.bfloat16), sd((2,), jnp.int32))
+  for n, kh, h, hv in ((32, 8, 128, 128), (16, 1, 128, 128), (16, 1, 576, 512)):  # GQA, MQA, MLA
+    args = (sd((2, 1, n, h), jnp.bfloat16), sd((2, 4096, kh, h), jnp.bfloat16),
+            sd((2, 4096, kh, hv), jnp.bfloat16), sd((2,), jnp.int32))
     f = lambda q, k, v, n: decode_attention(q, k, v, kv_lengths=n, backend=backend,
                                             interpret=False,
                                             block_sizes=BlockSizes(kv_splits=8))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(marker) == 1
+    lower = lambda: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if backend == "pallas_mosaic_gpu" and h > 256:
+      with pytest.raises(ValueError, match="head dim .* Use backend='pallas_triton'"):
+        lower()
+      backend = "auto"
+    assert lower().count(marker if backend != "auto" else "__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.xdist_group("libtpu")

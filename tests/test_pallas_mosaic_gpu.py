@@ -37,13 +37,16 @@ CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap)
     "h192_padded_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
     "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
     "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
+    # DeepSeek-style MLA: q/k head dim 192, v head dim 128 (HV)
+    "mla_192_128_documents": (masks.Causal(), 384, 384, 4, 4, 192, jnp.bfloat16, True, None),
 }
+HV = {"mla_192_128_documents": 128}  # v's head dim where it is not H
 
 
 def _structs(name):
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   sd = jax.ShapeDtypeStruct
-  args = (sd((2, t, n, h), dt), sd((2, s, kh, h), dt), sd((2, s, kh, h), dt))
+  args = (sd((2, t, n, h), dt), sd((2, s, kh, h), dt), sd((2, s, kh, HV.get(name, h)), dt))
   seg = (sd((2, t), jnp.int32), sd((2, s), jnp.int32)) if segs else (None, None)
   return args, seg, dict(mask=mask, softcap=cap)
 
@@ -572,15 +575,17 @@ def test_fused_backward_adds_the_rings_running_dq():
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
-                                  "h256_documents_gqa_softcap", "h192_padded_fp16"])
+                                  "h256_documents_gqa_softcap", "h192_padded_fp16",
+                                  "mla_192_128_documents"])
 def test_native_gradients_match_and_are_bitwise_reproducible(name):
   """Both Mosaic GPU passes at default tiles: gradients against the float32 xla backend, and the
   same bits on a second run (no cross-CTA accumulation)."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  hv = HV.get(name, h)
   rng = np.random.default_rng(5)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
-             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
-  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, hv)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, hv)), jnp.float32)
   kw = dict(mask=mask, softcap=cap)
   if segs:
     kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)

@@ -22,7 +22,7 @@ def fa(**kw):
 CASES = [
     # (id, call, exception, regex the message must match)
     ("q_rank", lambda: fa(q=Q[0]), ValueError, r"`q` must have rank 4.*\(16, 4, 32\)"),
-    ("kv_shapes_differ", lambda: fa(v=K[:, :8]), ValueError, r"same shape.*\(2, 8, 2, 32\)"),
+    ("kv_shapes_differ", lambda: fa(v=K[:, :8]), ValueError, r"must agree on.*\(2, 8, 2, 32\)"),
     ("batch_differs", lambda: fa(k=K[:1], v=K[:1]), ValueError, r"batch sizes differ"),
     ("head_dims_differ", lambda: fa(k=K[..., :16], v=K[..., :16]), ValueError, r"H=32.*H=16"),
     ("heads_do_not_divide", lambda: fa(k=jnp.zeros((2, 16, 3, 32)), v=jnp.zeros((2, 16, 3, 32))),
