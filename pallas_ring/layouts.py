@@ -11,6 +11,10 @@ A layout is the order in which tokens are stored so that shard ``r`` (the r-th s
 Tokens, labels, segment ids and RoPE positions are permuted once at data loading with
 ``permute``; model outputs are restored with ``unpermute``. Masks always compare the global
 positions returned by ``positions``.
+
+Packed documents: ``balance(segment_ids, ring_size, mask)`` returns a ``Placement``, a per-row
+permutation of the tokens over the shards of a contiguous ring that balances the mask's work
+per device (``pallas_ring.balance``); its ``positions`` are passed to the attention call.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_ring.balance import Placement, balance
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -103,4 +109,5 @@ def unpermute(x, layout: str, ring_size: int, axis: int = 1):
   return _take(x, np.argsort(global_order(x.shape[axis], layout, ring_size)), axis)
 
 
-__all__ = ["LAYOUTS", "positions", "permute", "unpermute", "divisor", "check_length"]
+__all__ = ["LAYOUTS", "positions", "permute", "unpermute", "divisor", "check_length", "balance",
+           "Placement"]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import call, layouts, packing, ring, ulysses
+from pallas_ring import balance, call, layouts, packing, ring, ulysses
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -96,6 +96,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     mask: a mask spec in global positions.
     segment_ids: ``[B, T]`` in layout order; sharded with the tokens.
     positions: ``[T]`` or ``[B, T]`` global positions in layout order; default from the layout.
+      A ``layouts.Placement`` (or its ``positions``) is checked against the layout and ring
+      size it was built for.
     dense_mask: bool (or 0/1) broadcastable to ``[B, N, T, T]``, rows and columns in layout order
       (O(T^2) memory: prefer mask specs and segment ids).
     sinks: ``[N]``; softcap, scale, interpret: as ``flash_attention``.
@@ -120,6 +122,9 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                        "`with jax.set_mesh(mesh):`.")
   check_axes(mesh, config)
   _check_eager_autodiff(mesh, q)
+  placement = balance.placement_of(positions)
+  if isinstance(positions, balance.Placement):
+    placement, positions = positions, positions.positions
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
       dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
@@ -134,6 +139,10 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                      f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
                      f"{tuple(k.shape)}). Use flash_attention for cross-attention.")
   layouts.check_length(t, config.layout, r, argname="q.shape[1] (sequence length)")
+  if placement is not None:
+    placement.check(layout=config.layout, ring_size=r, seq_len=t,
+                    where=f"sharded_attention(positions=placement.positions) over "
+                          f"{config.axis_name!r}")
   batch = batch_spec(config)
   if batch is not None and b % _size(mesh, batch):
     raise ValueError(f"batch size {b} is not divisible by the {_size(mesh, batch)} devices of "
