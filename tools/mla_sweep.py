@@ -1,0 +1,100 @@
+"""MLA head dims (q/k 192, v 128) on one GPU: ours against what JAX users run today.
+
+    PYTHONPATH=. python tools/mla_sweep.py [T ...]
+
+``jax.nn.dot_product_attention`` refuses a v head dim other than q's, so users zero-pad v to 192,
+run cuDNN and slice the output: that is the baseline ("cudnn v padded"). Beside it: ours at
+192 / 128, and ours and cuDNN at H = Hv = 128 (the rate the MLA call is judged against). Each
+shape: correctness of ours against the float32 xla backend, then forward and forward+backward
+timed interleaved on the device clock (``bench.clock("device")``), as sustained batches and as
+lone synchronized calls. TFLOP/s count the visible pairs' matmul work: forward
+``2 pairs N (H + Hv)``, forward+backward 3.5 times that.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_ring import bench, masks
+from pallas_ring.attention import flash_attention
+
+
+def rel(got, ref):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _inputs(t, n, h, hv, seed):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (1, t, n, h), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (1, t, n, hv), jnp.bfloat16)
+  do = jax.random.normal(ks[3], (1, t, n, hv), jnp.bfloat16)
+  return q, k, v, do
+
+
+def ours(q, k, v):
+  return flash_attention(q, k, v, mask=masks.Causal())
+
+
+def cudnn_padded(q, k, v):
+  hv = v.shape[-1]
+  vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - hv)))
+  out = jax.nn.dot_product_attention(q, k, vp, is_causal=True, implementation="cudnn")
+  return out[..., :hv]
+
+
+def cudnn(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def check(t=2048, n=4):
+  q, k, v, do = _inputs(t, n, 192, 128, seed=1)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref = lambda *a: flash_attention(*a, mask=masks.Causal(), backend="xla")
+  out, g = bench.fwd_bwd(ours)(q, k, v, do)
+  r_out, r_g = bench.fwd_bwd(ref)(*f32, do.astype(jnp.float32))
+  errs = [rel(out, r_out)] + [rel(a, b) for a, b in zip(g, r_g)]
+  print(f"check T={t} 192/128: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} "
+        f"dv {errs[3]:.2e}", flush=True)
+  assert all(e < 2e-2 for e in errs), errs
+
+
+def time_shape(t, n=16):
+  pairs = bench.visible_pairs(t, "causal")
+  mla = _inputs(t, n, 192, 128, seed=2)
+  std = _inputs(t, n, 128, 128, seed=3)
+  impls = {"ours 192/128": (ours, mla), "cudnn v padded 192/128": (cudnn_padded, mla),
+           "ours 128/128": (ours, std), "cudnn 128/128": (cudnn, std)}
+  flops = {name: 2 * pairs * n * (a[0].shape[-1] + a[2].shape[-1]) for name, (_, a) in
+           impls.items()}
+  for pass_ in ("fwd", "fwd+bwd"):
+    calls = {}
+    for name, (f, a) in impls.items():
+      calls[name] = (jax.jit(f), a[:3]) if pass_ == "fwd" else (bench.fwd_bwd(f), a)
+    for mode, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
+      with bench.clock("device"):
+        samples = bench.interleaved_samples(calls, reps=8, **kw)
+      med = {name: statistics.median(s) for name, s in samples.items()}
+      for name, secs in med.items():
+        mult = 1.0 if pass_ == "fwd" else 3.5
+        base = med["cudnn v padded 192/128" if "192" in name else "cudnn 128/128"]
+        print(f"T={t:6d} {pass_:7s} {mode:5s} {name:24s} {secs * 1e3:8.3f} ms "
+              f"{mult * flops[name] / secs / 1e12:6.1f} TFLOP/s  {base / secs:.3f}x its cudnn",
+              flush=True)
+
+
+def main(argv):
+  print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+  check()
+  for t in (int(a) for a in argv) if argv else (8192, 16384):
+    time_shape(t)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
