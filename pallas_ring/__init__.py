@@ -23,6 +23,7 @@ _PUBLIC = {
     "tuning_cache_path": ("pallas_ring.kernels.tile_cache", "tuning_cache_path"),
     "dropout_keep_mask": ("pallas_ring.dropout", "dropout_keep_mask"),
     "segment_ids_from_cu_seqlens": ("pallas_ring.packing", "segment_ids_from_cu_seqlens"),
+    "quantize_fp8": ("pallas_ring.fp8", "quantize_fp8"),
     "masks": ("pallas_ring.masks", None),
     "layouts": ("pallas_ring.layouts", None),
     "reference": ("pallas_ring.reference", None),
@@ -48,4 +49,4 @@ def __dir__():
 __all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "decode_attention",
            "masks", "layouts",
            "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path", "dropout_keep_mask",
-           "segment_ids_from_cu_seqlens"]
+           "segment_ids_from_cu_seqlens", "quantize_fp8"]

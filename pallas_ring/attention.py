@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, call, kernels, packing, pair, plans
+from pallas_ring import block_sparse, call, fp8, kernels, packing, pair, plans
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -60,6 +60,7 @@ def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
           packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))
 
 
+@fp8.with_fp8
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
                     q_positions=None, kv_positions=None, dense_mask=None, sinks=None,
                     softcap=None, scale=None, bias=None, alibi_slopes=None,
@@ -110,6 +111,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     dropout_batch_offset, dropout_head_offset: global index of the first batch row / query head
       here (inside your own ``shard_map`` over batch or heads), so the dropout mask is the one of
       the unsharded call.
+    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
+      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
+    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
     ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. Rows with no visible

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_ring import block_sparse, call, kernels, pair, sharded
+from pallas_ring import block_sparse, call, fp8, kernels, pair, sharded
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.kernels import common, tuning
@@ -248,6 +248,7 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
                       "integer array (cast with `.astype(jnp.int32)`).")
 
 
+@fp8.with_fp8
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
                      mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
                      alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
@@ -272,6 +273,9 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     backend: a kernel backend, or ``"auto"`` (with a ``config``: its ``backend``).
     interpret: as ``flash_attention``.
     return_lse: also return ``lse [B, N, T]``.
+    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
+      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
+    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and lse): ``flash_attention`` of the same positions with the

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, call, kernels, layouts, packing, pair, plans
+from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, packing, pair, plans
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -362,6 +362,7 @@ def _ring_bwd(st, res, cts):
 pair.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
 
 
+@fp8.with_fp8
 def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous", segment_ids=None,
                    positions=None, dense_mask=None, sinks=None, softcap=None, scale=None,
                    block_sizes: Optional[BlockSizes] = None, backend: str = "auto",
@@ -399,6 +400,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       naturally ordered sequence (B must be 1); each token's sequence comes from its layout
       position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
       ``segment_ids``.
+    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
+      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
+    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import balance, call, layouts, packing, ring, ulysses
+from pallas_ring import balance, call, fp8, layouts, packing, ring, ulysses
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -80,6 +80,7 @@ def constrain(x, mesh, spec):
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+@fp8.with_fp8
 def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mask=None,
                       segment_ids=None, positions=None, dense_mask=None, sinks=None, softcap=None,
                       scale=None, interpret=None, return_lse: bool = False, bias=None,
@@ -109,6 +110,9 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       global batch index, query head and positions, so it is the unsharded call's.
     cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the naturally
       ordered sequence (B must be 1); excludes ``segment_ids``.
+    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
+      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
+    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
     ``[B, T, N, H]`` in layout order (and lse).

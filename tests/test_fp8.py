@@ -1,0 +1,111 @@
+"""FP8 inputs: ``quantize_fp8`` and the descales / ``out_dtype`` of every entry point, against the
+dense reference on the dequantized values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_ring import (SequenceParallelConfig, decode_attention, flash_attention, layouts,
+                         masks, quantize_fp8, reference, sharded_attention)
+from conftest import rel_err
+
+
+def _problem(seed, b=2, t=64, n=4, kh=2, h=32):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((b, t, n, h), (b, t, kh, h), (b, t, kh, h)))
+
+
+def _dequantized(x8, descale):
+  return x8.astype(jnp.float32) * descale[:, None, :, None]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_keeps_each_heads_amax_and_its_precision(dtype):
+  x = _problem(1)[1] * jnp.asarray([1.0, 100.0])[None, None, :, None]  # heads of other ranges
+  x8, d = quantize_fp8(x, dtype)
+  assert x8.dtype == dtype and d.shape == (2, 2) and d.dtype == jnp.float32
+  back = _dequantized(x8, d)
+  np.testing.assert_allclose(np.max(np.abs(back), axis=(1, 3)), np.max(np.abs(x), axis=(1, 3)),
+                             rtol=1e-6)
+  mantissa = 3 if dtype == jnp.float8_e4m3fn else 2
+  assert rel_err(back, x) < 2.0 ** -mantissa / 2
+  z8, dz = quantize_fp8(jnp.zeros((1, 4, 1, 8)), dtype)  # an all-zero head: descale 1, no NaN
+  assert float(dz[0, 0]) == 1.0 and not np.any(np.isnan(np.asarray(z8, np.float32)))
+
+
+@pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_tpu", True),
+                                                ("pallas_triton", True)])
+def test_flash_attention_on_fp8_operands(backend, interpret):
+  """Per-(batch, kv head) descales, q's per query head; bfloat16 output by default, forward and
+  the gradient of a 16-bit q; the reference runs on the dequantized values."""
+  q, k, v = _problem(2)
+  (q8, qd), (k8, kd), (v8, vd) = map(quantize_fp8, (q, k, v))
+  deq = [_dequantized(*p) for p in ((q8, qd), (k8, kd), (v8, vd))]
+  kw = dict(mask=masks.Causal(), backend=backend, interpret=interpret)
+  out = flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+  ref = reference.attention(*deq, mask=masks.Causal())[0]
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 2e-2
+  out32 = flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                          out_dtype=jnp.float32, **kw)
+  assert out32.dtype == jnp.float32 and rel_err(out32, ref) < 2e-2
+  qb = q.astype(jnp.bfloat16)  # a 16-bit q against FP8 k, v: its gradient
+  g = jax.grad(lambda x: jnp.sum(flash_attention(x, k8, v8, k_descale=kd, v_descale=vd,
+                                                 **kw).astype(jnp.float32) ** 2))(qb)
+  g_ref = jax.grad(lambda x: jnp.sum(reference.attention(x, *deq[1:], mask=masks.Causal())[0]
+                                     ** 2))(qb.astype(jnp.float32))
+  assert g.dtype == jnp.bfloat16 and rel_err(g, g_ref) < 3e-2
+
+
+def test_decode_reads_an_fp8_cache_with_a_16_bit_query():
+  q, k, v = _problem(3, t=128)
+  (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
+  qb = q[:, -2:].astype(jnp.bfloat16)
+  lengths = jnp.asarray([128, 70], jnp.int32)
+  out = decode_attention(qb, k8, v8, k_descale=kd, v_descale=vd, kv_lengths=lengths,
+                         backend="pallas_tpu", interpret=True)
+  ref = decode_attention(qb.astype(jnp.float32), _dequantized(k8, kd), _dequantized(v8, vd),
+                         kv_lengths=lengths, backend="xla")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 2e-2
+
+
+def test_sharded_ring_on_fp8_operands():
+  q, k, v = _problem(4, b=1)
+  (q8, qd), (k8, kd), (v8, vd) = map(quantize_fp8, (q, k, v))
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla")
+  perm = lambda x: layouts.permute(x, "zigzag", 4)
+  out = sharded_attention(perm(q8), perm(k8), perm(v8), q_descale=qd, k_descale=kd,
+                          v_descale=vd, mesh=mesh, config=cfg, mask=masks.Causal())
+  ref = reference.attention(*(_dequantized(*p) for p in ((q8, qd), (k8, kd), (v8, vd))),
+                            mask=masks.Causal())[0]
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(layouts.unpermute(out, "zigzag", 4), ref) < 2e-2
+
+
+MISTAKES = {
+    "no_descale": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, k_descale=kd, v_descale=kd),
+                   r"`q` is float8_e4m3fn but `q_descale` is None"),
+    "descale_of_another_shape": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, q_descale=kd[:1],
+                                                         k_descale=kd, v_descale=kd),
+                                 r"`q_descale` has shape \(1, 2\); it must be a scalar or \[B, K\]"),
+    "descale_of_a_wide_operand": (lambda q8, k8, kd: dict(q=q8.astype(jnp.bfloat16), k=k8,
+                                                          v=k8, q_descale=1.0, k_descale=kd,
+                                                          v_descale=kd),
+                                  r"`q_descale` was given but `q` is bfloat16, not FP8"),
+    "fp8_output": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, q_descale=1.0, k_descale=kd,
+                                           v_descale=kd, out_dtype=jnp.float8_e4m3fn),
+                   r"`out_dtype`=float8_e4m3fn is not an output dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_mistakes_name_the_argument(case):
+  q, k, _ = _problem(5)
+  (q8, _), (k8, kd) = quantize_fp8(q), quantize_fp8(k)
+  make, match = MISTAKES[case]
+  kw = make(q8, k8, kd)
+  with pytest.raises(ValueError, match=match):
+    flash_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), backend="xla", **kw)
