@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 from flax.linen import module as flax_module
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -67,9 +68,16 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   else:
     if kv_positions is None and q.shape[1] == k.shape[1]:
       kv_positions = q_positions
+    cache_mesh = active_mesh(mesh, config) if single_device else None
+    if cache_mesh is not None:  # decoding with a dense mask: one device's attention on the
+      # gathered cache (replicated: flash_attention takes no sharded operands under Explicit axes)
+      q, k, v, dense_mask, bias = (constrain(x, cache_mesh, P())
+                                   for x in (q, k, v, dense_mask, bias))
     out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=q_positions,
                           kv_positions=kv_positions, dense_mask=dense_mask, bias=bias,
                           block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout)
+    if cache_mesh is not None:  # batch rows back where the other decode steps leave them
+      out = constrain(out, cache_mesh, P(batch_spec(config), None, None, None))
   return out.reshape(batch_shape + out.shape[1:])
 
 
@@ -120,8 +128,9 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
         "Leave them unset, or use the stock attention_fn.")
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
   index = t.cache_index
-  if t.append is not None:  # the chunk's K/V into the cache; its queries attend the cache
-    key, value, index = t.append(key, value)
+  if t.append is not None:  # the call's K/V into the cache; its queries attend the cache
+    key, value, last = t.append(key, value)
+    index = None if index is None else last  # (None: a dense mask of the caller's decides)
   # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
   dtype = dtype or jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -260,14 +269,24 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     q_pos, kv_pos, index, append, spec = positions, None, None, None, self.mask
     decoding = self.decode and self.has_variable("cache", "cache_index")
     chunk = decoding and inputs_q.shape[-2] > 1
+    # Decoding with pallas_ring attention, the cache is written here (``_append``), not in Flax's
+    # decode branch: under a mesh it stays sharded along its slots, and a chunk of T > 1 tokens
+    # is written at once.
+    own_write = decoding and self.attention_fn is _ring_attention_fn
     if decoding:
       if positions is not None or segment_ids is not None:
         raise ValueError("RingAttention(decode=True) derives positions from its cache; do not "
                          "pass `positions` or `segment_ids` while decoding.")
-      max_len = self.get_variable("cache", "cached_key").shape[-3]
+      cache_shape = self.get_variable("cache", "cached_key").shape
+      max_len = cache_shape[-3]
       q_pos = self.get_variable("cache", "cache_index")[None]
       kv_pos = jnp.arange(max_len, dtype=jnp.int32)
       index = q_pos[0] if mask is None else None
+      if own_write:
+        append = self._append
+        if mask is not None and not chunk:  # as Flax's decode branch: slots up to the index
+          mask = nn.combine_masks(mask, jnp.broadcast_to(
+              kv_pos <= q_pos[0], tuple(cache_shape[:-3]) + (1, 1, max_len)))
     if chunk:
       t = inputs_q.shape[-2]
       if mask is not None or self.attention_fn is not _ring_attention_fn:
@@ -277,18 +296,17 @@ class RingAttention(nn.MultiHeadDotProductAttention):
             "with one token per call, or prefill with decode=False.")
       q_pos = q_pos + jnp.arange(t, dtype=jnp.int32)
       spec = masks_lib.Causal() if spec is None else masks_lib.as_spec(spec) & masks_lib.Causal()
-      append = self._append
     tokens = _Tokens(self.config, spec, self.mesh, segment_ids, q_pos, kv_pos,
                      single_device=bool(self.decode), cache_index=index, append=append)
     reset = _CALL.set(tokens)
     try:
-      if chunk:  # Flax's own decode branch takes one token: the cache is written in _append
+      if own_write:  # Flax's decode branch skipped: the cache is written in _append
         object.__setattr__(self, "decode", False)
       out = super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
                              deterministic=deterministic, dropout_rng=dropout_rng,
                              sow_weights=sow_weights)
     finally:
-      if chunk:
+      if own_write:
         object.__setattr__(self, "decode", True)
       _CALL.reset(reset)
     if self.decode:
@@ -310,8 +328,9 @@ class RingAttention(nn.MultiHeadDotProductAttention):
           f"Autoregressive cache shape error: the cache holds {shape} ([..., S, N, H]) and the "
           f"call's keys are {key.shape}; a decode-mode call must match the cache's batch and "
           f"heads with at most S={shape[-3]} tokens.")
-    at = (0,) * (key.ndim - 3) + (index, 0, 0)
-    new = [lax.dynamic_update_slice(c, x.astype(c.dtype), at) for c, x in zip(cached, (key, value))]
+    mesh = active_mesh(self.mesh, self.config)
+    new = [_write_cache(c, x.astype(c.dtype), index, mesh, self.config)
+           for c, x in zip(cached, (key, value))]
     self.put_variable("cache", "cached_key", new[0])
     self.put_variable("cache", "cached_value", new[1])
     self.put_variable("cache", "cache_index", index + t)
@@ -327,8 +346,43 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     batch = batch_spec(self.config)
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
-      spec = P(batch, *([None] * (x.ndim - 4)), self.config.axis_name, None, None)
-      self.put_variable("cache", name, constrain(x, mesh, spec))
+      self.put_variable("cache", name, constrain(x, mesh, _cache_spec(x.ndim, self.config)))
+
+
+def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):
+  """The PartitionSpec of a cache (or a chunk of it) ``[B, ..., S, K, H]`` under a mesh: batch
+  over ``config.batch_axes``, slots over ``config.axis_name`` (``slots=False``: replicated)."""
+  return P(batch_spec(config), *([None] * (ndim - 4)), config.axis_name if slots else None,
+           None, None)
+
+
+def _write_cache(cache, chunk, index, mesh, config):
+  """``cache [B, ..., S, K, H]`` with ``chunk [B, ..., T, K, H]`` written at slot ``index``.
+
+  As ``lax.dynamic_update_slice`` (Flax's write; a start past ``S - T`` is clamped to it). Under
+  a mesh the cache is sharded along its slots: each device writes the chunk's tokens that fall
+  into its own slot range (a ``shard_map``), so the cache is never gathered and the write holds
+  for Explicit mesh axes (``jax.make_mesh``'s default), where ``dynamic_update_slice`` of a
+  replicated chunk into a sharded cache is a sharding type error, as for Auto ones.
+  """
+  if mesh is None:
+    return lax.dynamic_update_slice(cache, chunk, (0,) * (cache.ndim - 3) + (index, 0, 0))
+  s, t = cache.shape[-3], chunk.shape[-3]
+  start = jnp.clip(jnp.asarray(index, jnp.int32), 0, s - t)
+
+  def per_device(local, chunk_, start_):  # [B', ..., S/R, K, H], [B', ..., T, K, H], []
+    c = local.shape[-3]
+    slot = lax.axis_index(config.axis_name) * c + jnp.arange(c, dtype=jnp.int32)
+    rel = slot - start_  # [S/R]: the chunk token each local slot takes, if in [0, T)
+    inside = ((rel >= 0) & (rel < t))[:, None, None]
+    taken = jnp.take(chunk_, jnp.clip(rel, 0, t - 1), axis=-3)
+    return jnp.where(inside, taken, local)
+
+  cache_spec, chunk_spec = _cache_spec(cache.ndim, config), _cache_spec(cache.ndim, config, False)
+  args = (constrain(cache, mesh, cache_spec), constrain(chunk, mesh, chunk_spec), start)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(cache_spec, chunk_spec, P()),
+                     out_specs=cache_spec, check_vma=False)
+  return fn(*args)
 
 
 __all__ = ["RingAttention", "make_attention_fn"]

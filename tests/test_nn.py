@@ -1,5 +1,7 @@
 """Flax: RingAttention and make_attention_fn against the stock linen / nnx modules."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,6 +278,41 @@ def test_ring_attention_decode_appends_a_chunk_in_one_call(sharded):
   ref, cache_s = _stock_token_by_token(stock, params, cache_s, x)
   assert rel_err(jnp.concatenate(outs, axis=1), ref) < 1e-5
   assert int(cache_o["cache_index"]) == int(cache_s["cache_index"]) == 16
+  for name in ("cached_key", "cached_value"):
+    assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("via", ["mesh", "set_mesh"])
+def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
+  """On the mesh the README builds (``jax.make_mesh``: Explicit axes, batch over "dp", slots over
+  "sp"), decode=True prefills in one call and then decodes token by token (with and without a
+  dense mask), given as ``mesh=`` or active through ``jax.set_mesh``: outputs and cache equal
+  stock Flax's and the cache stays sharded along its slots. (The cache write was a
+  ``dynamic_update_slice`` of a replicated chunk into the sharded cache: a ShardingTypeError.)"""
+  x = _x(16, t=16)
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=("dp",), backend="xla")
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  init = stock.init(jax.random.key(0), x)
+  params, cache_s = init["params"], init["cache"]
+  ours = RingAttention(num_heads=N, decode=True, config=cfg, **({"mesh": mesh} if via == "mesh"
+                                                                 else {}))
+  step = jax.jit(lambda c, xt, m: ours.apply({"params": params, "cache": c}, xt, mask=m,
+                                             mutable=["cache"]))
+  ones = jnp.ones((B, 1, 1, 16), bool)
+  # (start, stop, dense mask): a prompt in one call, then single tokens.
+  calls = ((0, 9, None), (9, 10, None), (10, 11, None), (11, 12, ones), (12, 16, None))
+  with jax.set_mesh(mesh) if via == "set_mesh" else contextlib.nullcontext():
+    cache_o = ours.init(jax.random.key(0), x)["cache"]
+    outs = []
+    for lo, hi, m in calls:
+      out, v = step(cache_o, x[:, lo:hi], m)
+      outs.append(out)
+      cache_o = v["cache"]
+      assert tuple(cache_o["cached_key"].sharding.spec)[:2] == ("dp", "sp"), (lo, hi)
+  ref, cache_s = _stock_token_by_token(stock, params, cache_s, x)
+  assert rel_err(jnp.concatenate(outs, axis=1), ref) < 1e-5
+  assert int(cache_o["cache_index"]) == 16
   for name in ("cached_key", "cached_value"):
     assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
 
