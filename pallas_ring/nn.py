@@ -25,10 +25,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_ring import masks as masks_lib
+from pallas_ring import validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import active_mesh, batch_spec, constrain, sharded_attention
+from pallas_ring.sharded import (active_mesh, batch_spec, constrain, natural_order_mask, poison,
+                                 sharded_attention)
 
 Array = Any
 
@@ -48,8 +50,10 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   q, k, v = flat(q), flat(k), flat(v)
   if segment_ids is not None:
     segment_ids = segment_ids.reshape((-1,) + segment_ids.shape[len(batch_shape):])
+  misuse = []  # traced flags of a misused dense mask: the output is poisoned with NaN
   if dense_mask is not None:
     dense_mask = flat_bnts(dense_mask)
+    misuse.append(validation.dense_mask_misuse(dense_mask, "mask"))  # 0/1 floats only
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
   bias = flat_bnts(bias)
   dropout = dropout or {}
@@ -62,6 +66,9 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   run_mesh = None if single_device else active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
   if run_mesh is not None:
+    # (sharded_attention checks it too; here the error names Flax's `mask` argument.)
+    misuse.append(natural_order_mask(dense_mask, q_positions, cfg.layout,
+                                     run_mesh.shape[cfg.axis_name], name="mask"))
     out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,
                             mask=mask, segment_ids=segment_ids, positions=q_positions,
                             dense_mask=dense_mask, bias=bias, **dropout)
@@ -78,6 +85,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
                           block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout)
     if cache_mesh is not None:  # batch rows back where the other decode steps leave them
       out = constrain(out, cache_mesh, P(batch_spec(config), None, None, None))
+  out = poison(out, *misuse)
   return out.reshape(batch_shape + out.shape[1:])
 
 
@@ -153,6 +161,12 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
   Flax's promotion of query, key and value. Rows with no visible key return 0 (Flax returns the
   mean of V). Under a ring, masks and biases are in layout order on both token axes.
 
+  Dense masks are checked as far as their values can be read. A float mask with values other
+  than 0 and 1 raises; under a zigzag or striped ring a mask built in natural token order
+  (``nn.make_causal_mask``: lower-triangular by index, yet showing a query a later position)
+  raises, naming ``masks.Causal()`` and ``layouts.permute``. Under ``jit``, where the values
+  are not known while tracing, either makes the output NaN (loud, never silently wrong).
+
   Args:
     config: sequence-parallel config; with a mesh holding ``config.axis_name`` (given here or
       active through ``jax.set_mesh``), attention runs as a ring over that axis and inputs must be
@@ -218,7 +232,15 @@ class RingAttention(nn.MultiHeadDotProductAttention):
 
   Beyond the stock module, a ``decode=True`` call with T > 1 tokens appends them to the cache at
   ``cache_index`` and attends them causally to the cache (a prompt prefilled in one call, run
-  over the cache's shards under a mesh); the stock module accepts one token at a time.
+  over the cache's shards under a mesh); the stock module accepts one token at a time. Under a
+  mesh (Auto or Explicit axes, e.g. ``jax.make_mesh``'s) the cache stays sharded along its slots
+  and each device writes its own slots.
+
+  The call's dense ``mask`` (bool, or float 0/1 as Flax builds it) is in the tokens' order:
+  under a zigzag or striped ring, layout order. Causal attention on a ring wants the ``mask``
+  field (``masks.Causal()``), not ``nn.make_causal_mask``, which is in natural order: such a
+  mask is refused (eager) or makes the output NaN (under ``jit``), as is a float mask with
+  values other than 0 and 1 (an additive mask); see ``make_attention_fn``.
 
   Attributes:
     config: sequence-parallel config (axis, layout, strategy, blocks, backend).

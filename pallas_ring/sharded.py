@@ -8,9 +8,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import balance, call, fp8, layouts, packing, ring, ulysses
+from pallas_ring import balance, call, fp8, layouts, packing, ring, ulysses, validation
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -99,8 +100,15 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     positions: ``[T]`` or ``[B, T]`` global positions in layout order; default from the layout.
       A ``layouts.Placement`` (or its ``positions``) is checked against the layout and ring
       size it was built for.
-    dense_mask: bool (or 0/1) broadcastable to ``[B, N, T, T]``, rows and columns in layout order
-      (O(T^2) memory: prefer mask specs and segment ids).
+    dense_mask: bool (or float 0/1) broadcastable to ``[B, N, T, T]``, rows and columns in
+      layout order, like the tokens (O(T^2) memory: prefer mask specs and segment ids). A mask
+      built from token indices (``flax.linen.make_causal_mask``) is in natural order, not layout
+      order: under a zigzag or striped layout (or given ``positions``) one that is
+      lower-triangular in index order yet shows a query a later position raises, naming the fix
+      (``mask=masks.Causal()``, or ``layouts.permute`` on both token axes). A float mask holding
+      other values than 0 and 1 (an additive ``0 / -inf`` mask belongs in ``bias``) raises.
+      Under ``jit``, where the values cannot be read, either misuse makes the output (and lse)
+      NaN instead of silently wrong.
     sinks: ``[N]``; softcap, scale, interpret: as ``flash_attention``.
     return_lse: also return ``lse [B, N, T]``.
     bias: additive logit bias broadcastable to ``[B, N, T, T]``, rows and columns in layout
@@ -169,10 +177,72 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                        f"{math.lcm(r * u, layouts.divisor(config.layout, r))}. Pad the sequence.")
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
+  # Traced (under jit): flags that poison the output, since the values cannot be read here.
+  misuse = [validation.dense_mask_misuse(dense_mask),
+            natural_order_mask(checked.arrays.dense, positions, config.layout, r)]
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
-  return _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
-              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
-              batch=batch)
+  out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
+             settings=checked.settings, platforms=tuple(checked.per_platform.items()),
+             batch=batch)
+  return poison(out, *misuse)
+
+
+def poison(out, *flags):
+  """``out`` (an array or a tuple of them) made NaN where any traced flag (not None) is True."""
+  flags = [f for f in flags if f is not None]
+  if not flags:
+    return out
+  bad = functools.reduce(jnp.logical_or, flags)
+  return jax.tree.map(lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x), out)
+
+
+def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str = "dense_mask"):
+  """Catches a dense mask built in natural (index) order given over layout-ordered tokens.
+
+  A dense mask's rows and columns follow the tokens' order: under a zigzag or striped layout (or
+  given ``positions``) index order is not position order, so a mask built from token indices
+  (``flax.linen.make_causal_mask``, a ``tril``) is wrong there. It is recognised as a mask that
+  is lower-triangular in index order and yet lets a query see a key at a later position (no
+  mask built from layout-ordered data is both, short of a bug).
+
+  Args:
+    dense: the checked bool mask ``[Bm, Nm, T, T]`` in layout order, or None.
+    positions: the call's ``positions`` (``[T]`` / ``[B, T]``) or None (the layout's).
+    layout, ring_size: the layout of the tokens over the ring.
+    name: how the caller names the mask (for the error).
+
+  Returns:
+    None (nothing to check, or concrete values that pass), or a traced bool scalar that is True
+    for such a mask (the caller poisons its output). Concrete values that fail raise ValueError.
+  """
+  if dense is None or (positions is None and (layout == "contiguous" or ring_size == 1)):
+    return None
+  t = dense.shape[-1]
+  pos = layouts.positions(t, layout, ring_size) if positions is None else jnp.asarray(positions)
+  pos = pos[:, None] if pos.ndim == 2 else pos  # [B|1, 1|., T]: rows of the [Bm, Nm, T, T] mask
+  later = pos[..., None, :] > pos[..., :, None]  # [., ., T, T]: the key is at a later position
+  i = jnp.arange(t)
+  index_lower = jnp.all(~dense | (i[None, :] <= i[:, None]))
+  sees_later = jnp.any(dense & later)
+  bad = index_lower & sees_later
+  if isinstance(bad, jax.core.Tracer):
+    return bad
+  if bool(bad):
+    at = tuple(int(a[0]) for a in np.nonzero(np.asarray(dense & later)))
+    rows = np.asarray(pos).reshape(-1, t)  # [B|1, T]
+    qp, kp = (int(rows[min(at[0], len(rows) - 1), j]) for j in (at[2], at[3]))
+    raise ValueError(
+        f"`{name}` is lower-triangular in token index order, as a mask built in natural order "
+        f"is (e.g. flax.linen.make_causal_mask), but the tokens are in layout={layout!r} order "
+        f"over a ring of {ring_size}, where index order is not position order: the query at "
+        f"index {at[2]} (position {qp}) would see the key at index {at[3]} (position {kp}). A "
+        "dense mask's rows and columns are in layout order, like the tokens. For causal "
+        "attention pass mask=pallas_ring.masks.Causal() (a spec on global positions) instead "
+        "of a dense mask; otherwise build the mask from layout-ordered data, or permute a "
+        "natural-order mask on both token axes: layouts.permute(layouts.permute(m, layout, R, "
+        "axis=-1), layout, R, axis=-2). (Under jit, where the values cannot be read, such a "
+        "mask makes the output NaN.)")
+  return None
 
 
 def _check_eager_autodiff(mesh, q) -> None:

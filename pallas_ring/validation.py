@@ -127,20 +127,47 @@ def _bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
   return full
 
 
+def dense_mask_misuse(dense_mask, name: str = "dense_mask"):
+  """Checks that a non-boolean dense mask holds only 0 and 1 (1 = visible, as Flax reads it).
+
+  Concrete values are read: others (an additive ``0 / -inf`` mask) raise naming ``bias``. Traced
+  values (under ``jit``) cannot be read while tracing: the caller poisons its output with NaN
+  where the returned flag is True, so misuse is loud rather than silently wrong.
+
+  Returns:
+    None (nothing left to check: no mask, a bool mask, or concrete values), or a traced bool
+    scalar, True when the mask holds a value other than 0 and 1 (NaN included).
+  """
+  if dense_mask is None:
+    return None
+  m = jnp.asarray(dense_mask)
+  if m.dtype == bool:
+    return None
+  if isinstance(m, jax.core.Tracer):
+    return jnp.any((m != 0) & (m != 1))
+  values = np.unique(np.asarray(m))
+  if not np.all((values == 0) | (values == 1)):
+    raise ValueError(
+        f"`{name}` has dtype {m.dtype} with values other than 0 and 1 (e.g. "
+        f"{values[~((values == 0) | (values == 1))][0]}): a non-boolean dense mask is read as "
+        "0 = masked, 1 = visible. An additive mask (0 visible, -inf masked) belongs in `bias`; "
+        "or pass a bool mask (True = visible). (Under jit, where the values cannot be read, "
+        "such a mask makes the output NaN.)")
+  return None
+
+
 def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):
-  """Broadcasts a dense mask to ``[Bm, Nm, T, S]`` bool with Bm in {1, B}, Nm in {1, N}."""
+  """Broadcasts a dense mask to ``[Bm, Nm, T, S]`` bool with Bm in {1, B}, Nm in {1, N}.
+
+  A non-boolean mask must hold 0 / 1: concrete values are checked here (``dense_mask_misuse``);
+  traced ones are left to the entry point, which poisons its output where they are not.
+  """
   if dense_mask is None:
     return None
   full = _bnts_shape("dense_mask", dense_mask, b, n, t, s)
   m = jnp.asarray(dense_mask)
-  if m.dtype != bool and not isinstance(m, jax.core.Tracer):  # (traced values go unchecked)
-    values = np.unique(np.asarray(m))
-    if not np.all((values == 0) | (values == 1)):
-      raise ValueError(
-          f"`dense_mask` has dtype {m.dtype} with values other than 0 and 1 (e.g. "
-          f"{values[~((values == 0) | (values == 1))][0]}): a non-boolean dense mask is read as "
-          "0 = masked, 1 = visible. An additive mask (0 visible, -inf masked) belongs in `bias`; "
-          "or pass a bool mask (True = visible).")
+  if not isinstance(m, jax.core.Tracer):
+    dense_mask_misuse(m)
   m = m.reshape(full) if m.dtype == bool else (m.reshape(full) != 0)
   return jnp.broadcast_to(m, (full[0], full[1], t, s))
 
