@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import re
 import time
 
@@ -37,16 +39,35 @@ class CompileReport:
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")  # TPU generations whose compiles are tested
 
 
+def libtpu_installed() -> bool:
+  """Whether JAX can find libtpu: the ``libtpu`` package (the ``[tpu]`` extra) or
+  ``TPU_LIBRARY_PATH``."""
+  path = os.environ.get("TPU_LIBRARY_PATH")
+  if path and os.path.isfile(path):
+    return True
+  try:
+    return importlib.util.find_spec("libtpu") is not None
+  except (ImportError, ValueError):  # (a module entry of None, a broken package)
+    return False
+
+
 def topology_devices(topology: str) -> np.ndarray:
   """The chips of a TPU topology such as ``"v5e:2x4"`` (libtpu; no TPU needed).
 
   Raises:
+    ImportError: libtpu is not installed (naming ``pip install ".[tpu]"``).
     ValueError: one line naming the topology, libtpu's reason and the valid form.
   """
   from jax.experimental import topologies
   try:
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
   except Exception as e:  # noqa: BLE001 - libtpu raises JaxRuntimeError / RuntimeError
+    if not libtpu_installed():
+      raise ImportError(
+          f"compiling for the TPU topology {topology!r} needs libtpu (the TPU compiler), which is "
+          "not installed in this Python environment. Install the [tpu] extra: pip install "
+          "\".[tpu]\" in a clone of pallas_ring (or pip install \"jax[tpu]\"), then run the "
+          "command again; no TPU is needed.", name="libtpu") from None
     reason = str(e).splitlines()[0].split(": ", 1)[-1] if str(e) else type(e).__name__
     raise ValueError(
         f"topology={topology!r}: libtpu rejects it ({reason}). Use GENERATION:CHIPS with a "

@@ -108,7 +108,7 @@ def compile_cmd(args) -> int:
     preset = load_preset(args.config) if args.config else None
     topology = args.topology or (preset and preset.topology) or DEFAULT_TOPOLOGY
     topology_devices(topology)
-  except (ValueError, OSError) as e:
+  except (ValueError, OSError, ImportError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
@@ -253,9 +253,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.cmd is None:
+  if args.cmd is None:  # (asked for nothing: the verbs, and success)
     parser.print_help()
-    sys.exit(2)
+    sys.exit(0)
   if args.cmd == "demo":
     _ensure_devices(8)
   if args.cmd == "compile":

@@ -80,10 +80,28 @@ def test_help_is_fast_and_bare_call_lists_the_verbs():
   proc = _run("--help")
   assert proc.returncode == 0 and "compile" in proc.stdout
   assert time.perf_counter() - t0 < 2.0  # JAX is not imported to parse arguments
-  proc = _run()
-  assert proc.returncode == 2 and "{demo,bench,compile,tune}" in proc.stdout
+  proc = _run()  # no verb: the verbs listed, and success (nothing went wrong)
+  assert proc.returncode == 0 and "{demo,bench,compile,tune}" in proc.stdout
   proc = _run("compile", "--help")
   assert "--seq-len" in proc.stdout and "(default: 32768)" in proc.stdout
+
+
+def test_compile_without_libtpu_names_the_tpu_extra():
+  """Without the [tpu] extra (libtpu hidden from this process), compile says to install it
+  instead of blaming a valid topology string."""
+  import os
+  import subprocess
+  import sys
+  code = ("import runpy, sys; sys.modules['libtpu'] = None; "  # (import libtpu fails)
+          "sys.argv = ['pallas_ring', 'compile', '--topology', 'v5e:2x2']; "
+          "runpy.run_module('pallas_ring', run_name='__main__')")
+  env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        timeout=300)
+  err = proc.stderr
+  assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+  assert 'pip install ".[tpu]"' in err and "libtpu" in err and "v5e:2x2" in err, err
+  assert "rejects" not in err and "Traceback" not in err
 
 
 @pytest.mark.xdist_group("libtpu")
