@@ -8,6 +8,12 @@ which merges its ``(o, lse)`` into the running float32 result (``common.merge``,
 ``-inf``; the Mosaic GPU kernel merges in its epilogue); a step with no live block is skipped
 (``lax.cond``). Sinks enter once, after the last step.
 
+Reach: where the positions are the layout's own, K/V travel only as far as the mask reaches
+(``reach.ring_reach``): ``forward`` hops toward higher ranks and ``backward`` hops toward lower
+ones (a bidirectional ring for zigzag and striped shards), each direction a chain of steps as
+above; a window over contiguous shards takes one step, chunks that end on shard edges none.
+Caller-given positions (data, e.g. a ``layouts.Placement``) keep the whole ring, R - 1 hops.
+
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
 the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
 GPUs, ``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators
@@ -46,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, packing, pair, plans
+from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -76,6 +83,16 @@ class RingStatic:
   # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
   pack_sends: bool = False
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
+  # (forward, backward): how many hops K/V travel toward higher and lower ranks
+  # (``reach.ring_reach``); None: the whole ring, (R - 1, 0).
+  reach: Optional[Tuple[int, int]] = None
+
+  @property
+  def chains(self) -> Tuple[Tuple[int, int], ...]:
+    """``(direction, hops)`` of each direction K/V travel in: +1 toward higher ranks (device r
+    holds the shard of r - step at a step), -1 toward lower ranks."""
+    f, b = (self.ring_size - 1, 0) if self.reach is None else self.reach
+    return tuple((d, n) for d, n in ((1, f), (-1, b)) if n > 0)
 
   @property
   def layout_positions(self) -> Optional[Tuple[int, str]]:
@@ -99,8 +116,8 @@ class _Fixed(NamedTuple):
   extras: call.Extras
 
 
-def _perm(r):
-  return [(i, (i + 1) % r) for i in range(r)]
+def _perm(r, shift=1):
+  return [(i, (i + shift) % r) for i in range(r)]
 
 
 def _word(arrays):
@@ -135,9 +152,10 @@ def unpack_buffers(buf, like):
   return out
 
 
-def rotate(tree, st: RingStatic):
-  """Sends every array of ``tree`` to the next device of the ring (one collective if packed)."""
-  send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size))
+def rotate(tree, st: RingStatic, shift: int = 1):
+  """Sends every array of ``tree`` to the device ``shift`` ranks on (one collective if
+  packed)."""
+  send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size, shift))
   leaves, treedef = jax.tree.flatten(tree)
   if not st.pack_sends or len(leaves) < 2:
     return jax.tree.unflatten(treedef, [send(x) for x in leaves])
@@ -220,9 +238,9 @@ def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands,
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _middle_steps(first, r):
-  """Ring steps ``first .. R-2`` (int32, also under x64): the scanned ones before the last."""
-  return jnp.arange(first, r - 1, dtype=jnp.int32)
+def _steps(first, last):
+  """Ring steps ``first .. last - 1`` (int32, also under x64): the scanned ones."""
+  return jnp.arange(first, last, dtype=jnp.int32)
 
 
 def _gather(x, st):
@@ -249,7 +267,6 @@ def _local_kv(st: RingStatic, k, v):
 def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks); ``kv``
   from ``_local_kv``."""
-  r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
@@ -257,24 +274,33 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
     return pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
                          plan=step_plan(st, ops, rank, 0))
 
-  def compute(kv, moving, step, acc=None):
-    src = (rank - step) % r
+  def compute(kv, moving, src, acc=None):
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
     return pair_forward(st, q, kv[0], kv[1], ops, acc, step_plan(st, ops, rank, src))
 
   # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
-  # result into the running one.
-  held = (kv, _moving_info(st, kv_info))
-  nxt = rotate(held, st)
-  acc = compute(*held, 0)
+  # result into the running one. Each direction's first send overlaps the local pair.
+  local = (kv, _moving_info(st, kv_info))
+  first = [rotate(local, st, d) for d, _ in st.chains]
+  acc = compute(*local, rank)
+  for (d, n), held in zip(st.chains, first):
+    acc = _forward_chain(st, compute, rank, held, d, n, acc)
+  return tuple(acc)
+
+
+def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc):
+  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's), merged into
+  ``acc``; the last step's shard is not sent on."""
+  src = lambda step: (rank - d * step) % st.ring_size
 
   def body(carry, step):
     acc, held = carry
-    nxt = rotate(held, st)
-    return (compute(*held, step, acc), nxt), None
+    nxt = rotate(held, st, d)
+    return (compute(*held, src(step), acc), nxt), None
 
-  (acc, held), _ = lax.scan(body, (acc, nxt), _middle_steps(1, r), unroll=st.unroll)
-  return tuple(compute(*held, r - 1, acc))  # the last shard needs no send
+  if n > 1:
+    (acc, held), _ = lax.scan(body, (acc, held), _steps(1, n), unroll=st.unroll)
+  return compute(*held, src(n), acc)
 
 
 def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
@@ -290,10 +316,9 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, step, dbias, dq=None, parts=common.BOTH, dkv=None):
+  def compute(kv, moving, src, dbias, dq=None, parts=common.BOTH, dkv=None):
     """This step's pair: ``dq`` so far plus its own, ``dkv = (dk, dv)`` so far of the shard
     it holds plus its own, and ``dbias`` (``parts``: only dq and dbias, or only dk and dv)."""
-    src = (rank - step) % r
     ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
     dq, dk, dv, dbias_s = pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
                                         step_plan(st, ops, rank, src, True), dkv)
@@ -303,33 +328,46 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
-  # The local pair runs in two halves: its dQ at step 0, while the first K/V travel, and its
-  # dK/dV last, while the other devices' sum of this shard's dK/dV makes its last hop home (so
-  # that hop overlaps a kernel too).
+  # After a direction's last step its dK/dV go home (one collective; on the whole ring that is
+  # the next device). The local pair runs in two halves: its dQ first, while the first K/V
+  # travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV makes its
+  # way home (so that hop overlaps a kernel too).
   local = (kv, _moving_info(st, kv_info))
-  held = rotate(local, st)
+  first = [rotate(local, st, d) for d, _ in st.chains]
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
-  dq, _, dbias = compute(*local, 0, dbias, parts=common.DQ)
-  last = r - 1
-  nxt = rotate(held, st) if last > 1 else None  # step 1 sends its K/V on unless it is the last
-  dq, dkv, dbias = compute(*held, 1, dbias, dq)
+  dq, _, dbias = compute(*local, rank, dbias, parts=common.DQ)
+  home = None
+  for (d, n), held in zip(st.chains, first):
+    dq, dkv, dbias = _backward_chain(st, compute, rank, held, d, n, dq, dbias)
+    back = rotate(dkv, st, -d * n)
+    home = back if home is None else jax.tree.map(jnp.add, home, back)
+  _, (dk, dv), _ = compute(*local, rank, None, parts=common.DKV, dkv=home)
+  return dq, dk, dv, dbias
 
-  # Each step's dK/dV are added to those received with its shard (inside the kernels where the
-  # lowering can: no second buffer for the sum).
+
+def _backward_chain(st: RingStatic, compute, rank, held, d: int, n: int, dq, dbias):
+  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's): ``(dq, dkv,
+  dbias)``, ``dkv`` the dK/dV of the shard of the last step (on the device ``n`` hops from its
+  own). Each step's dK/dV are added to those received with its shard (inside the kernels where
+  the lowering can: no second buffer for the sum)."""
+  src = lambda step: (rank - d * step) % st.ring_size
+  nxt = rotate(held, st, d) if n > 1 else None  # step 1 sends its K/V on unless it is the last
+  dq, dkv, dbias = compute(*held, src(1), dbias, dq)
+  if n == 1:
+    return dq, dkv, dbias
+
   def body(carry, step):
     dq, held, dkv, dbias = carry
-    nxt, dkv_in = rotate((held, dkv), st)
-    dq, dkv, dbias = compute(*held, step, dbias, dq, dkv=dkv_in)
+    nxt, dkv_in = rotate((held, dkv), st, d)
+    dq, dkv, dbias = compute(*held, src(step), dbias, dq, dkv=dkv_in)
     return (dq, nxt, dkv, dbias), None
 
-  if last > 1:
-    (dq, held, dkv, dbias), _ = lax.scan(body, (dq, nxt, dkv, dbias), _middle_steps(2, r),
-                                         unroll=st.unroll)
-    dkv_in = rotate(dkv, st)  # the last shard's K/V go nowhere
-    dq, dkv, dbias = compute(*held, last, dbias, dq, dkv=dkv_in)
-  dkv = rotate(dkv, st)  # home, while the local pair's dK/dV run:
-  _, (dk, dv), _ = compute(*local, 0, None, parts=common.DKV, dkv=dkv)
-  return dq, dk, dv, dbias
+  carry = (dq, nxt, dkv, dbias)
+  if n > 2:
+    carry, _ = lax.scan(body, carry, _steps(2, n), unroll=st.unroll)
+  dq, held, dkv, dbias = carry
+  dkv_in = rotate(dkv, st, d)  # the last shard's K/V go nowhere
+  return compute(*held, src(n), dbias, dq, dkv=dkv_in)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -498,8 +536,11 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   gpu = kernels.get(backend).platform == "gpu"
   planner = plans.for_config(cfg, tp, kv_padded,
                              plans.RingLayout(t * r, layout, r, gather) if derived else None)
+  # The ring goes as far as the mask reaches, where the positions are the layout's own.
+  reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
-                  use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast)
+                  use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
+                  reach=reach)
 
   def pad_cols(x):
     """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
