@@ -1,5 +1,6 @@
 """The tile cache and ``python -m pallas_ring tune``: written, re-read, used, and robust."""
 
+import dataclasses
 import json
 import multiprocessing
 import warnings
@@ -93,3 +94,41 @@ def test_mask_classes():
   assert tile_cache.mask_class(masks.Full(), False) == "full"
   assert tile_cache.mask_class(masks.Causal(), True) == "docs"
   assert tile_cache.mask_class(masks.PrefixLM(3), False) == "other"
+
+
+def test_a_backends_variants_apply_where_it_runs_and_nowhere_else(monkeypatch):
+  """The README's reproducibility switch, ``BlockSizes(variants=pallas_mosaic_gpu.Variants(
+  deterministic=False))`` with ``backend="auto"``: other platforms' backends run without it (it
+  raised ``AssertionError: no registered backend serves the call`` on every host); the Mosaic
+  GPU kernels get it where ``auto`` picks them."""
+  from pallas_ring.kernels import pallas_mosaic_gpu
+  variants = pallas_mosaic_gpu.Variants(deterministic=False)
+  bs = BlockSizes(variants=variants)
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.bfloat16)
+  out = flash_attention(q, q, q, mask=masks.Causal(), block_sizes=bs)  # CPU: xla, no variants
+  np.testing.assert_array_equal(out, flash_attention(q, q, q, mask=masks.Causal()))
+  # On a Hopper GPU (faked here), auto lowers the GPU variant through Mosaic GPU, with them.
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: True)
+  per_platform = kernels.variants("auto", None, kernels.Call(jnp.bfloat16, 64, block_sizes=bs))
+  assert per_platform["cuda"][0] == "pallas_mosaic_gpu"
+  assert per_platform["cpu"][0] == "xla" and per_platform["tpu"][0] == "pallas_tpu"
+  for platform, (backend, _) in per_platform.items():
+    got = tuning.resolve(backend, bs, 256, 256, 64).variants
+    assert (got is variants) == (backend == "pallas_mosaic_gpu"), (platform, got)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NotAVariant:
+  deterministic: bool = False
+
+
+def test_variants_of_no_backend_or_of_another_named_backend_raise_with_the_fix():
+  from pallas_ring.kernels import pallas_mosaic_gpu
+  q = jnp.ones((1, 16, 2, 16), jnp.float32)
+  with pytest.raises(ValueError, match=r"block_sizes.variants=.* is not the kernel-variant "
+                     r"config of any backend .*pallas_mosaic_gpu\.Variants\(deterministic"):
+    flash_attention(q, q, q, block_sizes=BlockSizes(variants=_NotAVariant()))
+  with pytest.raises(ValueError, match=r"variants=.* cannot be used by backend 'xla'"):
+    flash_attention(q, q, q, backend="xla",
+                    block_sizes=BlockSizes(variants=pallas_mosaic_gpu.Variants()))

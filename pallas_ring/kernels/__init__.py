@@ -12,10 +12,16 @@ resolved for the platform a computation is *lowered* for, not for the default de
 ``dispatch`` builds one variant per platform and lets ``lax.platform_dependent`` pick, so
 compiling for a TPU or GPU from a CPU host (AOT) yields the native kernels, and CPU runs
 interpret mode only where it must.
+
+A backend's kernel variants (``BlockSizes(variants=<that backend>.Variants(...))``) apply where
+that backend runs: under ``"auto"`` the other backends (other platforms, or calls that backend
+does not serve) run without them (``for_backend``); a backend named explicitly refuses another's
+variants, and an object that is no backend's variants raises naming the fix (``check_variants``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from typing import Callable
@@ -77,23 +83,58 @@ def _lowering_platforms() -> tuple[str, ...]:
   return PLATFORMS
 
 
-def _serves(name: str, call: Call) -> bool:
-  """Whether backend ``name`` can serve ``call`` (``check_explicit`` passes)."""
-  try:
-    check_explicit(name, call)
-  except (TypeError, ValueError):
-    return False
-  return True
+def variants_owner(variants) -> str | None:
+  """The registered backend whose kernel-variant config ``variants`` is (None: no backend's)."""
+  for name in _REGISTRY:
+    cls = get(name).variants_cls
+    if cls is not None and isinstance(variants, cls):
+      return name
+  return None
+
+
+def check_variants(block_sizes) -> None:
+  """Raises when ``block_sizes.variants`` is set but is no registered backend's variants."""
+  v = getattr(block_sizes, "variants", None)
+  if v is None or variants_owner(v) is not None:
+    return
+  owned = [f"{c.__module__}.{c.__name__}" for c in (get(n).variants_cls for n in _REGISTRY)
+           if c is not None]
+  raise ValueError(
+      f"block_sizes.variants={v!r} is not the kernel-variant config of any backend (those are "
+      f"{', '.join(owned)}): pass one of them, e.g. "
+      "BlockSizes(variants=pallas_ring.kernels.pallas_mosaic_gpu.Variants(deterministic=False)), "
+      "or variants=None for each backend's defaults.")
+
+
+def for_backend(name: str, block_sizes):
+  """``block_sizes`` as backend ``name`` sees them under ``"auto"``: another backend's kernel
+  variants are dropped. A backend's variants apply where that backend runs; the computations
+  ``"auto"`` gives other backends (another platform, or a call that backend does not serve) run
+  without them."""
+  v = block_sizes.variants
+  if v is None or variants_owner(v) in (name, None):  # (None: check_variants' error)
+    return block_sizes
+  return block_sizes.replace(variants=None)
 
 
 def auto(family_: str, call: Call) -> str:
   """The backend ``"auto"`` picks on a platform family (``family``) for ``call``."""
+  reasons = []
   for name in _REGISTRY:
     b = get(name)
-    if (b.platform in (family_, None) and b.auto_eligible() and b.auto_prefers(call)
-        and _serves(name, call)):
-      return name
-  raise AssertionError("no registered backend serves the call")  # (xla serves every call)
+    if b.platform not in (family_, None) or not b.auto_eligible() or not b.auto_prefers(call):
+      continue
+    mine = dataclasses.replace(call, block_sizes=for_backend(name, call.block_sizes))
+    try:
+      check_explicit(name, mine)
+    except (TypeError, ValueError) as e:
+      reasons.append(f"{name}: {e}")
+      continue
+    return name
+  # (xla serves every call its tile rules allow: the user's block_sizes broke them.)
+  raise ValueError(f"backend='auto' found no backend that serves this call on {family_}: "
+                   + " ".join(reasons) + " Fix the block_sizes named above (None fields are "
+                   "resolved per backend).")
 
 
 def check_explicit(name: str, call: Call) -> None:
@@ -126,6 +167,8 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
     interpret: True / False, or None for "interpret exactly where the kernel cannot run".
     call: what the backends are asked about (``Backend.supports``).
   """
+  if backend == "auto":
+    check_variants(call.block_sizes)
   out = {}
   for platform in _lowering_platforms():
     fam = family(platform)

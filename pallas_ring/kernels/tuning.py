@@ -96,7 +96,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
       skips the cache and table).
   """
   impl = kernels.get(backend)
-  bs = as_block_sizes(block_sizes)
+  bs = kernels.for_backend(backend, as_block_sizes(block_sizes))  # (another's variants: dropped)
   impl.check_block_sizes(bs)
   kind = device_kind(backend) if dtype is not None else ""
   shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
