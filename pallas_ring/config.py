@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring.layouts import LAYOUTS
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
+STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring", "auto")
 
 
 def _check_keys(cls, data: Mapping[str, Any]) -> None:
@@ -118,7 +118,8 @@ class SequenceParallelConfig:
   axis_name: str = "sp"  # mesh axis the sequence is sharded over (the ring)
   layout: str = "contiguous"  # token order: contiguous | zigzag | striped (see layouts)
   # ring: rotate K/V with ppermute; all_gather: gather K/V once; ulysses: all-to-all to heads
-  # over axis_name; ulysses_ring: all-to-all over ulysses_axis, ring over axis_name
+  # over axis_name; ulysses_ring: all-to-all over ulysses_axis, ring over axis_name; auto: ring,
+  # all_gather or ulysses per call by pallas_ring.auto's cost model (mask reach, T, N, K, R)
   strategy: str = "ring"
   batch_axes: Optional[tuple[str, ...]] = ()  # mesh axes the batch is sharded over (None: none)
   head_axis: Optional[str] = None  # mesh axis the head dimension is sharded over (tensor par.)

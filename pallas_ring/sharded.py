@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import balance, call, fp8, layouts, packing, ring, ulysses, validation
+from pallas_ring import auto, balance, call, fp8, layouts, packing, ring, ulysses, validation
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -146,6 +146,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       names=("positions", "positions"))
   r = mesh.shape[config.axis_name]
   b, t, n, _ = q.shape
+  if config.strategy == "auto":
+    config = config.replace(strategy=auto_choice(q, k, mesh, config, checked, positions).strategy)
   if k.shape[1] != t:
     raise ValueError(f"sharded_attention is self-attention over one sharded sequence: q has "
                      f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
@@ -243,6 +245,17 @@ def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str 
         "axis=-1), layout, R, axis=-2). (Under jit, where the values cannot be read, such a "
         "mask makes the output NaN.)")
   return None
+
+
+def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=None):
+  """What ``strategy="auto"`` runs for this call (``auto.choose``'s cost model), per device's
+  head group (``head_axis`` divides the heads)."""
+  hs = 1 if config.head_axis is None else mesh.shape[config.head_axis]
+  return auto.choose(checked.settings.mask, seq_len=q.shape[1], heads=q.shape[2] // hs,
+                     kv_heads=max(1, k.shape[2] // hs), head_dim=q.shape[3],
+                     ring_size=mesh.shape[config.axis_name], layout=config.layout,
+                     itemsize=jnp.dtype(k.dtype).itemsize,
+                     derived_positions=positions is None and checked.arrays.q_positions is None)
 
 
 def _check_eager_autodiff(mesh, q) -> None:

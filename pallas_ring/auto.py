@@ -1,0 +1,91 @@
+"""``strategy="auto"``: ring, all_gather or ulysses chosen per call by a simple cost model.
+
+Each strategy's time for one layer's forward on one device is modelled from two rates:
+
+* compute: ``4 * (T / R) * T * f * N * H`` flops (QK^T and PV) at ``FLOPS_PER_S``, where ``f``
+  is the share of (query, key) pairs the mask leaves visible (``visible_fraction``);
+* communication: the bytes each device sends (``aot.bytes_moved``'s formulas, the ring's hops
+  from ``reach.ring_reach``) at ``BYTES_PER_S``.
+
+The ring overlaps its sends with the kernels, so it costs ``max(compute, comm)`` plus a fixed
+``STEP_S`` per hop (a kernel launch and a collective's latency); all_gather and Ulysses send
+before they compute: ``comm + compute``. Ulysses needs N divisible by the axis size. The
+cheapest wins; ties go to the ring. The constants are stated, not measured on this machine:
+they are an H100's order of magnitude (bf16 attention at ~400 TFLOP/s, ~100 GB/s of NVLink per
+direction per device, ~20 us per ring step); the choice depends on their ratios only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from pallas_ring import masks as masks_lib
+from pallas_ring import reach as reach_lib
+from pallas_ring import ulysses
+
+FLOPS_PER_S = 400e12  # attention kernel throughput per device
+BYTES_PER_S = 100e9  # collective bandwidth per device, one direction
+STEP_S = 20e-6  # fixed cost of one ring step (launch, collective latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What ``choose`` picked and why."""
+
+  strategy: str  # "ring" | "all_gather" | "ulysses"
+  seconds: tuple  # ((strategy, modelled seconds), ...) of every candidate, cheapest first
+  reach: tuple  # the ring's (forward, backward) hops
+
+  def describe(self) -> str:
+    costs = ", ".join(f"{s} {t * 1e6:.0f} us" for s, t in self.seconds)
+    return (f"strategy='auto' chose {self.strategy!r} (modelled forward per device: {costs}; "
+            f"ring hops forward/backward {self.reach[0]}/{self.reach[1]})")
+
+
+def visible_fraction(spec: masks_lib.MaskSpec, seq_len: int) -> float:
+  """Roughly the share of (query, key) pairs ``spec`` leaves visible over ``seq_len`` tokens:
+  a window's width over T, a half for causal masks, all for the rest."""
+  left, right = reach_lib.key_bounds(spec)
+  if left is not None and right is not None:
+    return min(1.0, (left + right + 1) / seq_len)
+  return 0.5 if masks_lib.is_causal(spec) or left is not None or right is not None else 1.0
+
+
+def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
+           head_dim: int, ring_size: int, layout: str, itemsize: int,
+           derived_positions: bool = True, ulysses_heads: Optional[int] = None) -> Choice:
+  """The strategy of least modelled time (module docstring) for one call.
+
+  Args:
+    spec: the mask spec.
+    seq_len: T, tokens of the whole sequence; heads, kv_heads, head_dim: N, K, H per device's
+      head group; ring_size: R, devices of the sequence axis; layout: the token layout.
+    itemsize: bytes per element of K/V.
+    derived_positions: False when the caller gives positions (the ring then goes all the way).
+    ulysses_heads: the query heads Ulysses would split (None: ``heads``).
+  """
+  r, t = ring_size, seq_len
+  reach = (reach_lib.ring_reach(spec, t, layout, r) if derived_positions and r > 1
+           else (r - 1, 0))
+  compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / FLOPS_PER_S
+  kv_shard = 2 * (t / r) * kv_heads * head_dim * itemsize  # one device's K and V
+  hops = sum(reach)
+  seconds = {
+      "ring": max(compute, hops * kv_shard / BYTES_PER_S) + hops * STEP_S,
+      "all_gather": (r - 1) * kv_shard / BYTES_PER_S + compute,
+  }
+  n = heads if ulysses_heads is None else ulysses_heads
+  try:
+    ulysses.check_heads(n, r, "axis_name", "")
+    kv = kv_heads * ulysses.kv_repeats(kv_heads, r)
+    # q, k, v out and o back: (R-1)/R of the device's (T/R) tokens each
+    sent = (r - 1) / r * (t / r) * head_dim * itemsize * (2 * n + 2 * kv)
+    seconds["ulysses"] = sent / BYTES_PER_S + compute
+  except ValueError:
+    pass
+  order = sorted(seconds.items(), key=lambda kv_: (kv_[1], kv_[0] != "ring"))
+  return Choice(order[0][0], tuple(order), reach)
+
+
+__all__ = ["Choice", "choose", "visible_fraction", "FLOPS_PER_S", "BYTES_PER_S", "STEP_S"]

@@ -1,0 +1,47 @@
+"""strategy="auto": the cost model's choices and an auto call on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_ring import SequenceParallelConfig, auto, masks, reference, sharded_attention
+from conftest import rel_err
+
+MHA = dict(heads=16, kv_heads=16, head_dim=128, ring_size=8, itemsize=2)
+
+
+@pytest.mark.parametrize("mask, per_device, layout, kw, expected", [
+    (masks.SlidingWindow(1024), 32768, "contiguous", MHA, "ring"),  # one hop, overlapped
+    (masks.ChunkedCausal(8192), 32768, "contiguous", MHA, "ring"),  # no hop at all
+    (masks.Causal(), 32768, "zigzag", MHA, "ring"),  # compute hides the whole ring
+    (masks.Causal(), 1024, "zigzag", MHA, "ulysses"),  # short: the ring's sends are exposed
+    (masks.Causal(), 1024, "zigzag", dict(MHA, heads=4, kv_heads=4), "all_gather"),  # N % R
+])
+def test_auto_choices(mask, per_device, layout, kw, expected):
+  choice = auto.choose(mask, seq_len=8 * per_device, layout=layout, **kw)
+  assert choice.strategy == expected, choice.describe()
+  assert expected in choice.describe() and len(choice.seconds) == (3 if kw["heads"] == 16 else 2)
+
+
+def test_caller_positions_keep_the_whole_ring_in_the_model():
+  local = auto.choose(masks.SlidingWindow(64), seq_len=8 * 1024, layout="contiguous", **MHA)
+  given = auto.choose(masks.SlidingWindow(64), seq_len=8 * 1024, layout="contiguous",
+                      derived_positions=False, **MHA)
+  assert local.reach == (1, 0) and given.reach == (7, 0)
+
+
+def test_auto_runs_its_choice_and_matches_the_reference():
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", strategy="auto", backend="xla")
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 8, 16)), jnp.float32) for _ in range(3))
+  mask = masks.Causal()
+  f = lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=mask)
+  choice = auto.choose(mask, seq_len=64, heads=8, kv_heads=8, head_dim=16, ring_size=8,
+                       layout="contiguous", itemsize=4)
+  text = str(jax.make_jaxpr(f)(q, k, v))
+  ran = "ulysses" if "all_to_all" in text else "all_gather" if "all_gather" in text else "ring"
+  assert ran == choice.strategy
+  assert rel_err(jax.jit(f)(q, k, v), reference.attention(q, k, v, mask=mask)[0]) < 2e-5
