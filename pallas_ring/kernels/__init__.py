@@ -17,6 +17,11 @@ A backend's kernel variants (``BlockSizes(variants=<that backend>.Variants(...))
 that backend runs: under ``"auto"`` the other backends (other platforms, or calls that backend
 does not serve) run without them (``for_backend``); a backend named explicitly refuses another's
 variants, and an object that is no backend's variants raises naming the fix (``check_variants``).
+
+A backend whose module cannot be imported with the installed JAX (a Pallas lowering removed
+from JAX: the Triton one is deprecated since JAX 0.11) is skipped by ``"auto"`` with a warning,
+so GPUs its kernels served fall back to the next backend (``xla`` for pre-Hopper GPUs); asked for
+by name, it raises ``BackendUnavailable`` naming the fix.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import warnings
 from typing import Callable
 
 import jax
@@ -46,13 +52,48 @@ def backend_names() -> tuple[str, ...]:
   return ("auto", *_REGISTRY)
 
 
+class BackendUnavailable(ImportError):
+  """A registered backend cannot be imported with this JAX (its Pallas lowering is gone)."""
+
+
+_WARNED_UNAVAILABLE: set[str] = set()
+
+
 def get(name: str) -> Backend:
-  """The backend object registered as ``name``."""
+  """The backend object registered as ``name``.
+
+  Raises:
+    ValueError: ``name`` is not registered.
+    BackendUnavailable: its module cannot be imported with this JAX, e.g. Pallas's Triton
+      lowering (``jax.experimental.pallas.triton``), deprecated in JAX 0.11, once it is removed.
+  """
   if name not in _REGISTRY:
     raise ValueError(f"`backend`={name!r} is not known; use one of {backend_names()} ('auto' "
                      "picks pallas_tpu on TPU, pallas_mosaic_gpu or pallas_triton on GPU, xla on "
                      "CPU).")
-  return importlib.import_module(_REGISTRY[name]).BACKEND
+  try:
+    return importlib.import_module(_REGISTRY[name]).BACKEND
+  except ImportError as e:
+    if isinstance(e, BackendUnavailable):
+      raise
+    raise BackendUnavailable(
+        f"backend={name!r} cannot be used with JAX {jax.__version__}: importing its kernels "
+        f"failed ({type(e).__name__}: {e}), so this JAX lacks the Pallas lowering they are "
+        "written in (JAX 0.11 deprecates Pallas's Triton lowering, the pre-Hopper GPU kernels). "
+        "Use backend='auto', which runs the fastest backend this JAX still has ('xla', the "
+        "blockwise XLA implementation of the same contract, where no kernel is left), or "
+        "install a JAX that has the lowering (the README's 'Pre-Hopper GPUs').") from e
+
+
+def _available(name: str) -> Backend | None:
+  """``get(name)``, or None (warning once) when its module cannot be imported with this JAX."""
+  try:
+    return get(name)
+  except BackendUnavailable as e:
+    if name not in _WARNED_UNAVAILABLE:
+      _WARNED_UNAVAILABLE.add(name)
+      warnings.warn(f"{e} backend='auto' skips it.", RuntimeWarning, stacklevel=3)
+    return None
 
 
 def family(platform: str) -> str:
@@ -86,8 +127,8 @@ def _lowering_platforms() -> tuple[str, ...]:
 def variants_owner(variants) -> str | None:
   """The registered backend whose kernel-variant config ``variants`` is (None: no backend's)."""
   for name in _REGISTRY:
-    cls = get(name).variants_cls
-    if cls is not None and isinstance(variants, cls):
+    b = _available(name)
+    if b is not None and b.variants_cls is not None and isinstance(variants, b.variants_cls):
       return name
   return None
 
@@ -97,8 +138,8 @@ def check_variants(block_sizes) -> None:
   v = getattr(block_sizes, "variants", None)
   if v is None or variants_owner(v) is not None:
     return
-  owned = [f"{c.__module__}.{c.__name__}" for c in (get(n).variants_cls for n in _REGISTRY)
-           if c is not None]
+  owned = [f"{b.variants_cls.__module__}.{b.variants_cls.__name__}"
+           for b in map(_available, _REGISTRY) if b is not None and b.variants_cls is not None]
   raise ValueError(
       f"block_sizes.variants={v!r} is not the kernel-variant config of any backend (those are "
       f"{', '.join(owned)}): pass one of them, e.g. "
@@ -121,8 +162,9 @@ def auto(family_: str, call: Call) -> str:
   """The backend ``"auto"`` picks on a platform family (``family``) for ``call``."""
   reasons = []
   for name in _REGISTRY:
-    b = get(name)
-    if b.platform not in (family_, None) or not b.auto_eligible() or not b.auto_prefers(call):
+    b = _available(name)  # (None: gone from this JAX, e.g. the Pallas Triton lowering)
+    if (b is None or b.platform not in (family_, None) or not b.auto_eligible()
+        or not b.auto_prefers(call)):
       continue
     mine = dataclasses.replace(call, block_sizes=for_backend(name, call.block_sizes))
     try:
