@@ -448,11 +448,15 @@ def test_an_auto_named_ring_attention_loads_a_stock_checkpoint():
 
 
 @pytest.mark.slow
-def test_example_prints_what_it_trained(capsys):
+def test_example_prints_both_losses_at_every_step(capsys):
+  """The README says the example's two runs match at every step: it prints every step."""
   from pallas_ring.examples import transformer
-  transformer.main()
+  worst = transformer.main(steps=50)
   out = capsys.readouterr().out.splitlines()
-  assert "50 Adam steps" in out[0] and len(out) == 3
-  for line in out[1:]:
-    first, last = (float(x) for x in line.split("loss")[1].split("->"))
-    assert last < first - 0.5
+  assert "50 Adam steps" in out[0] and "relative difference" in out[1] and len(out) == 53
+  rows = [[float(x) for x in line.split()] for line in out[2:52]]
+  assert [int(r[0]) for r in rows] == list(range(1, 51))
+  for _, stock, ours, rel in rows:
+    assert abs(stock - ours) <= 1e-3 * stock and rel < 1e-3
+  assert rows[-1][1] < rows[0][1] - 0.5  # it learns
+  assert worst < 1e-3 and f"{worst:.1e}" in out[52]
