@@ -290,3 +290,94 @@ def test_tpu_memory_against_splash_attention():
     splash = tm.temp_bytes(tm.splash("v5e:2x2", t, backward=backward))
     limit = 1.25 * splash if backward else 2 * splash + out_bytes
     assert ours <= limit, (backward, ours / 2**20, splash / 2**20)
+
+
+# --------------------------------------------- TPU VMEM: every generation, default arguments --
+
+def _tool(name):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "tools" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_v4_compiles_default_forward_backward_without_a_mesh():
+  """Issue 58: bf16 causal forward+backward, N=K=8, H=128, T=4096 for v4 with default
+  arguments and no ``jax.set_mesh`` (tiles chosen for an unknown chip) ran out of VMEM (16.25 of
+  16 MiB): the kernels now measure their programs and split tiles that do not fit the chip that
+  the operands' sharding names."""
+  from pallas_ring.kernels import pallas_tpu
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16,
+                            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  seen, fit = [], pallas_tpu._fit
+
+  def recording(*a):
+    p, vmem = fit(*a)
+    seen.append(vmem)
+    return p, vmem
+
+  pallas_tpu._fit = recording
+  try:
+    text = jax.jit(grad).trace(sd, sd, sd).lower(lowering_platforms=("tpu",)).compile().as_text()
+  finally:
+    pallas_tpu._fit = fit
+  assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
+  assert len(seen) >= 3 and all(v.chip == "TPU v4" and v.capacity == 16 * 2**20 for v in seen)
+  assert all(v.fits() for v in seen)
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_a_new_buffer_is_measured_and_tiles_split_to_fit(monkeypatch):
+  """A kernel that grows a buffer cannot overflow VMEM silently: 6 MiB more staging scratch in
+  the forward is measured from the grid spec, and the tiles are split until the program fits
+  v4's 16 MiB (it compiles)."""
+  from pallas_ring import BlockSizes
+  from pallas_ring.kernels import pallas_tpu
+  from jax.experimental import topologies
+  staging, kernel = pallas_tpu._staging, pallas_tpu._fwd_kernel
+  monkeypatch.setattr(pallas_tpu, "_staging", lambda dtype, h, *rows: staging(dtype, h, *rows) + [
+      pallas_tpu.pltpu.VMEM((6 * 2**20 // 512, 128), jnp.float32)])
+  monkeypatch.setattr(pallas_tpu, "_fwd_kernel", lambda *refs, **kw: kernel(*refs[:-1], **kw))
+  seen, fit = [], pallas_tpu._fit
+  monkeypatch.setattr(pallas_tpu, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
+  topo = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  sd = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16,
+                            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(),
+                                      block_sizes=BlockSizes(block_q=512, block_kv=512))
+  text = jax.jit(f).trace(sd, sd, sd).lower(lowering_platforms=("tpu",)).compile().as_text()
+  assert "tpu_custom_call" in text
+  (p, vmem), = seen
+  cfg = p.kernel.keywords["cfg"]
+  assert vmem.scratch >= 6 * 2**20 and vmem.fits()
+  assert cfg.block_q * cfg.block_kv < 512 * 512
+
+
+# A representative subset of tools/tpu_compile_matrix.py (BENCHMARKS.md has the whole matrix):
+# every generation, dtype, program, head dim and mask at least once, and the tightest cell
+# (v4's ring dK/dV with accumulators).
+MATRIX_SUBSET = [("v4", "bfloat16", "ring", 128, "documents"),
+                 ("v4", "float32", "forward+backward", 256, "documents"),
+                 ("v5e", "float16", "forward+backward", 64, "causal"),
+                 ("v5p", "float32", "decode", 256, "documents"),
+                 ("v6e", "bfloat16", "forward", 64, "causal")]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("cell", MATRIX_SUBSET, ids=lambda c: "-".join(map(str, c)))
+def test_compile_matrix_subset_with_default_arguments(cell):
+  tool = _tool("tpu_compile_matrix")
+  r = tool.compile_cell(tool.Cell(*cell))
+  assert r.ok, r.error
+  assert r.passes and all(vmem <= capacity for *_, vmem, capacity in r.passes), r.passes

@@ -79,3 +79,31 @@ def test_kv_compute_must_be_a_multiple_of_128():
   from pallas_ring.kernels.pallas_tpu import Variants
   with pytest.raises(ValueError, match=r"kv_compute=100 .*multiple of 128"):
     Variants(kv_compute=100)
+
+
+def test_tiles_split_to_fit_vmem_match_the_reference(monkeypatch):
+  """Tiles too large for the chip's VMEM are split (``_fit``: the plan refined, each tile's
+  class repeated over its parts): with a chip of 3.2 MiB named, 256 x 256 tiles run as smaller
+  ones in every pass, with the same results as the reference (interpret mode; documents, so that
+  refined PARTIAL tiles hold empty and full parts)."""
+  from pallas_ring import BlockSizes
+  from pallas_ring.kernels import pallas_tpu
+  monkeypatch.setattr(pallas_tpu, "_chip", lambda like: (int(3.2 * 2**20), "a test chip"))
+  seen, fit = [], pallas_tpu._fit
+  monkeypatch.setattr(pallas_tpu, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
+  b, t, n, kh, h = 1, 600, 2, 1, 64
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                 for s in ((b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h)))
+  kw = dict(mask=masks.Causal(), segment_ids=jnp.asarray(np.arange(t)[None] // 230, jnp.int32))
+  ours = lambda *a: flash_attention(*a, backend="pallas_tpu", block_sizes=BlockSizes(
+      256, 256, 256, 256), **kw)
+  ref = lambda *a: reference.attention(*a, **kw)[0]
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * do)
+  got = (ours(q, k, v), *jax.grad(loss(ours), (0, 1, 2))(q, k, v))
+  want = (ref(q, k, v), *jax.grad(loss(ref), (0, 1, 2))(q, k, v))
+  for which, a, r in zip(("o", "dq", "dk", "dv"), got, want):
+    assert rel_err(a, r) < 2e-3, (which, rel_err(a, r))
+  tiles = {(c.block_q, c.block_kv, c.block_q_bwd, c.block_kv_bwd)
+           for c in (p.kernel.keywords["cfg"] for p, _ in seen)}
+  assert all(v.fits() for _, v in seen) and (256, 256, 256, 256) not in tiles, tiles

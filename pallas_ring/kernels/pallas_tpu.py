@@ -68,12 +68,19 @@ class Variants:
                        "tile.")
 
 
+def _chunk(cfg, bk: int) -> int:
+  """Keys per step of the body in a ``bk``-key tile (``Variants.kv_compute``, or the whole tile
+  when it is None, not smaller than the tile or does not divide it)."""
+  kc = (cfg.variants or Variants()).kv_compute
+  return bk if kc is None or kc >= bk or bk % kc else kc
+
+
 def _key_chunks(cfg, bk: int, body):
   """Runs ``body(keys, offset)`` over the chunks of a ``bk``-key tile (``Variants.kv_compute``
   keys each; ``keys`` a ``pl.ds`` of the tile's keys, ``offset`` its traced start) in a rolled
   loop; one call over the whole tile when the chunk does not divide it."""
-  kc = (cfg.variants or Variants()).kv_compute
-  if kc is None or kc >= bk or bk % kc:
+  kc = _chunk(cfg, bk)
+  if kc == bk:
     body(pl.ds(0, bk), 0)
     return
 
@@ -132,38 +139,56 @@ def _row_ranges(index, budget=None):
   return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
-def _chained_call(kernel, ranges, make_grid_spec, out_shape, args, name, vmem_bytes, acc=None):
-  """Runs ``kernel`` once per row range, each call writing its rows of the same outputs.
+class _Pass(NamedTuple):
+  """One kernel pass, ready to run: what ``_chained_call`` runs and ``_pass_vmem`` measures."""
 
-  ``make_grid_spec(r0, r1) -> (grid_spec, lists)`` builds one call's grid; ``out_shape`` is a
-  list; ``vmem_bytes`` the program's estimated VMEM (``_vmem_bytes``). The outputs of one call are
-  aliased into the next (as unread ``ANY`` inputs), so they are written in place; each call writes
-  only the blocks of its rows.
+  kernel: Any  # functools.partial of the kernel body (its ``cfg`` keyword carries the tiles)
+  ranges: list  # consecutive row ranges, one call each (``_row_ranges``)
+  grid_spec: Any  # (r0, r1) -> (PrefetchScalarGridSpec, _Lists) of one call
+  out_shape: list  # jax.ShapeDtypeStruct of each output
+  args: list  # the kernel's array operands after the plan lists (None entries: absent)
+  name: str  # the pallas_call's name
+  body_bytes: int  # the body's float32 temporaries (``_body_bytes``)
+  acc: Optional[list] = None  # accumulators added into the outputs in place (aliased)
 
-  With ``acc`` (one array per output, in the outputs' kernel-side shape and dtype) the kernel
-  adds each output block to the same block of its accumulator (``accumulate=True``: the
-  accumulators are read block by block like the outputs) and the accumulators' buffers become
-  the outputs (aliased), so a ring's running sums take no second buffer.
+
+def _call_spec(p: _Pass, r0: int, r1: int, extra: list):
+  """The grid spec and lists of the call over rows ``[r0, r1)``; ``extra`` are the arrays
+  aliased to the outputs (the accumulators, or the previous call's outputs, unread)."""
+  grid_spec, lists = p.grid_spec(r0, r1)
+  if extra:
+    carried = (list(grid_spec.out_specs) if p.acc is not None else
+               [pl.BlockSpec(memory_space=pl.ANY)] * len(extra))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=grid_spec.num_scalar_prefetch, grid=grid_spec.grid,
+        in_specs=list(grid_spec.in_specs) + carried,
+        out_specs=grid_spec.out_specs, scratch_shapes=grid_spec.scratch_shapes)
+  return grid_spec, lists
+
+
+def _chained_call(p: _Pass, vmem: "_Vmem"):
+  """Runs ``p.kernel`` once per row range, each call writing its rows of the same outputs.
+
+  The outputs of one call are aliased into the next (as unread ``ANY`` inputs), so they are
+  written in place; each call writes only the blocks of its rows. With ``p.acc`` (one array per
+  output, in the outputs' kernel-side shape and dtype) the kernel adds each output block to the
+  same block of its accumulator (``accumulate=True``: the accumulators are read block by block
+  like the outputs) and the accumulators' buffers become the outputs (aliased), so a ring's
+  running sums take no second buffer. ``vmem`` is the program's VMEM (``_pass_vmem``), which
+  sets the compiler's limit.
   """
-  outs = None if acc is None else list(acc)
-  kw = {} if acc is None else dict(accumulate=True)
-  for r0, r1 in ranges:
-    grid_spec, lists = make_grid_spec(r0, r1)
+  outs = None if p.acc is None else list(p.acc)
+  kw = {} if p.acc is None else dict(accumulate=True)
+  for r0, r1 in p.ranges:
     extra = [] if outs is None else list(outs)
-    if extra:
-      carried = (list(grid_spec.out_specs) if acc is not None else
-                 [pl.BlockSpec(memory_space=pl.ANY)] * len(extra))
-      grid_spec = pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=grid_spec.num_scalar_prefetch, grid=grid_spec.grid,
-          in_specs=list(grid_spec.in_specs) + carried,
-          out_specs=grid_spec.out_specs, scratch_shapes=grid_spec.scratch_shapes)
-    first_alias = len(lists.arrays) + len(jax.tree.leaves(args))  # (None args are no inputs)
+    grid_spec, lists = _call_spec(p, r0, r1, extra)
+    first_alias = len(lists.arrays) + len(jax.tree.leaves(p.args))  # (None args are no inputs)
     outs = pl.pallas_call(
-        functools.partial(kernel, lists=lists, n_aliased=len(extra), **kw), grid_spec=grid_spec,
-        out_shape=out_shape, compiler_params=_params(vmem_bytes),
-        interpret=kernel.keywords["cfg"].interpret,
-        input_output_aliases={first_alias + a: a for a in range(len(extra))}, name=name,
-    )(*lists.arrays, *args, *extra)
+        functools.partial(p.kernel, lists=lists, n_aliased=len(extra), **kw),
+        grid_spec=grid_spec, out_shape=p.out_shape, compiler_params=_params(vmem),
+        interpret=p.kernel.keywords["cfg"].interpret,
+        input_output_aliases={first_alias + a: a for a in range(len(extra))}, name=p.name,
+    )(*lists.arrays, *p.args, *extra)
   return outs
 
 
@@ -467,30 +492,165 @@ class _RowStats:
     ref[h] = jnp.broadcast_to(column, (self.bq, LANES)).T[:1, :] if self.dense else column
 
 
-def _vmem_capacity() -> int:
-  """VMEM bytes of the chip being lowered for (the abstract mesh's device when compiling for a
-  TPU topology from another host); when unknown, 64 MiB (the least of v5e, v5p and v6e)."""
+# ------------------------------------------------------------------------------ VMEM budget --
+#
+# A program's VMEM is measured from the grid spec it is called with (``_pass_vmem``): every
+# pipelined block (double-buffered), every scratch buffer and the body's temporaries, so a buffer
+# added to a kernel is counted without anyone updating an estimate. It is checked against the
+# VMEM of the chip being compiled for (``_chip``); tiles that do not fit are split
+# (``_fit``) before Mosaic would fail with "Ran out of memory in memory space vmem".
+
+# VMEM of a chip that cannot be named while tracing (lowering for "tpu" with neither a mesh nor a
+# sharding): the least of the TPU generations (v2-v4: 16 MiB per TensorCore), so the program
+# fits every chip.
+LEAST_VMEM_BYTES = 16 * 2**20
+# VMEM that Mosaic takes besides the measured buffers (its internal scratch, sublane replication
+# temporaries; 44 KiB measured on v4) plus a margin for the body's temporaries, whose
+# register-allocator spills ``_body_bytes`` estimates.
+VMEM_RESERVE_BYTES = 1 * 2**20
+# Float32 ``[bq, key chunk]`` temporaries of a body that live at once (logits, probabilities,
+# dP, dS; the compiler spills them to VMEM): measured 1.3 MiB for the forward at 512 x 256 on v4
+# (2.5 of them).
+BODY_TEMPORARIES = {"fwd": 4, "dq": 6, "dkv": 6}
+
+
+class _Vmem(NamedTuple):
+  """VMEM bytes of one program and the chip's capacity."""
+
+  blocks: int  # pipelined blocks of the inputs and outputs, double-buffered
+  scratch: int  # scratch buffers (row statistics, output rows, staged heads)
+  body: int  # the body's temporaries (``_body_bytes``)
+  capacity: int  # VMEM of the chip being compiled for (``_chip``)
+  chip: str  # its device kind, or how the capacity was chosen
+
+  @property
+  def total(self) -> int:
+    return self.blocks + self.scratch + self.body + VMEM_RESERVE_BYTES
+
+  def fits(self) -> bool:
+    return self.total <= self.capacity
+
+  def describe(self) -> str:
+    mib = lambda x: f"{x / 2**20:.2f} MiB"
+    return (f"{mib(self.total)} (blocks {mib(self.blocks)}, scratch {mib(self.scratch)}, body "
+            f"{mib(self.body)}, reserve {mib(VMEM_RESERVE_BYTES)}) of {self.chip}'s "
+            f"{mib(self.capacity)}")
+
+
+def _tile_bytes(shape, dtype) -> int:
+  """Bytes of a VMEM buffer: the minor axis padded to 128 lanes, the second-minor to 8
+  sublanes (a unit second-minor axis stays one row)."""
+  dims = [1 if d is None or not isinstance(d, int) else d for d in shape] or [1]
+  dims[-1] = backend.round_up(dims[-1], LANES)
+  if len(dims) > 1 and dims[-2] > 1:
+    dims[-2] = backend.round_up(dims[-2], 8)
+  n = 1
+  for d in dims:
+    n *= d
+  return n * jnp.dtype(dtype).itemsize
+
+
+def _chip(like) -> tuple[Optional[int], str]:
+  """``(VMEM bytes, device kind)`` of the chip a computation is traced for: the abstract mesh's
+  or the default device's (``pltpu.get_tpu_info()``), else that of the mesh of ``like``'s
+  sharding (an operand of a program compiled for a TPU topology from another host); None when
+  neither names a TPU."""
   try:
-    return pltpu.get_tpu_info().vmem_capacity_bytes
-  except (ValueError, NotImplementedError):  # not lowering for a known TPU (interpret mode)
-    return 64 * 2**20
+    return pltpu.get_tpu_info().vmem_capacity_bytes, _asked_kind()
+  except (ValueError, NotImplementedError, AttributeError):
+    pass
+  mesh = getattr(getattr(jax.typeof(like), "sharding", None), "mesh", None)
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and device.platform == "tpu":
+    try:
+      with jax.sharding.use_abstract_mesh(mesh):
+        return pltpu.get_tpu_info().vmem_capacity_bytes, device.device_kind
+    except (ValueError, NotImplementedError):  # pragma: no cover - a TPU JAX does not know
+      pass
+  return None, "an unnamed TPU"
 
 
-def _params(vmem_bytes: int):
-  """Compiler params; the scoped VMEM limit is raised (up to the chip's capacity) when the
-  pipelined blocks and scratch of a program need more than the default."""
+def _asked_kind() -> str:
+  """The device kind ``pltpu.get_tpu_info()`` answers for (the abstract mesh's, else the
+  default device's)."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  return abstract.device_kind if abstract is not None else jax.devices()[0].device_kind
+
+
+def _pass_vmem(p: _Pass, capacity: tuple[int, str]) -> _Vmem:
+  """The VMEM of ``p``'s programs, from the grid spec of its first call."""
+  grid_spec, _ = _call_spec(p, *p.ranges[0], [] if p.acc is None else list(p.acc))
+  arrays = [a for a in p.args if a is not None] + list(p.acc or [])
+  specs = [s for s in grid_spec.in_specs if s is not None]
+  assert len(specs) == len(arrays), (len(specs), len(arrays))
+  outs = list(zip(jax.tree.leaves(grid_spec.out_specs), p.out_shape))
+
+  def window(spec, array):
+    if spec.memory_space == pl.ANY or spec.block_shape is None:
+      return 0
+    return 2 * _tile_bytes(spec.block_shape, array.dtype)
+
+  blocks = sum(window(s, a) for s, a in list(zip(specs, arrays)) + outs)
+  scratch = sum(_tile_bytes(x.shape, x.dtype) for x in grid_spec.scratch_shapes)
+  return _Vmem(blocks, scratch, p.body_bytes, *capacity)
+
+
+def _body_bytes(cfg, which: str, bq: int, bk: int) -> int:
+  """The body's float32 temporaries: ``BODY_TEMPORARIES[which]`` arrays of ``bq`` rows by one
+  key chunk (``_key_chunks``)."""
+  return BODY_TEMPORARIES[which] * bq * _chunk(cfg, bk) * 4
+
+
+def _refine(plan, fq: int, fk: int):
+  """The plan of tiles ``fq`` times fewer queries and ``fk`` times fewer keys: each tile's
+  class repeated over its parts (sound: a part of a FULL tile is full, of an EMPTY one empty,
+  and a PARTIAL tile's parts apply the elementwise mask)."""
+  if fq == fk == 1:
+    return plan
+  cls = jnp.repeat(jnp.repeat(jnp.asarray(plan.block_class), fq, axis=2), fk, axis=3)
+  return block_sparse._plan_of_classes(cls)  # pylint: disable=protected-access
+
+
+def _fit(make, plan, bq: int, bk: int, cfg, like, which: str):
+  """The pass ``make(plan, bq, bk)`` with tiles that fit the chip's VMEM: halving the query or
+  the key tile (whichever frees more) with the plan refined to match, down to 128 x 128. The
+  chip is ``_chip``'s, else one of ``LEAST_VMEM_BYTES``; interpret mode on a host that names no
+  TPU runs the tiles as given.
+
+  Raises:
+    ValueError: when 128 x 128 tiles do not fit either (naming the pass, its VMEM and the fix).
+  """
+  p = make(plan, bq, bk)
+  capacity = _chip(like)
+  if capacity[0] is None:
+    if cfg.interpret:  # (on CPU: no chip to fit)
+      return p, None
+    capacity = (LEAST_VMEM_BYTES, f"{capacity[1]} (assumed {LEAST_VMEM_BYTES // 2**20} MiB)")
+  q0, k0 = bq, bk
+  vmem = _pass_vmem(p, capacity)
+  while not vmem.fits():
+    options = [(q, k) for q, k in ((bq // 2, bk), (bq, bk // 2))
+               if q >= 128 and k >= LANES and q % 8 == 0 and k % LANES == 0]
+    if not options:
+      raise ValueError(
+          f"pallas_tpu {which} pass ({p.name}) needs {vmem.describe()} with block_q={bq}, "
+          f"block_kv={bk} (from {q0} x {k0}): it cannot fit. Use fewer heads per kv head "
+          "group, a smaller head dim, or backend='xla'.")
+    trials = [(make(_refine(plan, q0 // q, k0 // k), q, k), q, k) for q, k in options]
+    sized = [(_pass_vmem(t, capacity), t, q, k) for t, q, k in trials]
+    vmem, p, bq, bk = min(sized, key=lambda x: (x[0].total, -x[3]))
+  return p, vmem
+
+
+def _params(vmem: Optional[_Vmem]):
+  """Compiler params; the scoped VMEM limit is raised (up to the chip's capacity) when a
+  program needs more than the compiler's default (16 MiB on v4 and v5e)."""
   limit = None
-  if vmem_bytes > 12 * 2**20:
-    limit = min(_vmem_capacity(), int(vmem_bytes * 1.5))
+  if vmem is not None and vmem.total > 12 * 2**20:
+    limit = min(vmem.capacity, int(vmem.total * 1.25))
   return pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
       vmem_limit_bytes=limit)
-
-
-def _vmem_bytes(blocks, scratch, bq, bk):
-  """Estimated VMEM of a program: double-buffered ``blocks`` (byte sizes), scratch, and a few
-  ``[bq, bk]`` float32 temporaries of the body."""
-  return 2 * sum(blocks) + scratch + 4 * bq * bk * 4
 
 
 def _staging(dtype, h, *rows):
@@ -611,32 +771,35 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
     return o.astype(cfg.out_dtype if acc is None else acc.o.dtype), lse
   b, tp, n, h = q.shape
   heads = _Heads.of(q, k, cfg.interpret)
-  plan = block_sparse.merge_heads(plan, heads.hb)
-  bq, bk = cfg.block_q, cfg.block_kv
   info = _info_arrays(ops)
-  stats = _RowStats(bq, heads.hb)
-  item = q.dtype.itemsize
-  vmem = _vmem_bytes([2 * bq * heads.hb * h * item, 2 * bk * heads.hk * h * item],
-                     heads.hb * bq * (2 * LANES + h) * 4 + (bq + 2 * bk) * h * item, bq, bk)
+  args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v)]
 
-  def grid_spec(r0, r1):
-    lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats, heads,
-                                                                bq, bk)
-    return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
-        in_specs=info_specs + [q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
-        scratch_shapes=[pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
-                        pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
-                        pltpu.VMEM((heads.hb, bq, h), jnp.float32),
-                        *_staging(q.dtype, h, bq, bk, bk)],
-    ), lists
+  def make(plan, bq, bk):
+    c = dataclasses.replace(cfg, block_q=bq, block_kv=bk)
+    stats = _RowStats(bq, heads.hb)
 
-  o, lse = _chained_call(
-      functools.partial(_fwd_kernel, cfg=cfg, heads=heads, stats=stats),
-      _row_ranges(plan.kv_index), grid_spec,
-      [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype),
-       jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
-      [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v)], "pallas_ring_fwd", vmem)
+    def grid_spec(r0, r1):
+      lists, info_specs, q_spec, kv_spec, lse_spec = _q_row_specs(plan, r0, r1, info, stats,
+                                                                  heads, bq, bk)
+      return pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
+          in_specs=info_specs + [q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
+          scratch_shapes=[pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
+                          pltpu.VMEM((heads.hb, bq, LANES), jnp.float32),
+                          pltpu.VMEM((heads.hb, bq, h), jnp.float32),
+                          *_staging(q.dtype, h, bq, bk, bk)],
+      ), lists
+
+    return _Pass(functools.partial(_fwd_kernel, cfg=c, heads=heads, stats=stats),
+                 _row_ranges(plan.kv_index), grid_spec,
+                 [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype),
+                  jax.ShapeDtypeStruct(stats.shape(b, n, tp), jnp.float32)],
+                 args, "pallas_ring_fwd", _body_bytes(cfg, "fwd", bq, bk))
+
+  p, vmem = _fit(make, block_sparse.merge_heads(plan, heads.hb), cfg.block_q, cfg.block_kv, cfg,
+                 q, "forward")
+  o, lse = _chained_call(p, vmem)
+  stats = p.kernel.keywords["stats"]
   return common.merged(acc, heads.q.unview(o), stats.from_kernel(lse))
 
 
@@ -753,49 +916,79 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
             *(narrow(x, cfg.out_dtype) for x in grads[1:]))
   want_dq, want_dkv = common.wants(parts)
   delta = common.delta_array(delta, do)
-  b, tp, n, h = q.shape
-  sp, kh = k.shape[1], k.shape[2]
   heads = _Heads.of(q, k, cfg.interpret)
   plan = block_sparse.merge_heads(plan, heads.hb)
-  bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-  stats = _RowStats(bq, heads.hb)
-  rows = stats.to_kernel(lse), stats.to_kernel(delta)
   info = _info_arrays(ops)
-  item = q.dtype.itemsize
-  q_bytes, kv_bytes = bq * heads.hb * h * item, bk * heads.hk * h * item
-  staged_bytes = 2 * (bq + bk) * h * item  # one head's q, dO, K and V (``_View.staged``)
-
-  # dQ: rows are q blocks, slots walk the live kv blocks.
-  def dq_grid(r0, r1):
-    lists, info_specs, q_spec, kv_spec, row_spec = _q_row_specs(plan, r0, r1, info, stats, heads,
-                                                                bq, bk)
-    return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
-        in_specs=info_specs + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-        out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((heads.hb, bq, h), jnp.float32),
-                                            *_staging(q.dtype, h, bq, bq, bk, bk)]), lists
-
-  args = [*info, heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do),
-          *rows]
+  arrays = [heads.q.array(q), heads.kv.array(k), heads.kv.array(v), heads.q.array(do)]
   # Accumulators of the output dtype are added in the kernels (the rest after them).
   in_kernel = lambda a: (a is not None
                          and all(x.dtype == cfg.out_dtype for x in jax.tree.leaves(a)))
   dq_in, dkv_in = (a if in_kernel(a) else None for a in (dq_acc, dkv_acc))
-  acc_bytes = lambda a, rows, hb: 0 if a is None else rows * hb * h * 4  # one accumulator block
+  shapes = _BwdShapes(q.shape, k.shape, heads, info, arrays, (lse, delta), cfg)
+  fit = lambda make, which: _fit(make, plan, cfg.block_q_bwd, cfg.block_kv_bwd, cfg, q, which)
   dq = dk = dv = None
   if want_dq:
-    dq, = _chained_call(functools.partial(_dq_kernel, cfg=cfg, heads=heads, stats=stats),
-                        _row_ranges(plan.kv_index), dq_grid,
-                        [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), cfg.out_dtype)], args,
-                        "pallas_ring_dq",
-                        _vmem_bytes([3 * q_bytes, 2 * kv_bytes, acc_bytes(dq_in, bq, heads.hb)],
-                                    heads.hb * bq * h * 4 + staged_bytes, bq, bk),
-                        acc=None if dq_in is None else [heads.q.array(dq_in)])
+    dq, = _chained_call(*fit(functools.partial(
+        _dq_pass, shapes, None if dq_in is None else [heads.q.array(dq_in)]), "dq"))
     dq = heads.q.unview(dq)
+  if want_dkv:
+    dk, dv = _chained_call(*fit(functools.partial(
+        _dkv_pass, shapes, None if dkv_in is None else [heads.kv.array(x) for x in dkv_in]),
+        "dk/dv"))
+    dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
+  return common.accumulated(None if dq_in is not None else dq_acc, (dq, dk, dv),
+                            None if dkv_in is not None else dkv_acc)
 
-  # dK/dV: one program per (kv head block, kv block); its reduction axis walks the live q blocks
-  # of each query head block of the group in turn, so dK/dV accumulate per kv head in VMEM.
-  def dkv_grid(r0, r1):
+
+class _BwdShapes(NamedTuple):
+  """What the backward passes share (static shapes and the arrays every pass reads)."""
+
+  q_shape: tuple  # [B, Tp, N, H]
+  k_shape: tuple  # [B, Sp, K, H]
+  heads: "_Heads"
+  info: "_Info"  # token info, dense mask, bias, ALiBi, dropout keys (``_info_arrays``)
+  arrays: list  # q, k, v, do as the kernels take them (``_View.array``)
+  rows: tuple  # lse, delta [B, N, Tp] float32
+  cfg: common.KernelConfig
+
+  def config(self, bq, bk):
+    return dataclasses.replace(self.cfg, block_q_bwd=bq, block_kv_bwd=bk)
+
+  def args(self, stats):
+    return [*self.info, *self.arrays, *(stats.to_kernel(x) for x in self.rows)]
+
+  def staging(self, bq, bk):
+    return _staging(self.arrays[0].dtype, self.q_shape[3], bq, bq, bk, bk)
+
+
+def _dq_pass(sh: _BwdShapes, acc, plan, bq: int, bk: int) -> _Pass:
+  """dQ: rows are q blocks, slots walk the live kv blocks."""
+  b, tp, n, h = sh.q_shape
+  heads, stats = sh.heads, _RowStats(bq, sh.heads.hb)
+
+  def grid_spec(r0, r1):
+    lists, info_specs, q_spec, kv_spec, row_spec = _q_row_specs(plan, r0, r1, sh.info, stats,
+                                                                heads, bq, bk)
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(b, n // heads.hb, lists.rows, lists.slots),
+        in_specs=info_specs + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+        out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((heads.hb, bq, h), jnp.float32),
+                                            *sh.staging(bq, bk)]), lists
+
+  return _Pass(functools.partial(_dq_kernel, cfg=sh.config(bq, bk), heads=heads, stats=stats),
+               _row_ranges(plan.kv_index), grid_spec,
+               [jax.ShapeDtypeStruct(heads.q.shape(b, tp, n), sh.cfg.out_dtype)],
+               sh.args(stats), "pallas_ring_dq", _body_bytes(sh.cfg, "dq", bq, bk), acc)
+
+
+def _dkv_pass(sh: _BwdShapes, acc, plan, bq: int, bk: int) -> _Pass:
+  """dK/dV: one program per (kv head block, kv block); its reduction axis walks the live q
+  blocks of each query head block of the group in turn, so dK/dV accumulate per kv head in
+  VMEM."""
+  b, sp, kh, h = sh.k_shape
+  heads, stats = sh.heads, _RowStats(bq, sh.heads.hb)
+
+  def grid_spec(r0, r1):
     lists = _Lists(plan.q_index, plan.q_class, plan.q_count, r0, r1)
     head_block = lambda b_, kvb, jk, st, *r: heads.head_block(kvb, _dkv_step(st, lists.slots)[0])
 
@@ -811,24 +1004,16 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
     k_at = lambda b_, kvb, jk, st, *r: r0 + jk
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, kh // heads.hk, lists.rows, heads.per_kv * lists.slots),
-        in_specs=_info_specs(info, bq, bk, heads.hb, q_at, k_at, head_block)
+        in_specs=_info_specs(sh.info, bq, bk, heads.hb, q_at, k_at, head_block)
         + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[kv_spec, kv_spec],
         scratch_shapes=[pltpu.VMEM((heads.hk, bk, h), jnp.float32)] * 2
-        + _staging(q.dtype, h, bq, bq, bk, bk)), lists
+        + sh.staging(bq, bk)), lists
 
-  if want_dkv:
-    dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), cfg.out_dtype)
-    dk, dv = _chained_call(functools.partial(_dkv_kernel, cfg=cfg, heads=heads, stats=stats),
-                           _row_ranges(plan.q_index), dkv_grid, [dkv_shape, dkv_shape], args,
-                           "pallas_ring_dkv",
-                           _vmem_bytes([2 * q_bytes, 4 * kv_bytes,
-                                        2 * acc_bytes(dkv_in, bk, heads.hk)],
-                                       2 * heads.hk * bk * h * 4 + staged_bytes, bq, bk),
-                           acc=None if dkv_in is None else [heads.kv.array(x) for x in dkv_in])
-    dk, dv = heads.kv.unview(dk), heads.kv.unview(dv)
-  return common.accumulated(None if dq_in is not None else dq_acc, (dq, dk, dv),
-                            None if dkv_in is not None else dkv_acc)
+  dkv_shape = jax.ShapeDtypeStruct(heads.kv.shape(b, sp, kh), sh.cfg.out_dtype)
+  return _Pass(functools.partial(_dkv_kernel, cfg=sh.config(bq, bk), heads=heads, stats=stats),
+               _row_ranges(plan.q_index), grid_spec, [dkv_shape, dkv_shape], sh.args(stats),
+               "pallas_ring_dkv", _body_bytes(sh.cfg, "dkv", bq, bk), acc)
 
 
 class TpuBackend(backend.Backend):
