@@ -151,6 +151,7 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
                         total=total)
     if out is not None:
       return out
+  k, v = _widened(k, v, q.dtype)  # (the forward kernels take 16/32-bit K/V)
   pack = alibi is None
   rows, heads = (t * (n // kh), kh) if pack else (t, n)
   tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)
@@ -197,6 +198,8 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
   g = n // kh
+  if not impl.decode_reads_fp8:
+    k, v = _widened(k, v, q.dtype)
   rows = t * g
   tiles = tuning.resolve(impl.name, settings.block_sizes, rows, s, h)
   bk = tiles.block_kv
@@ -226,6 +229,11 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   return _unpack(o[:, :rows, :, :hv], lse[:, :, :rows], t)
 
 
+def _widened(k, v, dtype):
+  """An FP8 cache widened to ``dtype`` in XLA, for kernels that do not read FP8."""
+  return tuple(x.astype(dtype) if fp8.is_fp8(x) else x for x in (k, v))
+
+
 def _check(q, k_cache, kv_lengths, mesh_size: int):
   """Checks what ``call.check`` does not: cache and query lengths, ``kv_lengths``."""
   b, t = q.shape[0], q.shape[1]
@@ -248,12 +256,12 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
                       "integer array (cast with `.astype(jnp.int32)`).")
 
 
-@fp8.with_fp8
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
                      mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
                      alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
                      block_sizes=None, backend: str = "auto", interpret=None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, q_descale=None, k_descale=None, v_descale=None,
+                     out_dtype=None):
   """Attention of a few new query tokens against a long KV cache (forward only).
 
   Args:
@@ -276,9 +284,11 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
+      An FP8 cache stays FP8 in memory: k's descale is folded into q and v's into the output
+      (``fp8.fold``), and the GPU decode kernel widens each tile as it reads it.
 
   Returns:
-    ``[B, T, N, H]`` in q's dtype (and lse): ``flash_attention`` of the same positions with the
+    ``[B, T, N, Hv]`` in ``out_dtype`` (and lse): ``flash_attention`` of the same positions with the
     slots past each length invisible. Rows with no visible slot are 0.
   """
   cfg = config
@@ -291,6 +301,9 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
   run_mesh = sharded.active_mesh(mesh, cfg)
   r = 1 if run_mesh is None else run_mesh.shape[cfg.axis_name]
   _check(q, k_cache, kv_lengths, r)
+  q, k_cache, v_cache, v_scale, out_dtype = fp8.fold(
+      q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype,
+      names=("q", "k_cache", "v_cache"))
   checked = call.check(
       q, k_cache, v_cache, mask=mask, q_positions=q_positions, sinks=sinks, softcap=softcap,
       scale=scale, alibi_slopes=alibi_slopes,
@@ -304,14 +317,15 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
   if q_pos is not None:
     q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32).reshape(-1, t), (b, t))
   args = (q, k_cache, v_cache, q_pos, lengths, checked.arrays.sinks, checked.arrays.extras.alibi)
+  # (float32 out of the kernels where v's descale still multiplies it)
+  static = dict(settings=checked.settings, total=s, platforms=tuple(checked.per_platform.items()),
+                out_dtype=q.dtype if v_scale is None else jnp.dtype(jnp.float32))
   if run_mesh is None:
-    fn = functools.partial(_decode, settings=checked.settings, total=s,
-                           platforms=tuple(checked.per_platform.items()))
+    fn = functools.partial(_decode, **static)
   else:
     sharded.check_axes(run_mesh, cfg)
-    fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, total=s, settings=checked.settings,
-                           platforms=tuple(checked.per_platform.items()))
-  return _forward_only(fn)(*args)
+    fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, **static)
+  return fp8.cast_output(_forward_only(fn)(*args), out_dtype, v_scale)
 
 
 def _finish(o, lse, sinks, dtype, settings: call.Settings):
@@ -319,17 +333,18 @@ def _finish(o, lse, sinks, dtype, settings: call.Settings):
   return (o, lse) if settings.return_lse else o
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "platforms", "total"))
-def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms, total):
+@functools.partial(jax.jit, static_argnames=("settings", "platforms", "total", "out_dtype"))
+def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms, total, out_dtype):
   """One device: ``_local_on`` on the platform's backend, then the sinks."""
   local = functools.partial(_local_on, settings=settings, total=total)
   o, lse = kernels.dispatch(local, dict(platforms), q, k, v, q_pos, lengths, 0, alibi)
-  return _finish(o, lse, sinks, q.dtype, settings)
+  return _finish(o, lse, sinks, out_dtype, settings)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "total"))
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "total",
+                                             "out_dtype"))
 def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, settings,
-                    platforms, total):
+                    platforms, total, out_dtype):
   """shard_map over the cache's slots: each device attends its own, the results merge."""
   sp = config.axis_name
   batch = sharded.batch_spec(config)
@@ -345,7 +360,7 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
     both = jnp.concatenate([o, jnp.swapaxes(lse, -1, -2)[..., None]], axis=-1)  # [B, T, N, H+1]
     both = lax.all_gather(both, sp)  # [R, B, T, N, H+1]
     o, lse = _merge_stacked(both[..., :h], jnp.swapaxes(both[..., h], -1, -2))
-    return _finish(o, lse, sinks_, q_.dtype, settings)
+    return _finish(o, lse, sinks_, out_dtype, settings)
 
   optional = lambda x, spec: None if x is None else spec
   alibi_spec = optional(alibi, P(batch if alibi is not None and alibi.shape[0] > 1 else None))

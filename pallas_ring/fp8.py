@@ -6,8 +6,9 @@ and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, on
 is accepted too, as ``quantize_fp8(q)`` makes it). ``with_fp8`` adds ``q_descale``, ``k_descale``,
 ``v_descale`` and ``out_dtype`` to an entry point: it checks them, widens the FP8 operands to the
 16-bit compute dtype (the kernels' contract: softmax and accumulation in float32) and casts the
-output. The widening is an XLA convert that fuses with the kernels' input padding; the kernels
-do not read FP8 from memory yet (BENCHMARKS.md says what that costs).
+output. ``decode_attention`` instead ``fold``s the descales into q and the output, so that a
+backend whose decode kernel reads an FP8 cache (``Backend.decode_reads_fp8``) reads one byte
+per element; the other kernels widen FP8 operands in XLA before they run.
 """
 
 from __future__ import annotations
@@ -70,38 +71,29 @@ def _descale_per_head(name: str, descale, x, b: int, kv_heads: int):
                    "value per batch row and kv head (pallas_ring.quantize_fp8 makes it).")
 
 
-def widen(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
-          names=("q", "k", "v")):
-  """Checks the FP8 arguments of a call and widens its FP8 operands.
-
-  Args:
-    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (any may be FP8).
-    q_descale, k_descale, v_descale: float32 scalar or ``[B, K]`` for each FP8 operand; None
-      for the others.
-    out_dtype: the output dtype; None: q's dtype, or bfloat16 when q is FP8.
-    names: the caller's names of q, k, v (for errors).
+def _scales(q, k, v, descales, out_dtype, names):
+  """Checks a call's FP8 arguments.
 
   Returns:
-    ``(q, k, v, out_dtype)``: FP8 operands as ``x8 * descale`` in the compute dtype (the first
-    non-FP8 operand's dtype, else bfloat16), the others unchanged.
+    ``(scales, compute, out_dtype)``: per operand name the float32 descale as
+    ``[B|1, 1, heads, 1]`` (None for a 16/32-bit operand), the compute dtype (the first
+    non-FP8 operand's, else bfloat16) and the checked output dtype.
   """
   ops = dict(zip(names, (q, k, v)))
-  descales = dict(zip(names, (q_descale, k_descale, v_descale)))
   descale_names = dict(zip(names, ("q_descale", "k_descale", "v_descale")))
   wide = [jnp.result_type(x) for x in ops.values() if not is_fp8(x)]
   compute = wide[0] if wide else jnp.dtype(jnp.bfloat16)
   b, kv_heads = np.shape(k)[0], np.shape(k)[2] if np.ndim(k) == 4 else None
-  for name, x in ops.items():
-    d, dname = descales[name], descale_names[name]
+  scales = {}
+  for (name, x), d in zip(ops.items(), descales):
+    dname, scales[name] = descale_names[name], None
     if is_fp8(x):
       if d is None:
         raise ValueError(f"`{name}` is {jnp.result_type(x)} but `{dname}` is None: an FP8 "
                          f"operand needs its descale (float32, a scalar or [B, K]); make both "
                          f"with `x8, {dname} = pallas_ring.quantize_fp8(x)`.")
-      if np.ndim(x) != 4:
-        continue  # (validation names the rank)
-      scale = _descale_per_head(dname, d, x, b, kv_heads)
-      ops[name] = (x.astype(jnp.float32) * scale).astype(compute)
+      if np.ndim(x) == 4:  # (validation names a wrong rank)
+        scales[name] = _descale_per_head(dname, d, x, b, kv_heads)
     elif d is not None:
       raise ValueError(f"`{dname}` was given but `{name}` is {jnp.result_type(x)}, not FP8: "
                        f"descales apply to float8_e4m3fn / float8_e5m2 operands only. Drop "
@@ -118,14 +110,66 @@ def widen(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=Non
     raise ValueError(f"`out_dtype`={out_dtype} is not an output dtype attention gives; use "
                      "bfloat16, float16, float32 (or float64 with backend='xla'), or None for "
                      "q's dtype.")
-  return (*ops.values(), out_dtype)
+  return scales, compute, out_dtype
 
 
-def _cast(result, out_dtype):
-  """Casts the output of ``(out, lse)`` or ``out`` (the lse stays float32)."""
-  if isinstance(result, tuple):
-    return (result[0].astype(out_dtype),) + tuple(result[1:])
-  return result.astype(out_dtype)
+def widen(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+          names=("q", "k", "v")):
+  """Checks the FP8 arguments of a call and widens its FP8 operands.
+
+  Args:
+    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (any may be FP8).
+    q_descale, k_descale, v_descale: float32 scalar or ``[B, K]`` for each FP8 operand; None
+      for the others.
+    out_dtype: the output dtype; None: q's dtype, or bfloat16 when q is FP8.
+    names: the caller's names of q, k, v (for errors).
+
+  Returns:
+    ``(q, k, v, out_dtype)``: FP8 operands as ``x8 * descale`` in the compute dtype (the first
+    non-FP8 operand's dtype, else bfloat16), the others unchanged.
+  """
+  scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
+                                       names)
+  ops = [x if d is None else (x.astype(jnp.float32) * d).astype(compute)
+         for x, d in zip((q, k, v), scales.values())]
+  return (*ops, out_dtype)
+
+
+def _to_query_heads(scale, n: int):
+  """A kv head's ``[B|1, 1, K|1, 1]`` descale repeated over its query heads: ``[., 1, N|1, 1]``."""
+  return scale if scale.shape[2] == 1 else jnp.repeat(scale, n // scale.shape[2], axis=2)
+
+
+def fold(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+         names=("q", "k", "v")):
+  """``widen`` for a forward-only call whose kernels read an FP8 cache (``decode_attention``).
+
+  The logits are linear in each key and the output in each value, so k's descale is folded into
+  q (``q . (k8 d) = (q d) . k8``, per kv head group) and v's into the output: K/V stay FP8 in
+  memory, read at one byte per element, and a kernel only widens them as it loads a tile.
+
+  Returns:
+    ``(q, k, v, v_scale, out_dtype)``: q widened with its and k's descale folded in, k and v
+    unchanged, and ``v_scale`` (float32 ``[B|1, 1, N|1, 1]``, or None) to multiply the output by.
+  """
+  scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
+                                       names)
+  qs, ks, vs = scales.values()
+  n = np.shape(q)[2]
+  if qs is not None or ks is not None:
+    scale = (1.0 if qs is None else qs) * (1.0 if ks is None else _to_query_heads(ks, n))
+    q = (q.astype(jnp.float32) * scale).astype(compute)
+  return q, k, v, None if vs is None else _to_query_heads(vs, n), out_dtype
+
+
+def cast_output(result, out_dtype, scale=None):
+  """The output of ``(out, lse)`` or ``out`` times ``scale`` (``fold``'s ``v_scale``; None for
+  none) in ``out_dtype`` (the lse stays float32)."""
+  out, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, None)
+  if scale is not None:
+    out = out.astype(jnp.float32) * scale
+  out = out.astype(out_dtype)
+  return out if rest is None else (out, *rest)
 
 
 _KEYWORDS = ("q_descale", "k_descale", "v_descale", "out_dtype")
@@ -146,7 +190,7 @@ def with_fp8(fn):
     *qkv, out = widen(*(bound.arguments[n] for n in names), q_descale, k_descale, v_descale,
                       out_dtype, names=names)
     bound.arguments.update(zip(names, qkv))
-    return _cast(fn(*bound.args, **bound.kwargs), out)
+    return cast_output(fn(*bound.args, **bound.kwargs), out)
 
   extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
            for name in _KEYWORDS]
@@ -154,4 +198,4 @@ def with_fp8(fn):
   return wrapped
 
 
-__all__ = ["quantize_fp8", "widen", "with_fp8", "is_fp8", "FP8_DTYPES"]
+__all__ = ["quantize_fp8", "widen", "fold", "cast_output", "with_fp8", "is_fp8", "FP8_DTYPES"]

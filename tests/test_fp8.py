@@ -59,16 +59,34 @@ def test_flash_attention_on_fp8_operands(backend, interpret):
   assert g.dtype == jnp.bfloat16 and rel_err(g, g_ref) < 3e-2
 
 
-def test_decode_reads_an_fp8_cache_with_a_16_bit_query():
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu", "xla"])
+def test_decode_reads_an_fp8_cache_with_a_16_bit_query(backend):
+  """The descales folded into q and the output (``fp8.fold``): the same result as the
+  dequantized cache, on the kernel that reads FP8 (Triton's) and those that widen it first."""
   q, k, v = _problem(3, t=128)
   (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
   qb = q[:, -2:].astype(jnp.bfloat16)
   lengths = jnp.asarray([128, 70], jnp.int32)
   out = decode_attention(qb, k8, v8, k_descale=kd, v_descale=vd, kv_lengths=lengths,
-                         backend="pallas_tpu", interpret=True)
+                         backend=backend, interpret=backend != "xla" or None)
   ref = decode_attention(qb.astype(jnp.float32), _dequantized(k8, kd), _dequantized(v8, vd),
                          kv_lengths=lengths, backend="xla")
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 2e-2
+
+
+def test_the_gpu_decode_kernel_reads_the_cache_in_fp8():
+  """Lowered for CUDA: one Triton kernel whose cache operands are float8 (half the bytes of a
+  bfloat16 cache; nothing widens the cache before it)."""
+  sd = jax.ShapeDtypeStruct
+  args = (sd((2, 1, 32, 128), jnp.bfloat16), sd((2, 4096, 8, 128), jnp.float8_e4m3fn),
+          sd((2, 4096, 8, 128), jnp.float8_e4m3fn), sd((2, 8), jnp.float32),
+          sd((2, 8), jnp.float32))
+  f = lambda q, k, v, kd, vd: decode_attention(q, k, v, k_descale=kd, v_descale=vd,
+                                               backend="pallas_triton", interpret=False)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+  assert len(calls) == 1 and calls[0].count("x8x128xf8E4M3FN>") == 2, calls
+  assert "tensor<2x4096x8x128xbf16>" not in text
 
 
 def test_sharded_ring_on_fp8_operands():

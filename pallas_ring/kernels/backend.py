@@ -152,6 +152,9 @@ class Backend:
   # (o, lse)`` (``pallas_triton_decode.decode`` documents the contract), or None: then
   # ``decode_attention`` runs ``forward`` over chunks of the cache with a block plan.
   decode: ClassVar[Optional[Callable]] = None
+  # Whether ``decode`` reads an FP8 (float8_e4m3fn / e5m2) cache itself, widening each tile as it
+  # loads it (``fp8.fold`` has taken the descales out); else the cache is widened in XLA first.
+  decode_reads_fp8: ClassVar[bool] = False
 
   def __repr__(self) -> str:
     return f"<backend {self.name}>"

@@ -517,6 +517,7 @@ class TritonBackend(backend.Backend):
 
   forward = staticmethod(forward)
   backward = staticmethod(backward)
+  decode_reads_fp8 = True
 
   @staticmethod
   def decode(q, k, v, q_pos, lengths, offset, cfg):

@@ -13,7 +13,8 @@ h), reads its row's length and derives everything else itself:
   mask's static key bounds (``masks.key_bounds``: a window's far past is never read);
 * each tile applies the mask spec elementwise (slots at or past the length are invisible).
 
-K/V are read in place from ``[B, S, K, H]``. The result is each chunk's normalised ``(o, lse)``,
+K/V are read in place from ``[B, S, K, H]``, in q's dtype or FP8 (widened as each tile is loaded:
+half the bytes of a 16-bit cache). The result is each chunk's normalised ``(o, lse)``,
 ``[B, K, P, R, H]`` and ``[B, K, P, R]`` float32, which ``decode_attention`` merges by the
 log-sum-exp rule (nothing to merge when P is 1).
 """
@@ -61,13 +62,16 @@ def _kernel(len_ref, off_ref, *refs, cfg: common.DecodeConfig, given_positions: 
     lo = jnp.maximum(lo, q_lo - left - offset)
   first = lo // bk
   last = jnp.where(hi > lo, (hi + bk - 1) // bk, first)
-  q = q_ref[...]
+  # An FP8 cache is widened tile by tile to float16, which Hopper converts to in one instruction
+  # per pair (q carries k's descale, so its values are small; see ``fp8.fold``).
+  wide = jnp.float16 if jnp.dtype(k_ref.dtype).itemsize == 1 else q_ref.dtype
+  q = q_ref[...].astype(wide)
 
   def step(j, carry):
     m, l, acc = carry
     k0 = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k0, bk), :]
-    v = v_ref[pl.ds(k0, bk), :]
+    k = k_ref[pl.ds(k0, bk), :].astype(wide)
+    v = v_ref[pl.ds(k0, bk), :].astype(wide)
     s = _logits2(q, k, cfg)
     k_pos = offset + k0 + jnp.arange(bk, dtype=jnp.int32)
     vis = cfg.mask.visible(q_pos[:, None], k_pos[None, :]) & (k_pos < length)[None, :]
@@ -94,7 +98,7 @@ def decode(q, k, v, q_pos, lengths, offset, cfg: common.DecodeConfig):
   Args:
     q: ``[B, K, R, Hp]`` packed query rows (R a power of two >= 16, Hp the padded head dim).
     k, v: ``[B, S, K, Hp]`` the cache (this shard's), S a multiple of ``cfg.chunks *
-      cfg.block_kv``.
+      cfg.block_kv``; q's dtype or FP8 (``fp8.fold`` took the descales out).
     q_pos: int32 ``[B, R]`` positions of the rows, or None for the last T slots below each
       row's length.
     lengths: int32 ``[B]`` visible slots per row (global positions).
