@@ -3,19 +3,30 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The demo needs the package alone (JAX, Flax): no libtpu, no Jupyter.
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test quick bench compile wheel clean
 
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
+
+# Everything the tests use: the test tools, libtpu (TPU programs compiled on this machine) and the
+# notebooks' Jupyter.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,tpu,notebooks]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m pallas_ring demo
 
-# The full suite, as CI runs it (about 31 minutes on 2 cores; --durations lists the slowest).
+# The full suite, as CI runs it (about 31 minutes on 2 cores, the README's number; --durations
+# lists the slowest).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
 
@@ -31,7 +42,7 @@ compile: $(STAMP)
 	$(PY) -m pallas_ring compile --topology v5e:2x4
 
 # A wheel to upload to Colab (the notebooks' first cell installs it): dist/pallas_ring-*.whl
-wheel: $(STAMP)
+wheel: $(DEMO_STAMP)
 	$(PY) -m pip wheel --no-deps -w dist .
 
 clean:

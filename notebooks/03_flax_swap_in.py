@@ -23,10 +23,10 @@
 # %% [markdown]
 # **Install.** On a fresh runtime (Colab) this cell installs pallas_ring, with the extra that
 # fits the runtime (`[tpu]` on a TPU, `[cuda12]` on a GPU). It does nothing when `pallas_ring`
-# already imports. Set `PALLAS_RING_SOURCE` to where pallas_ring comes from: a pip spec such as
-# `git+https://github.com/<owner>/pallas_ring.git`, or the path of a wheel you uploaded (`make
-# wheel` builds `dist/pallas_ring-*.whl`; drop it into Colab's Files pane). Left empty, the cell
-# installs an uploaded wheel it finds in the working directory or `/content`. It also installs
+# already imports. pallas_ring is not on PyPI yet: where you have its repository, run `make wheel`
+# (it writes `dist/pallas_ring-0.1.0-py3-none-any.whl`) and upload that file to this runtime
+# (Colab's Files pane puts it in `/content`). This cell finds it there and installs it. Instead,
+# `PALLAS_RING_SOURCE` may name a wheel's path or any pip spec this runtime can reach. It also installs
 # matplotlib, which the plots below need, when it is missing.
 #
 # **On a TPU.** The TPU (Mosaic) kernels are compiled for v4, v5e, v5p and v6e and checked
@@ -58,9 +58,10 @@ def install_command(source, runtime, wheels):
   source = source or (sorted(wheels)[-1] if wheels else "")
   if not source:
     raise RuntimeError(
-        "pallas_ring is not installed and PALLAS_RING_SOURCE is empty. Set it in this cell to a "
-        "pip spec (git+https://github.com/<owner>/pallas_ring.git) or upload a wheel built with "
-        "`make wheel` (dist/pallas_ring-*.whl) to the working directory, then run the cell again.")
+        "pallas_ring is not installed and PALLAS_RING_SOURCE is empty. Upload the wheel that "
+        "`make wheel` builds (dist/pallas_ring-*.whl) to the working directory or /content "
+        "(Colab's Files pane), or set PALLAS_RING_SOURCE in this cell to a wheel's path or a pip "
+        "spec, then run the cell again.")
   if source.startswith(("git+", "http://", "https://")) and not source.endswith(".whl"):
     requirement = f"pallas-ring{extra} @ {source}"
   else:
