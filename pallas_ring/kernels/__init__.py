@@ -206,7 +206,8 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
   Args:
     backend: a backend name or ``"auto"`` (an explicit name must have passed
       ``check_explicit``).
-    interpret: True / False, or None for "interpret exactly where the kernel cannot run".
+    interpret: True / False, an interpreter's parameters (``pltpu.InterpretParams``: JAX's TPU
+      interpreter), or None for "interpret exactly where the kernel cannot run".
     call: what the backends are asked about (``Backend.supports``).
   """
   if backend == "auto":
@@ -216,7 +217,9 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
     fam = family(platform)
     b = auto(fam, call) if backend == "auto" else backend
     native = get(b).platform
-    out[platform] = (b, bool(interpret) if interpret is not None else
+    # (an interpreter's parameters, e.g. ``pltpu.InterpretParams``, reach the kernels as given)
+    given = interpret if dataclasses.is_dataclass(interpret) else bool(interpret)
+    out[platform] = (b, given if interpret is not None else
                      native is not None and native != fam)
   return out
 

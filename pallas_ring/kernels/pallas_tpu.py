@@ -31,6 +31,7 @@ are ``(bq, 1)`` and key-side vectors ``(1, bk)`` blocks of ``[., T, 1]`` / ``[.,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
@@ -192,6 +193,48 @@ def _chained_call(p: _Pass, vmem: "_Vmem"):
   return outs
 
 
+def _plain(interpret) -> bool:
+  """Whether ``interpret`` (``KernelConfig.interpret``) is plain interpret mode (True), which
+  differs from Mosaic: it has no ref bitcast and computes float16 as given. JAX's TPU interpreter
+  (``pltpu.InterpretParams``) and compiled kernels take the hardware's code paths."""
+  return bool(interpret) and not dataclasses.is_dataclass(interpret)
+
+
+def _value_bitcast(interpret) -> bool:
+  """Whether 16-bit in-place blocks are bitcast as values rather than as refs: in plain
+  interpret mode, and in JAX's TPU interpreter where it cannot read through a ref bitcast
+  (``_interprets_ref_bitcast``)."""
+  if not interpret:
+    return False
+  return _plain(interpret) or not _interprets_ref_bitcast(interpret)
+
+
+@functools.cache
+def _interprets_ref_bitcast(params) -> bool:
+  """Whether JAX's TPU interpreter with ``params`` runs the in-place views' ref bitcast (JAX
+  0.10.2's does not: "'BitcastTransform' object has no attribute 'indices'"): a probe kernel
+  that reads and writes a bfloat16 block through ``ref.bitcast(jnp.uint32)`` runs once per
+  ``params``, in a thread of its own (outside any trace being built), and must give the bits."""
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref.bitcast(jnp.uint32)[0, :, 0, :] = x_ref.bitcast(jnp.uint32)[0, :, 1, :]
+
+  def probe():
+    x = jnp.arange(16 * 8 * 128, dtype=jnp.float32).astype(jnp.bfloat16).reshape(1, 16, 8, 128)
+    o = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       interpret=params)(x)
+    want = x.at[0, :, 0:2].set(x[0, :, 2:4])
+    return bool(jnp.array_equal(o, want))
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    try:
+      return pool.submit(probe).result()
+    except Exception:  # noqa: BLE001 - any failure of the probe means: not supported
+      pltpu.reset_tpu_interpret_mode_state()  # (a failed kernel leaves the interpreter's state)
+      return False
+
+
 class _View(NamedTuple):
   """How a kernel sees one ``[B, L, heads, H]`` operand: blocks of ``block_heads`` heads, read
   and written one head at a time by a traced head index (the body loops over a block's heads
@@ -210,12 +253,13 @@ class _View(NamedTuple):
   in_place: bool
   block_heads: int
   head_dim: int
-  interpret: bool  # interpret mode has no ref bitcast: the block is bitcast as a value
+  value_bitcast: bool  # plain interpret mode has no ref bitcast: the block is bitcast as a value
 
   @staticmethod
-  def of(heads: int, head_dim: int, dtype, interpret: bool) -> "_View":
+  def of(heads: int, head_dim: int, dtype, interpret) -> "_View":
     in_place = heads % HEAD_BLOCK == 0 and jnp.dtype(dtype).itemsize in (2, 4)
-    return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim, interpret)
+    return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim,
+                 in_place and jnp.dtype(dtype).itemsize == 2 and _value_bitcast(interpret))
 
   def array(self, x):
     """The operand as the kernels take it."""
@@ -243,8 +287,8 @@ class _View(NamedTuple):
 
   def _words(self, ref):
     """A 16-bit in-place ``(1, rows, heads, H)`` block as ``uint32 (1, rows, heads / 2, H)``
-    words (a value in interpret mode, a ref otherwise)."""
-    if self.interpret:
+    words (a value in plain interpret mode, a ref otherwise)."""
+    if self.value_bitcast:
       return pltpu.bitcast(ref[...], jnp.uint32)
     return ref.bitcast(jnp.uint32)
 
@@ -296,7 +340,7 @@ class _View(NamedTuple):
 
     def put_pair(p):
       word = bits(value(2 * p)) | lax.shift_left(bits(value(2 * p + 1)), jnp.uint32(16))
-      if self.interpret:
+      if self.value_bitcast:
         words = pltpu.bitcast(ref[...], jnp.uint32)
         words = lax.dynamic_update_index_in_dim(words, word[None, :, None, :], p, 2)
         ref[...] = pltpu.bitcast(words, ref.dtype)
@@ -326,7 +370,7 @@ class _Heads(NamedTuple):
   group: int  # query heads per kv head (N // K)
 
   @staticmethod
-  def of(q, k, interpret: bool) -> "_Heads":
+  def of(q, k, interpret) -> "_Heads":
     """The tiling of q ``[B, T, N, H]`` against k ``[B, S, K, H]``."""
     n, kv_heads, h = q.shape[2], k.shape[2], q.shape[3]
     return _Heads(_View.of(n, h, q.dtype, interpret), _View.of(kv_heads, h, k.dtype, interpret),
@@ -754,9 +798,9 @@ def _compute_dtype(dtype):
 
 
 def _widened(q, cfg: common.KernelConfig):
-  """Whether the call runs on widened inputs (``_compute_dtype``; interpret mode computes in
-  the inputs' dtype as given)."""
-  return _compute_dtype(q.dtype) != q.dtype and not cfg.interpret
+  """Whether the call runs on widened inputs (``_compute_dtype``; plain interpret mode computes
+  in the inputs' dtype as given, JAX's TPU interpreter as the hardware does)."""
+  return _compute_dtype(q.dtype) != q.dtype and not _plain(cfg.interpret)
 
 
 def _f32(cfg: common.KernelConfig) -> common.KernelConfig:
