@@ -239,8 +239,8 @@ def test_tpu_lists_split_over_calls_match_the_reference(monkeypatch):
   results equal the reference (interpret mode)."""
   from pallas_ring import reference
   from pallas_ring.kernels import pallas_tpu
-  monkeypatch.setattr(pallas_tpu, "SMEM_LIST_BYTES", 1)
-  assert pallas_tpu._row_ranges(jnp.zeros((1, 1, 5, 3), jnp.int32)) == [
+  monkeypatch.setattr(pallas_tpu.tiles, "SMEM_LIST_BYTES", 1)
+  assert pallas_tpu.tiles._row_ranges(jnp.zeros((1, 1, 5, 3), jnp.int32)) == [
       (0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
   r = np.random.default_rng(0)
   q, k, v = (jnp.asarray(r.standard_normal((1, 300, n, 64)), jnp.float32) for n in (4, 2, 2))
@@ -318,18 +318,18 @@ def test_v4_compiles_default_forward_backward_without_a_mesh():
                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  seen, fit = [], pallas_tpu._fit
+  seen, fit = [], pallas_tpu.tiles._fit
 
   def recording(*a):
     p, vmem = fit(*a)
     seen.append(vmem)
     return p, vmem
 
-  pallas_tpu._fit = recording
+  pallas_tpu.tiles._fit = recording
   try:
     text = jax.jit(grad).trace(sd, sd, sd).lower(lowering_platforms=("tpu",)).compile().as_text()
   finally:
-    pallas_tpu._fit = fit
+    pallas_tpu.tiles._fit = fit
   assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
   assert len(seen) >= 3 and all(v.chip == "TPU v4" and v.capacity == 16 * 2**20 for v in seen)
   assert all(v.fits() for v in seen)
@@ -343,12 +343,13 @@ def test_a_new_buffer_is_measured_and_tiles_split_to_fit(monkeypatch):
   from pallas_ring import BlockSizes
   from pallas_ring.kernels import pallas_tpu
   from jax.experimental import topologies
-  staging, kernel = pallas_tpu._staging, pallas_tpu._fwd_kernel
-  monkeypatch.setattr(pallas_tpu, "_staging", lambda dtype, h, *rows: staging(dtype, h, *rows) + [
-      pallas_tpu.pltpu.VMEM((6 * 2**20 // 512, 128), jnp.float32)])
-  monkeypatch.setattr(pallas_tpu, "_fwd_kernel", lambda *refs, **kw: kernel(*refs[:-1], **kw))
-  seen, fit = [], pallas_tpu._fit
-  monkeypatch.setattr(pallas_tpu, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
+  fwd = pallas_tpu.fwd_kernel
+  staging, kernel = fwd._staging, fwd._fwd_kernel
+  monkeypatch.setattr(fwd, "_staging", lambda dtype, h, *rows: staging(dtype, h, *rows) + [
+      fwd.pltpu.VMEM((6 * 2**20 // 512, 128), jnp.float32)])
+  monkeypatch.setattr(fwd, "_fwd_kernel", lambda *refs, **kw: kernel(*refs[:-1], **kw))
+  seen, fit = [], pallas_tpu.tiles._fit
+  monkeypatch.setattr(pallas_tpu.tiles, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
   topo = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu")
   mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
   sd = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16,

@@ -88,9 +88,9 @@ def test_tiles_split_to_fit_vmem_match_the_reference(monkeypatch):
   refined PARTIAL tiles hold empty and full parts)."""
   from pallas_ring import BlockSizes
   from pallas_ring.kernels import pallas_tpu
-  monkeypatch.setattr(pallas_tpu, "_chip", lambda like: (int(3.2 * 2**20), "a test chip"))
-  seen, fit = [], pallas_tpu._fit
-  monkeypatch.setattr(pallas_tpu, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
+  monkeypatch.setattr(pallas_tpu.tiles, "_chip", lambda like: (int(3.2 * 2**20), "a test chip"))
+  seen, fit = [], pallas_tpu.tiles._fit
+  monkeypatch.setattr(pallas_tpu.tiles, "_fit", lambda *a: (lambda r: (seen.append(r), r)[1])(fit(*a)))
   b, t, n, kh, h = 1, 600, 2, 1, 64
   rng = np.random.default_rng(5)
   q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)

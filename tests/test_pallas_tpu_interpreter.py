@@ -2,7 +2,7 @@
 is NaN, out-of-bounds reads raise, two cores per device share each ``parallel`` grid axis and a
 happens-before race detector watches every buffer; the kernels take the hardware's code paths
 where the interpreter runs them (float16 widened; the ref bitcast of in-place 16-bit blocks
-where the interpreter reads through it, ``pallas_tpu._interprets_ref_bitcast``). Plain interpret
+where the interpreter reads through it, ``pallas_tpu.views._interprets_ref_bitcast``). Plain interpret
 mode (the conformance tests) zero-fills scratch, runs one core and sees no races.
 
 Tiny shapes (the interpreter runs each operation of each grid point on the host); every case

@@ -8,7 +8,7 @@ forward+backward, whose steps add into accumulators, and decode) x head dim (64,
 VMEM per program); decode is one token of B=2 rows against a 4096-slot cache, "documents"
 there meaning ragged ``kv_lengths``. Every call leaves ``block_sizes``, ``backend`` and
 ``interpret`` at their defaults, traced under ``jax.set_mesh`` of the topology (the target
-chip's tiles). The VMEM of a program is the kernels' own measure (``pallas_tpu``'s ``_Vmem``:
+chip's tiles). The VMEM of a program is the kernels' own measure (``pallas_tpu.tiles._Vmem``:
 pipelined blocks, scratch, the body's temporaries and a reserve), recorded for every pass::
 
     python tools/tpu_compile_matrix.py                      # the whole matrix (~25 min, 2 cores)
@@ -102,7 +102,7 @@ def compile_cell(cell: Cell) -> Result:
   """Compiles one cell, recording each kernel pass's tiles and VMEM."""
   from pallas_ring.kernels import pallas_tpu
   passes = []
-  fit = pallas_tpu._fit  # pylint: disable=protected-access
+  fit = pallas_tpu.tiles._fit  # pylint: disable=protected-access
 
   def recording(make, plan, bq, bk, cfg, like, which):
     p, vmem = fit(make, plan, bq, bk, cfg, like, which)
@@ -112,7 +112,7 @@ def compile_cell(cell: Cell) -> Result:
       passes.append((which, *tiles, round(vmem.total / 2**20, 2), vmem.capacity // 2**20))
     return p, vmem
 
-  pallas_tpu._fit = recording
+  pallas_tpu.tiles._fit = recording
   start = time.perf_counter()
   try:
     fn, args, mesh = _program(cell)
@@ -124,7 +124,7 @@ def compile_cell(cell: Cell) -> Result:
     first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
     return Result(cell, time.perf_counter() - start, False, first[:300], passes)
   finally:
-    pallas_tpu._fit = fit
+    pallas_tpu.tiles._fit = fit
 
 
 def cells(generations=tuple(TOPOLOGIES), dtypes=DTYPES, programs=PROGRAMS, head_dims=HEAD_DIMS,
