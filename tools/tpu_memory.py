@@ -86,14 +86,17 @@ def timed(make):
   return time.perf_counter() - start, temp_bytes(compiled)
 
 
-def compile_times(topology, rounds=3):
+def compile_times(topology, rounds=3, shapes=None):
   """Prints compile seconds (median of ``rounds``, splash and ours interleaved) and
-  temporaries of ours and splash per shape and pass."""
+  temporaries of ours and splash per shape and pass (``shapes``: names of ``COMPILE_SHAPES``,
+  default all)."""
   timed(lambda: splash(topology, 512, 1))  # (libtpu's first compile pays its start-up)
   print(f"{'shape':28s} {'pass':>8s} {'splash s':>8s} {'ours s':>7s} {'ratio':>6s} "
         f"{'splash MiB':>10s} {'ours MiB':>9s}")
   median = lambda runs: (float(np.median([r[0] for r in runs])), runs[0][1])
   for name, (b, t, n, k, h, dt) in COMPILE_SHAPES.items():
+    if shapes and name not in shapes:
+      continue
     for backward in (False, True):
       runs_s, runs_o = [], []
       for _ in range(rounds):
@@ -116,9 +119,12 @@ def main():
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--compile-time", action="store_true",
                  help="compile seconds, ours and splash, for the notebooks' and bench's shapes")
+  p.add_argument("--shapes", nargs="+", choices=list(COMPILE_SHAPES),
+                 help="with --compile-time: only these shapes")
+  p.add_argument("--rounds", type=int, default=3, help="with --compile-time: compiles per median")
   args = p.parse_args()
   if args.compile_time:
-    compile_times(args.topology)
+    compile_times(args.topology, args.rounds, args.shapes)
     return
   mib = lambda x: f"{x / 2**20:9.1f}"
   print(f"{'T':>8s} {'pass':>9s} {'splash MiB':>10s} {'ours MiB':>9s} {'ratio':>6s}")

@@ -178,6 +178,8 @@ VMEM_RESERVE_BYTES = 1 * 2**20
 # dP, dS; the compiler spills them to VMEM): measured 1.3 MiB for the forward at 512 x 256 on v4
 # (2.5 of them).
 BODY_TEMPORARIES = {"fwd": 4, "dq": 6, "dkv": 6}
+# The smallest query tile ``_fit`` splits to (two packed 16-bit (8, 128) tiles' rows).
+MIN_BLOCK_Q = 16
 
 
 class _Vmem(NamedTuple):
@@ -279,12 +281,13 @@ def _refine(plan, fq: int, fk: int):
 
 def _fit(make, plan, bq: int, bk: int, cfg, like, which: str):
   """The pass ``make(plan, bq, bk)`` with tiles that fit the chip's VMEM: halving the query or
-  the key tile (whichever frees more) with the plan refined to match, down to 128 x 128. The
+  the key tile (whichever frees more) with the plan refined to match, down to
+  ``MIN_BLOCK_Q`` x 128. The
   chip is ``_chip``'s, else one of ``LEAST_VMEM_BYTES``; interpret mode on a host that names no
   TPU runs the tiles as given.
 
   Raises:
-    ValueError: when 128 x 128 tiles do not fit either (naming the pass, its VMEM and the fix).
+    ValueError: when the smallest tiles do not fit either (naming the pass, its VMEM and the fix).
   """
   p = make(plan, bq, bk)
   capacity = _chip(like)
@@ -296,7 +299,8 @@ def _fit(make, plan, bq: int, bk: int, cfg, like, which: str):
   vmem = _pass_vmem(p, capacity)
   while not vmem.fits():
     options = [(q, k) for q, k in ((bq // 2, bk), (bq, bk // 2))
-               if q >= 128 and k >= LANES and q % 8 == 0 and k % LANES == 0]
+               if (q, k) != (bq, bk) and (q == bq or q >= MIN_BLOCK_Q and q % 8 == 0) and k >= LANES
+               and k % LANES == 0]
     if not options:
       raise ValueError(
           f"pallas_tpu {which} pass ({p.name}) needs {vmem.describe()} with block_q={bq}, "
