@@ -93,7 +93,8 @@ def train(model: TransformerLM, steps: int = 50, batch: int = 4, length: int = 3
     return shard(x) if shard is not None else x
 
   pos = prep(positions)
-  params = model.init(jax.random.key(seed), data[0][0], positions)
+  # (init sees what training sees: layout-ordered tokens and positions under a ring)
+  params = model.init(jax.random.key(seed), prep(data[0][0]), pos)
   opt = optax.adam(lr)
   state = opt.init(params)
 
