@@ -54,7 +54,7 @@ def key_bounds(spec: masks_lib.MaskSpec) -> Tuple[Optional[int], Optional[int]]:
   return masks_lib.key_bounds(spec)
 
 
-def _runs(pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def runs(pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
   """``(lo [n], hi [n])`` of the contiguous runs of sorted positions, or their min and max when
   there are more than ``_MAX_RUNS``."""
   breaks = np.flatnonzero(np.diff(pos) != 1) + 1
@@ -65,12 +65,12 @@ def _runs(pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
   return pos[starts], pos[ends]
 
 
-def _any_visible(spec, qb, kb) -> np.ndarray:
+def any_visible(spec, qb, kb) -> np.ndarray:
   """The block test's ``any_visible`` in numpy; ``Custom`` specs: visible."""
   if isinstance(spec, masks_lib.And):
-    return _any_visible(spec.a, qb, kb) & _any_visible(spec.b, qb, kb)
+    return any_visible(spec.a, qb, kb) & any_visible(spec.b, qb, kb)
   if isinstance(spec, masks_lib.Or):
-    return _any_visible(spec.a, qb, kb) | _any_visible(spec.b, qb, kb)
+    return any_visible(spec.a, qb, kb) | any_visible(spec.b, qb, kb)
   if isinstance(spec, masks_lib.Custom):
     return np.ones(np.broadcast_shapes(qb.lo.shape, kb.lo.shape), bool)
   return np.asarray(spec.block_test(qb, kb)[0])
@@ -83,10 +83,10 @@ def _pair_needed(spec, bounds, qpos: np.ndarray, kpos: np.ndarray) -> bool:
   hi = qpos.astype(np.int64) + (np.inf if right is None else right)
   if not np.any(np.searchsorted(kpos, hi, "right") > np.searchsorted(kpos, lo, "left")):
     return False
-  (qlo, qhi), (klo, khi) = _runs(qpos), _runs(kpos)
+  (qlo, qhi), (klo, khi) = runs(qpos), runs(kpos)
   qb = masks_lib.BlockBounds(qlo[:, None], qhi[:, None])
   kb = masks_lib.BlockBounds(klo[None, :], khi[None, :])
-  return bool(np.any(_any_visible(spec, qb, kb)))
+  return bool(np.any(any_visible(spec, qb, kb)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -114,4 +114,4 @@ def ring_reach(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: i
   return best if sum(best) < r - 1 else (r - 1, 0)
 
 
-__all__ = ["ring_reach", "key_bounds"]
+__all__ = ["ring_reach", "key_bounds", "runs", "any_visible"]

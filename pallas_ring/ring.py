@@ -52,8 +52,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, packing, pair, plans
+from pallas_ring import halo as halo_lib
 from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
+from pallas_ring.sends import pack_buffers, rotate, unpack_buffers  # noqa: F401 (internal API)
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
@@ -86,6 +88,18 @@ class RingStatic:
   # (forward, backward): how many hops K/V travel toward higher and lower ranks
   # (``reach.ring_reach``); None: the whole ring, (R - 1, 0).
   reach: Optional[Tuple[int, int]] = None
+  # The slice each chain sends (``halo.make``, aligned with ``chains``; None: the whole shard);
+  # empty: whole shards everywhere.
+  halos: Tuple[Optional[halo_lib.Halo], ...] = ()
+
+  def halo(self, chain: Optional[int]) -> Optional[halo_lib.Halo]:
+    """The slice chain ``chain`` (an index of ``chains``; None: the local pair) sends."""
+    return None if chain is None or not self.halos else self.halos[chain]
+
+  def for_pair(self, chain: Optional[int]) -> "RingStatic":
+    """This ring with the kernel config and planner of chain ``chain``'s pairs."""
+    h = self.halo(chain)
+    return self if h is None else dataclasses.replace(self, cfg=h.cfg, planner=h.planner)
 
   @property
   def chains(self) -> Tuple[Tuple[int, int], ...]:
@@ -116,71 +130,44 @@ class _Fixed(NamedTuple):
   extras: call.Extras
 
 
-def _perm(r, shift=1):
-  return [(i, (i + shift) % r) for i in range(r)]
-
-
-def _word(arrays):
-  """The widest unsigned dtype (4, 2 or 1 bytes) dividing every array's byte size: the packed
-  buffer's element (XLA:GPU packs and unpacks 4-byte words faster than bytes: BENCHMARKS.md)."""
-  size = next(w for w in (4, 2, 1) if all(x.size * x.dtype.itemsize % w == 0 for x in arrays))
-  return jnp.dtype(f"uint{8 * size}")
-
-
-def pack_buffers(arrays):
-  """One unsigned-integer buffer holding the bytes of ``arrays``, one after the other."""
-  word = _word(arrays)
-
-  def words(x):
-    ratio = word.itemsize // x.dtype.itemsize  # (elements per word, when above 1)
-    x = x.reshape(-1, ratio) if ratio > 1 else x
-    return lax.bitcast_convert_type(x, word).reshape(-1)
-
-  return jnp.concatenate([words(x) for x in arrays])
-
-
-def unpack_buffers(buf, like):
-  """The arrays shaped like ``like`` from ``pack_buffers``'s buffer ``buf``."""
-  word, out, start = buf.dtype, [], 0
-  for x in like:
-    n = x.size * x.dtype.itemsize // word.itemsize
-    piece = buf[start:start + n]
-    ratio = x.dtype.itemsize // word.itemsize  # (words per element, when above 1)
-    piece = piece.reshape(-1, ratio) if ratio > 1 else piece
-    out.append(lax.bitcast_convert_type(piece, x.dtype).reshape(x.shape))
-    start += n
-  return out
-
-
-def rotate(tree, st: RingStatic, shift: int = 1):
-  """Sends every array of ``tree`` to the device ``shift`` ranks on (one collective if
-  packed)."""
-  send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size, shift))
-  leaves, treedef = jax.tree.flatten(tree)
-  if not st.pack_sends or len(leaves) < 2:
-    return jax.tree.unflatten(treedef, [send(x) for x in leaves])
-  return jax.tree.unflatten(treedef, unpack_buffers(send(pack_buffers(leaves)), leaves))
-
-
 def _moving_info(st: RingStatic, info: block_sparse.TokenInfo):
   """The token info that travels with K/V: segment ids, and positions unless derived."""
   return (info.positions if st.layout_positions is None else None, info.segment_ids)
 
 
-def _step_info(st: RingStatic, moving, src, padded_len: int) -> block_sparse.TokenInfo:
-  """Token info of kv shard ``src`` from what travelled with it."""
+def _step_info(st: RingStatic, moving, src, padded_len: int, halo=None) -> block_sparse.TokenInfo:
+  """Token info of kv shard ``src`` (its slice ``halo``, or all of it) from what travelled with
+  it."""
   pos, seg = moving
   if pos is None:
     t, layout = st.layout_positions
     pos = layouts.positions(t, layout, st.ring_size, src)[None]
+    if halo is not None:
+      return block_sparse.TokenInfo(halo_lib.take(pos, halo.runs, halo.padded, mode="edge"), seg)
     pos = jnp.pad(pos, ((0, 0), (0, padded_len - pos.shape[1])), mode="edge")
   return block_sparse.TokenInfo(pos, seg)
 
 
-def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int):
-  """The Operands of (this q shard, kv shard ``src``): the dense mask's and bias's columns of
-  that shard, and the dropout keys of its (global) key positions."""
-  cols = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
+def _sent(st: RingStatic, local, chain: int):
+  """What chain ``chain`` sends of the local ``(kv, moving)``: all of it, or its halo's slice
+  (K/V zero-padded, segment ids edge-padded; halos only run on derived positions)."""
+  h = st.halo(chain)
+  if h is None:
+    return local
+  (k, v), (_, seg) = local
+  cut = lambda x, mode="constant": halo_lib.take(x, h.runs, h.padded, mode=mode)
+  return (cut(k), cut(v)), (None, None if seg is None else cut(seg, "edge"))
+
+
+def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int, halo=None):
+  """The Operands of (this q shard, kv shard ``src``, or its slice ``halo``): the dense mask's
+  and bias's columns of that shard, and the dropout keys of its (global) key positions."""
+  def cols(x):
+    if x is None:
+      return None
+    x = lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
+    return x if halo is None else halo_lib.take(x, halo.runs, halo.padded, axis=3)
+
   alibi, keys = pair.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
                                      broadcast=st.dropout_broadcast)
   return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
@@ -274,17 +261,19 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
     return pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
                          plan=step_plan(st, ops, rank, 0))
 
-  def compute(kv, moving, src, acc=None):
-    ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    return pair_forward(st, q, kv[0], kv[1], ops, acc, step_plan(st, ops, rank, src))
+  def compute(kv, moving, src, acc=None, chain=None):
+    sub, h = st.for_pair(chain), st.halo(chain)
+    ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
+    return pair_forward(sub, q, kv[0], kv[1], ops, acc, step_plan(sub, ops, rank, src))
 
-  # Each step first sends its K/V on, so the send overlaps this step's kernel, which merges its
-  # result into the running one. Each direction's first send overlaps the local pair.
+  # Each step first sends its K/V on (a chain's halo: only its slice), so the send overlaps this
+  # step's kernel, which merges its result into the running one. Each direction's first send
+  # overlaps the local pair.
   local = (kv, _moving_info(st, kv_info))
-  first = [rotate(local, st, d) for d, _ in st.chains]
+  first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
   acc = compute(*local, rank)
-  for (d, n), held in zip(st.chains, first):
-    acc = _forward_chain(st, compute, rank, held, d, n, acc)
+  for i, ((d, n), held) in enumerate(zip(st.chains, first)):
+    acc = _forward_chain(st, functools.partial(compute, chain=i), rank, held, d, n, acc)
   return tuple(acc)
 
 
@@ -316,13 +305,18 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dbias
 
-  def compute(kv, moving, src, dbias, dq=None, parts=common.BOTH, dkv=None):
+  def compute(kv, moving, src, dbias, dq=None, parts=common.BOTH, dkv=None, chain=None):
     """This step's pair: ``dq`` so far plus its own, ``dkv = (dk, dv)`` so far of the shard
-    it holds plus its own, and ``dbias`` (``parts``: only dq and dbias, or only dk and dv)."""
-    ops = _step_ops(st, q, q_info, _step_info(st, moving, src, sp), fixed, src, sp)
-    dq, dk, dv, dbias_s = pair_backward(st, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
-                                        step_plan(st, ops, rank, src, True), dkv)
-    if dbias_s is not None:  # each step owns the columns of its kv shard
+    (or chain ``chain``'s slice of it) it holds plus its own, and ``dbias`` (``parts``: only dq
+    and dbias, or only dk and dv)."""
+    sub, h = st.for_pair(chain), st.halo(chain)
+    ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
+    dq, dk, dv, dbias_s = pair_backward(sub, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+                                        step_plan(sub, ops, rank, src, True), dkv)
+    if dbias_s is not None:  # each step owns the columns of its kv shard (or slice)
+      if h is not None:
+        cols = lax.dynamic_slice_in_dim(dbias, src * sp, sp, 3)
+        dbias_s = halo_lib.put(cols, dbias_s, h.runs, axis=3)
       dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
     return dq, None if dk is None else (dk, dv), dbias
 
@@ -332,14 +326,18 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   # the next device). The local pair runs in two halves: its dQ first, while the first K/V
   # travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV makes its
   # way home (so that hop overlaps a kernel too).
+  # A chain with a halo sends its slice and gets the slice's dK/dV home, spread into the shard.
   local = (kv, _moving_info(st, kv_info))
-  first = [rotate(local, st, d) for d, _ in st.chains]
+  first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
   dq, _, dbias = compute(*local, rank, dbias, parts=common.DQ)
   home = None
-  for (d, n), held in zip(st.chains, first):
-    dq, dkv, dbias = _backward_chain(st, compute, rank, held, d, n, dq, dbias)
+  for i, ((d, n), held) in enumerate(zip(st.chains, first)):
+    dq, dkv, dbias = _backward_chain(st, functools.partial(compute, chain=i), rank, held, d, n,
+                                     dq, dbias)
     back = rotate(dkv, st, -d * n)
+    if st.halo(i) is not None:
+      back = tuple(halo_lib.spread(x, st.halo(i).runs, y) for x, y in zip(back, kv))
     home = back if home is None else jax.tree.map(jnp.add, home, back)
   _, (dk, dv), _ = compute(*local, rank, None, parts=common.DKV, dkv=home)
   return dq, dk, dv, dbias
@@ -408,7 +406,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                    return_lse: bool = False, bias=None, alibi_slopes=None,
                    dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
                    dropout_broadcast: bool = False, dropout_batch_offset=0,
-                   dropout_head_offset=0):
+                   dropout_head_offset=0, ring_variants: Optional[halo_lib.RingVariants] = None):
   """Attention of this device's query shard against the K/V shards of the whole ring.
 
   Call inside ``shard_map`` (or any context where ``axis_name`` is bound).
@@ -441,6 +439,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
+    ring_variants: a ``halo.RingVariants`` (None: its defaults, halos on); e.g.
+      ``RingVariants(halo=False)`` sends whole shards, as before halos.
 
   Returns:
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
@@ -473,15 +473,18 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                      f"one sharded sequence), got q {t} and k/v {k.shape[1]}.")
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b, segment_ids)
+  if ring_variants is not None and not isinstance(ring_variants, halo_lib.RingVariants):
+    raise ValueError(f"`ring_variants`={ring_variants!r} is not a RingVariants: pass "
+                     "pallas_ring.halo.RingVariants(...) or None (the defaults).")
   return run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
-             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
+             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,
-        scan_unroll: int, cu_seqlens=None):
+        scan_unroll: int, cu_seqlens=None, variants: Optional[halo_lib.RingVariants] = None):
   """``ring_attention`` of a checked call (``call.check``, with ``kv_shards`` the ring size)
   over this device's shards: derives what depends on the device's rank and runs the ring;
-  nothing is checked again."""
+  nothing is checked again. ``variants``: the ring's schedule variants (None: defaults)."""
   r = lax.axis_size(axis_name)
   t = q.shape[1]
   arrays = checked.arrays
@@ -499,7 +502,8 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
     positions = layout_pos
   on = functools.partial(_ring_on, settings=checked.settings, axis_name=axis_name, ring_size=r,
                          layout=layout, derived_positions=derived, strategy=strategy,
-                         scan_unroll=scan_unroll)
+                         scan_unroll=scan_unroll,
+                         variants=halo_lib.RingVariants() if variants is None else variants)
   with pair.forward_mode_errors():
     return kernels.dispatch(on, checked.per_platform, q, k, v, segment_ids, kv_segment_ids,
                             positions, arrays.dense, arrays.sinks, arrays.extras)
@@ -507,7 +511,7 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
 
 def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions, dense, sinks,
              extras, *, settings: call.Settings, axis_name, ring_size, layout, derived_positions,
-             strategy, scan_unroll):
+             strategy, scan_unroll, variants: halo_lib.RingVariants):
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs = settings
   r, derived = ring_size, derived_positions
@@ -541,6 +545,10 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
                   reach=reach)
+  if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
+    halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)
+                  for c in st.chains)
+    st = dataclasses.replace(st, halos=halos if any(halos) else ())
 
   def pad_cols(x):
     """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
