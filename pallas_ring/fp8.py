@@ -103,8 +103,8 @@ def _scales(q, k, v, descales, out_dtype, names):
       raise TypeError(f"`{name}` has dtype {jnp.result_type(x)}; the FP8 dtypes attention "
                       f"takes are {[str(t) for t in FP8_DTYPES]}. Convert it, e.g. "
                       f"`pallas_ring.quantize_fp8({name}.astype(jnp.float32))`.")
-  if out_dtype is None:
-    out_dtype = jnp.bfloat16 if is_fp8(q) else jnp.result_type(q)
+  if out_dtype is None:  # (q's own dtype is checked with q)
+    return scales, compute, jnp.dtype(jnp.bfloat16 if is_fp8(q) else jnp.result_type(q))
   out_dtype = jnp.dtype(out_dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype in FP8_DTYPES:
     raise ValueError(f"`out_dtype`={out_dtype} is not an output dtype attention gives; use "

@@ -26,36 +26,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import BlockSizes
-from pallas_ring.kernels import backend, common
+from pallas_ring.kernels import backend, common, pallas_triton_decode
+from pallas_ring.kernels.triton_logits import dot, dot_nt, logits2
 
 # dK/dV programs unroll the loop over their GQA group's query heads up to this group size.
 UNROLL_GROUP = 8
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 def _pad_last(x, n):
   return x if x.shape[-1] == n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])],
                                             mode="edge")
-
-
-def _dot_nt(a, b):
-  """``a @ b.T`` in float32."""
-  return jnp.dot(a, b.T, preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _logits2(q, k, cfg):
-  """Base-2 logits ``[bq, bk]``: natural (soft-capped) logits times log2(e)."""
-  if cfg.softcap is None:
-    return _dot_nt(q, k) * (cfg.scale * common.LOG2E)  # one multiply per logit
-  s = _dot_nt(q, k) * cfg.scale
-  return (cfg.softcap * common.LOG2E) * jnp.tanh(s / cfg.softcap)
 
 
 def _block_start(idx_ref, j, block):
@@ -165,7 +145,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    s, vis, keep = _tile(cfg, info, _logits2(q, k, cfg), qs, _k_side(info, kv_slice), k0, bk,
+    s, vis, keep = _tile(cfg, info, logits2(q, k, cfg), qs, _k_side(info, kv_slice), k0, bk,
                          (slice(None), kv_slice), masked, anchor)
     if masked:
       s = jnp.where(vis, s, common.NEG_INF)
@@ -176,7 +156,7 @@ def _fwd_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     alpha = jnp.exp2(m - m_new)
     l = alpha * l + jnp.sum(p, axis=1)
     pv = _dropped(p, keep)
-    acc = alpha[:, None] * acc + _dot(pv.astype(v.dtype), v)
+    acc = alpha[:, None] * acc + dot(pv.astype(v.dtype), v)
     return m_new, l, acc
 
   carry = (jnp.full((bq,), common.NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
@@ -254,7 +234,7 @@ def _list_specs(index, count, nfull, group=None):
   holds the rows of that head's ``group`` query heads (see ``_HeadRef``).
   """
   bp, np_ = index.shape[:2]
-  length = _pow2(index.shape[-1])
+  length = backend.next_pow2(index.shape[-1])
   index = _pad_last(index, length)
   heads = group if group is not None and np_ > 1 else None
   row = lambda i, b, n: (common.sel(bp, b), common.sel(np_, n), i, 0)
@@ -331,15 +311,15 @@ def _dq_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg):
     kv_slice = pl.ds(k0, bk)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    s_cap = _logits2(q, k, cfg)
+    s_cap = logits2(q, k, cfg)
     s, vis, keep = _tile(cfg, info, s_cap, qs, _k_side(info, kv_slice), k0, bk,
                          (slice(None), kv_slice), masked, anchor)
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(vis, p, 0.0)
-    dp = _dropped(_dot_nt(do, v), keep)
+    dp = _dropped(dot_nt(do, v), keep)
     ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * common.LN2, cfg)
-    return dq + _dot(ds.astype(k.dtype), k)
+    return dq + dot(ds.astype(k.dtype), k)
 
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
   dq = jax.lax.fori_loop(0, nfull_ref[0], functools.partial(step, masked=False), dq)
@@ -380,7 +360,7 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
       rows = _alibi_rows(cfg, hinfo, qs.pos, anchor)
       if rows is not None:
         lse2 = lse2 + rows
-      s_cap = _logits2(q, k, cfg)
+      s_cap = logits2(q, k, cfg)
       s, vis, keep = _tile(cfg, hinfo, s_cap, qs, ks, k0, bk, (q_slice, slice(None)), masked,
                            anchor)
       p = jnp.exp2(s - lse2[:, None])
@@ -389,10 +369,10 @@ def _dkv_kernel(idx_ref, cnt_ref, nfull_ref, *refs, cfg, group, grouped, grouped
       if keep is not None:  # one hash evaluation for both uses
         kept = keep()
         keep = lambda: kept
-      dv = dv + _dot(_dropped(p, keep).astype(do.dtype).T, do)
-      dp = _dropped(_dot_nt(do, v), keep)
+      dv = dv + dot(_dropped(p, keep).astype(do.dtype).T, do)
+      dp = _dropped(dot_nt(do, v), keep)
       ds = p * (dp - delta[:, None]) * common.softcap_grad(s_cap * common.LN2, cfg)
-      dk = dk + _dot(ds.astype(q.dtype).T, q)
+      dk = dk + dot(ds.astype(q.dtype).T, q)
       return dk, dv
 
     carry = jax.lax.fori_loop(0, nfull[0], functools.partial(step, masked=False), carry)
@@ -519,10 +499,7 @@ class TritonBackend(backend.Backend):
   backward = staticmethod(backward)
   decode_reads_fp8 = True
 
-  @staticmethod
-  def decode(q, k, v, q_pos, lengths, offset, cfg):
-    from pallas_ring.kernels import pallas_triton_decode  # (it imports this module)
-    return pallas_triton_decode.decode(q, k, v, q_pos, lengths, offset, cfg)
+  decode = staticmethod(pallas_triton_decode.decode)
 
 
 BACKEND = TritonBackend()

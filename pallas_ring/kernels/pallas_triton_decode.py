@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_ring import masks as masks_lib
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_triton import _logits2
+from pallas_ring.kernels.triton_logits import logits2
 
 _BIG = 2**30  # beyond any position: the neutral element of the rows' min / max
 
@@ -72,7 +72,7 @@ def _kernel(len_ref, off_ref, *refs, cfg: common.DecodeConfig, given_positions: 
     k0 = pl.multiple_of(j * bk, bk)
     k = k_ref[pl.ds(k0, bk), :].astype(wide)
     v = v_ref[pl.ds(k0, bk), :].astype(wide)
-    s = _logits2(q, k, cfg)
+    s = logits2(q, k, cfg)
     k_pos = offset + k0 + jnp.arange(bk, dtype=jnp.int32)
     vis = cfg.mask.visible(q_pos[:, None], k_pos[None, :]) & (k_pos < length)[None, :]
     s = jnp.where(vis, s, common.NEG_INF)

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 from pallas_ring import masks as masks_lib
 from pallas_ring import validation
+from pallas_ring.kernels.backend import next_pow2  # (lengths within 2x share tiles)
 
 CACHE_ENV = "PALLAS_RING_CACHE_DIR"
 SHIPPED = os.path.join(os.path.dirname(__file__), "tiles_shipped.json")
@@ -51,16 +52,11 @@ def mask_class(mask: masks_lib.MaskSpec, has_segments: bool) -> str:
   return "full" if masks_lib.is_full(mask) else "other"
 
 
-def length_bucket(length: int) -> int:
-  """The power of two at or above ``length``: calls within a factor of two share tiles."""
-  return 1 << max(0, (length - 1).bit_length())
-
-
 def key(device_kind: str, backend: str, dtype, head_dim: int, group: int, mask_cls: str,
         length: int, pass_: str) -> str:
   import numpy as np  # local: keep this module light
   return "|".join([device_kind, backend, np.dtype(dtype).name, f"h{head_dim}", f"g{group}",
-                   mask_cls, f"L{length_bucket(length)}", pass_])
+                   mask_cls, f"L{next_pow2(length)}", pass_])
 
 
 def _warn_once(what: str, message: str) -> None:
