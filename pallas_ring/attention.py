@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, call, fp8, kernels, packing, pair, plans
+from pallas_ring import block_sparse, call, fp8, kernels, packing, pair, plans, validation
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -139,7 +139,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
     checked = checked._replace(arrays=checked.arrays._replace(segment_ids=seg,
                                                               kv_segment_ids=kv_seg))
-  return run(q, k, v, checked)
+  # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
+  # makes the output NaN instead of silently wrong.
+  return validation.poison(run(q, k, v, checked), validation.dense_mask_misuse(dense_mask))
 
 
 def run(q, k, v, checked: call.Checked):

@@ -29,7 +29,7 @@ from pallas_ring import validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import (active_mesh, batch_spec, constrain, natural_order_mask, poison,
+from pallas_ring.sharded import (active_mesh, batch_spec, constrain, natural_order_mask,
                                  sharded_attention)
 
 Array = Any
@@ -85,7 +85,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
                           block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout)
     if cache_mesh is not None:  # batch rows back where the other decode steps leave them
       out = constrain(out, cache_mesh, P(batch_spec(config), None, None, None))
-  out = poison(out, *misuse)
+  out = validation.poison(out, *misuse)
   return out.reshape(batch_shape + out.shape[1:])
 
 

@@ -186,16 +186,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
              batch=batch)
-  return poison(out, *misuse)
-
-
-def poison(out, *flags):
-  """``out`` (an array or a tuple of them) made NaN where any traced flag (not None) is True."""
-  flags = [f for f in flags if f is not None]
-  if not flags:
-    return out
-  bad = functools.reduce(jnp.logical_or, flags)
-  return jax.tree.map(lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x), out)
+  return validation.poison(out, *misuse)
 
 
 def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str = "dense_mask"):

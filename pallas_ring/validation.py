@@ -3,6 +3,7 @@ the fix."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -154,6 +155,15 @@ def dense_mask_misuse(dense_mask, name: str = "dense_mask"):
         "or pass a bool mask (True = visible). (Under jit, where the values cannot be read, "
         "such a mask makes the output NaN.)")
   return None
+
+
+def poison(out, *flags):
+  """``out`` (an array or a tuple of them) made NaN where any traced flag (not None) is True."""
+  flags = [f for f in flags if f is not None]
+  if not flags:
+    return out
+  bad = functools.reduce(jnp.logical_or, flags)
+  return jax.tree.map(lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x), out)
 
 
 def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):

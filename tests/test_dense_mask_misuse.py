@@ -97,3 +97,24 @@ def test_an_additive_float_mask_raises_eagerly_and_poisons_under_jit():
   assert np.isnan(np.asarray(apply(params, x, mask=additive))).all()
   with pytest.raises(ValueError, match=r"`mask` has dtype float32 .* belongs in `bias`"):
     ours.apply(params, x, mask=additive)
+
+
+def test_flash_and_ring_attention_poison_an_additive_mask_under_jit():
+  """The per-device entry points too: NaN for a traced additive mask, the right output for a
+  traced float 0 / 1 mask."""
+  q, k, v = _qkv(5)
+  causal = jnp.tril(jnp.ones((T, T), jnp.float32))
+  additive = jnp.where(causal > 0, 0.0, -jnp.inf)
+  flash = jax.jit(lambda m: pallas_ring.flash_attention(q, k, v, dense_mask=m, backend="xla"))
+  assert np.isnan(np.asarray(flash(additive))).all()
+  ref = pallas_ring.flash_attention(q, k, v, mask=masks.Causal(), backend="xla")
+  assert rel_err(flash(causal), ref) < 1e-6
+  mesh = jax.make_mesh((R,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+  ring = jax.jit(jax.shard_map(
+      lambda q_, k_, v_, m: pallas_ring.ring_attention(q_, k_, v_, axis_name="sp", dense_mask=m,
+                                                       backend="xla"),
+      mesh=mesh, in_specs=(spec(None, "sp"),) * 3 + (spec("sp"),),
+      out_specs=spec(None, "sp"), check_vma=False))
+  assert np.isnan(np.asarray(ring(q, k, v, additive))).all()
+  assert rel_err(ring(q, k, v, causal), ref) < 1e-5
