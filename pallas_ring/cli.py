@@ -113,12 +113,16 @@ def compile_cmd(args) -> int:
     return 2
   cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
   cfg = cfg.replace(batch_axes=(), head_axis=None)
+  if args.strategy is not None:
+    cfg = cfg.replace(strategy=args.strategy)
   ulysses = {}
   if cfg.ulysses_axis is not None and preset and preset.mesh_axes:
     ulysses = dict(ulysses_size=preset.mesh_shape[preset.mesh_axes.index(cfg.ulysses_axis)])
   print(f"compiling sharded_attention for {topology}: causal mask, bfloat16, B=1, "
         f"T={args.seq_len} tokens over the slice, N={args.heads}, K={args.kv_heads}, "
         f"H={args.head_dim}, strategy={cfg.strategy}, layout={cfg.layout}", flush=True)
+  if cfg.strategy == "auto":
+    _print_auto_choice(cfg, topology_devices(topology).size, args)
   for backward in (False, True):
     program = "forward+backward" if backward else "forward"
     print(f"  {program} ...", end=" ", flush=True)
@@ -137,6 +141,15 @@ def compile_cmd(args) -> int:
       print(f"    {rep.all_to_alls} all-to-alls: {how}", flush=True)
   _print_bytes_moved(rep.num_devices, ulysses.get("ulysses_size", 2), args)
   return 0
+
+
+def _print_auto_choice(cfg, chips: int, args) -> None:
+  """What ``strategy="auto"`` runs for the compiled call, and its modelled costs."""
+  from pallas_ring import auto, masks
+  choice = auto.choose(masks.Causal(), seq_len=args.seq_len, heads=args.heads,
+                       kv_heads=args.kv_heads, head_dim=args.head_dim, ring_size=chips,
+                       layout=cfg.layout, itemsize=2)
+  print(f"  {choice.describe()}", flush=True)
 
 
 def _print_bytes_moved(chips: int, u: int, args) -> None:
@@ -231,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--heads", type=int, default=16, help="query heads N")
   p.add_argument("--kv-heads", type=int, default=16, help="key/value heads K (N %% K == 0)")
   p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  p.add_argument("--strategy", default=None,
+                 choices=["auto", "ring", "all_gather", "ulysses", "ulysses_ring"],
+                 help="sequence-parallel strategy (None: the config's); auto prints its choice")
   p = sub.add_parser("tune", formatter_class=fmt,
                      help="measure tile candidates on this device and write the tile cache")
   p.add_argument("--backend", default="auto",

@@ -38,6 +38,17 @@ def test_compile_reports_memory_and_overlap(capsys):
   assert "ulysses " in out and "ulysses_ring (2 x 2)" in out
 
 
+def test_compile_prints_what_auto_chose(capsys):
+  """``--strategy auto``: the choice and its modelled costs, before the compiled report (a
+  short causal sequence over 4 chips: Ulysses' two all-to-alls beat the ring's three steps)."""
+  from pallas_ring import SequenceParallelConfig
+  args = cli._parser().parse_args(["compile", "--topology", "v5e:2x2", "--strategy",
+                                        "auto", "--seq-len", "4096"])
+  cli._print_auto_choice(SequenceParallelConfig(axis_name="sp", layout="zigzag"), 4, args)
+  out = capsys.readouterr().out
+  assert "strategy='auto' chose 'ulysses'" in out and "ring hops forward/backward 3/0" in out
+
+
 @pytest.mark.slow
 def test_demo_runs_ulysses(capsys):
   with pytest.raises(SystemExit) as e:
