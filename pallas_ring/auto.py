@@ -5,7 +5,8 @@ Each strategy's time for one layer's forward on one device is modelled from two 
 * compute: ``4 * (T / R) * T * f * N * H`` flops (QK^T and PV) at ``FLOPS_PER_S``, where ``f``
   is the share of (query, key) pairs the mask leaves visible (``visible_fraction``);
 * communication: the bytes each device sends (``aot.bytes_moved``'s formulas, the ring's hops
-  from ``reach.ring_reach``) at ``BYTES_PER_S``.
+  from ``reach.ring_reach``, each hop the share of a shard its halo sends, ``halo.share``) at
+  ``BYTES_PER_S``.
 
 The ring overlaps its sends with the kernels, so it costs ``max(compute, comm)`` plus a fixed
 ``STEP_S`` per hop (a kernel launch and a collective's latency); all_gather and Ulysses send
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from pallas_ring import halo as halo_lib
 from pallas_ring import masks as masks_lib
 from pallas_ring import reach as reach_lib
 from pallas_ring import ulysses
@@ -54,7 +56,8 @@ def visible_fraction(spec: masks_lib.MaskSpec, seq_len: int) -> float:
 
 def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
            head_dim: int, ring_size: int, layout: str, itemsize: int,
-           derived_positions: bool = True, ulysses_heads: Optional[int] = None) -> Choice:
+           derived_positions: bool = True, ulysses_heads: Optional[int] = None,
+           variants: halo_lib.RingVariants = halo_lib.RingVariants()) -> Choice:
   """The strategy of least modelled time (module docstring) for one call.
 
   Args:
@@ -64,6 +67,7 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     itemsize: bytes per element of K/V.
     derived_positions: False when the caller gives positions (the ring then goes all the way).
     ulysses_heads: the query heads Ulysses would split (None: ``heads``).
+    variants: the ring's variants (``RingVariants(halo=False)``: whole shards every hop).
   """
   r, t = ring_size, seq_len
   reach = (reach_lib.ring_reach(spec, t, layout, r) if derived_positions and r > 1
@@ -71,8 +75,12 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
   compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / FLOPS_PER_S
   kv_shard = 2 * (t / r) * kv_heads * head_dim * itemsize  # one device's K and V
   hops = sum(reach)
+  # Each hop of a chain sends its halo's share of a shard (``halo.share``; 1 without a halo).
+  chains = [(d, n) for d, n in ((1, reach[0]), (-1, reach[1])) if n]
+  sent = sum(n * (halo_lib.share(spec, t, layout, r, (d, n), variants) if derived_positions
+                  else 1.0) for d, n in chains) * kv_shard
   seconds = {
-      "ring": max(compute, hops * kv_shard / BYTES_PER_S) + hops * STEP_S,
+      "ring": max(compute, sent / BYTES_PER_S) + hops * STEP_S,
       "all_gather": (r - 1) * kv_shard / BYTES_PER_S + compute,
   }
   n = heads if ulysses_heads is None else ulysses_heads

@@ -128,22 +128,17 @@ def take(x, runs: Runs, padded: int, axis: int = 1, mode: str = "constant"):
   return jnp.pad(out, pad, mode=mode) if padded > out.shape[axis] else out
 
 
-def put(full, part, runs: Runs, axis: int = 1):
-  """``full`` with its entries at ``runs`` along ``axis`` replaced by those of ``take``'s
-  ``part`` (its padding dropped)."""
+def put(full, part, runs: Runs, axis: int = 1, add: bool = False):
+  """``full`` with its entries at ``runs`` along ``axis`` replaced by (``add``: plus) those of
+  ``take``'s ``part`` (its padding dropped)."""
   axis %= full.ndim
   at, start = (slice(None),) * axis, 0
   for a, b in runs:
-    full = full.at[at + (slice(a, b),)].set(part[at + (slice(start, start + b - a),)]
-                                             .astype(full.dtype))
+    piece = part[at + (slice(start, start + b - a),)].astype(full.dtype)
+    ref = full.at[at + (slice(a, b),)]
+    full = ref.add(piece) if add else ref.set(piece)
     start += b - a
   return full
-
-
-def spread(part, runs: Runs, like, axis: int = 1):
-  """Zeros shaped like ``like`` (``part``'s dtype) holding ``part`` at ``runs``."""
-  return put(jnp.zeros(like.shape[:axis] + (like.shape[axis],) + part.shape[axis + 1:],
-                       part.dtype), part, runs, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +190,7 @@ def make(cfg, planner: plans.Planner, chain: Tuple[int, int], kv_tiles: Tuple[in
     variants: the ring's variants.
     padded_len: ``tuning.padded_len``.
   """
-  if not variants.halo:
+  if not variants.halo or None in reach_lib.key_bounds(cfg.mask):  # (unbounded: all of it)
     return None
   seq_len, layout, r, _ = planner.positions
   runs = halo_runs(cfg.mask, seq_len, layout, r, *chain) or ((0, 1),)
@@ -214,7 +209,7 @@ def share(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
           chain: Tuple[int, int], variants: RingVariants = RingVariants()) -> float:
   """The share of a shard chain ``(direction, hops)`` sends per hop (1.0: the whole shard);
   tiles ignored (``auto``'s cost model)."""
-  if not variants.halo:
+  if not variants.halo or None in reach_lib.key_bounds(spec):
     return 1.0
   c = seq_len // ring_size
   runs = halo_runs(spec, seq_len, layout, ring_size, *chain)
@@ -223,4 +218,4 @@ def share(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
 
 
 __all__ = ["RingVariants", "Halo", "SlicePlanner", "halo_runs", "run_index", "take", "put",
-           "spread", "make", "share"]
+           "make", "share"]

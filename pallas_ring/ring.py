@@ -13,6 +13,9 @@ Reach: where the positions are the layout's own, K/V travel only as far as the m
 ones (a bidirectional ring for zigzag and striped shards), each direction a chain of steps as
 above; a window over contiguous shards takes one step, chunks that end on shard edges none.
 Caller-given positions (data, e.g. a ``layouts.Placement``) keep the whole ring, R - 1 hops.
+Halos: a chain of a bounded mask sends only the slice of a shard some device sees
+(``halo.halo_runs``, e.g. a window's last ``left`` tokens of a contiguous shard) and runs the pair
+kernel on it; its dK/dV come home as that slice (``halo.RingVariants(halo=False)``: whole shards).
 
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
 the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
@@ -52,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, packing, pair, plans
+from pallas_ring import validation
 from pallas_ring import halo as halo_lib
 from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
@@ -326,21 +330,24 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   # the next device). The local pair runs in two halves: its dQ first, while the first K/V
   # travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV makes its
   # way home (so that hop overlaps a kernel too).
-  # A chain with a halo sends its slice and gets the slice's dK/dV home, spread into the shard.
+  # A chain with a halo sends its slice and gets the slice's dK/dV home.
   local = (kv, _moving_info(st, kv_info))
   first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
   dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
   dq, _, dbias = compute(*local, rank, dbias, parts=common.DQ)
-  home = None
+  home, slices = None, []
   for i, ((d, n), held) in enumerate(zip(st.chains, first)):
     dq, dkv, dbias = _backward_chain(st, functools.partial(compute, chain=i), rank, held, d, n,
                                      dq, dbias)
     back = rotate(dkv, st, -d * n)
-    if st.halo(i) is not None:
-      back = tuple(halo_lib.spread(x, st.halo(i).runs, y) for x, y in zip(back, kv))
-    home = back if home is None else jax.tree.map(jnp.add, home, back)
-  _, (dk, dv), _ = compute(*local, rank, None, parts=common.DKV, dkv=home)
-  return dq, dk, dv, dbias
+    if st.halo(i) is not None:  # a slice's dK/dV: added into the local pair's at its runs
+      slices.append((st.halo(i).runs, back))
+    else:
+      home = back if home is None else jax.tree.map(jnp.add, home, back)
+  _, dkv, _ = compute(*local, rank, None, parts=common.DKV, dkv=home)
+  for runs, back in slices:
+    dkv = tuple(halo_lib.put(x, y, runs, add=True) for x, y in zip(dkv, back))
+  return (dq, *dkv, dbias)
 
 
 def _backward_chain(st: RingStatic, compute, rank, held, d: int, n: int, dq, dbias):
@@ -476,8 +483,10 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   if ring_variants is not None and not isinstance(ring_variants, halo_lib.RingVariants):
     raise ValueError(f"`ring_variants`={ring_variants!r} is not a RingVariants: pass "
                      "pallas_ring.halo.RingVariants(...) or None (the defaults).")
-  return run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
-             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
+  out = run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
+            scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
+  # (a float dense mask's values cannot be read under jit: misuse makes the output NaN)
+  return validation.poison(out, validation.dense_mask_misuse(dense_mask))
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, auto, masks, reference, sharded_attention
+from pallas_ring.halo import RingVariants
 from conftest import rel_err
 
 MHA = dict(heads=16, kv_heads=16, head_dim=128, ring_size=8, itemsize=2)
@@ -30,6 +31,18 @@ def test_caller_positions_keep_the_whole_ring_in_the_model():
   given = auto.choose(masks.SlidingWindow(64), seq_len=8 * 1024, layout="contiguous",
                       derived_positions=False, **MHA)
   assert local.reach == (1, 0) and given.reach == (7, 0)
+
+
+def test_halo_shrinks_the_modelled_ring():
+  """A narrow window's ring sends a slice per hop (halo.share): less modelled time than whole
+  shards, and the ring wins where whole shards would have lost to all_gather."""
+  kw = dict(MHA, heads=2, kv_heads=2, ring_size=2)
+  args = (masks.SlidingWindow(16),)
+  halo = auto.choose(*args, seq_len=2 * 4096, layout="contiguous", **kw)
+  whole = auto.choose(*args, seq_len=2 * 4096, layout="contiguous",
+                      variants=RingVariants(halo=False), **kw)
+  assert dict(halo.seconds)["ring"] < dict(whole.seconds)["ring"]
+  assert halo.strategy == "ring"
 
 
 def test_auto_runs_its_choice_and_matches_the_reference():
