@@ -136,3 +136,33 @@ def test_ring_variants_errors():
     RingVariants(halo_max_share=1.5)
   with pytest.raises(ValueError, match="RingVariants.halo"):
     RingVariants(halo=1)
+
+
+def test_halo_equals_whole_shards_with_dense_mask_dropout_and_alibi():
+  """A dense mask's and a bias's columns, dropout keys and ALiBi of a slice: the halo ring equals
+  whole shards (``RingVariants(halo=False)``), output and gradients, both chains halos."""
+  q, k, v = _problem(5)
+  t = q.shape[1]
+  rng = np.random.default_rng(6)
+  dense = jnp.asarray(rng.random((1, 1, t, t)) > 0.2)
+  bias = jnp.asarray(rng.standard_normal((1, 1, t, t)), jnp.float32)
+  spec, rows = P(None, "sp"), P(None, None, "sp", None)
+
+  def make(variants):
+    def f(q_, k_, v_, dense_, bias_):
+      return ring_attention(q_, k_, v_, axis_name="sp", mask=masks.SlidingWindow(2, 1),
+                            backend="xla", block_sizes=BLOCKS, dense_mask=dense_, bias=bias_,
+                            alibi_slopes=jnp.asarray([0.5, 0.25, 0.125, 0.0625]),
+                            dropout_rate=0.2, dropout_rng=jax.random.key(4),
+                            ring_variants=variants)
+    f = jax.shard_map(f, mesh=_mesh(), in_specs=(spec,) * 3 + (rows,) * 2, out_specs=spec,
+                      check_vma=False)
+    w = jnp.cos(jnp.arange(16.0))
+    loss = lambda *a: jnp.sum(f(*a) * w)
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2, 4))(*a)))
+
+  out, grads = make(None)(q, k, v, dense, bias)
+  out_w, grads_w = make(RingVariants(halo=False))(q, k, v, dense, bias)
+  assert rel_err(out, out_w) < 1e-6
+  for name, a, b_ in zip("qkvb", grads, grads_w):
+    assert rel_err(a, b_) < 1e-6, (name, rel_err(a, b_))
