@@ -509,6 +509,13 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   derived = positions is None
   if derived:
     positions = layout_pos
+    local = arrays.dense is None and arrays.extras.bias is None and strategy == "ring"
+    if local and reach_lib.ring_reach(checked.settings.mask, t * r, layout, r) == (0, 0):
+      # The mask reaches no other shard (e.g. chunks inside shards): flash attention on this
+      # shard, without the ring's float32 accumulators (BENCHMARKS.md, "Reach-limited ring").
+      arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                               q_positions=layout_pos, kv_positions=layout_pos)
+      return attention.run(q, k, v, checked._replace(arrays=arrays))
   on = functools.partial(_ring_on, settings=checked.settings, axis_name=axis_name, ring_size=r,
                          layout=layout, derived_positions=derived, strategy=strategy,
                          scan_unroll=scan_unroll,
