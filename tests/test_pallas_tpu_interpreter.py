@@ -15,11 +15,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import rel_err
-from pallas_ring import (BlockSizes, SequenceParallelConfig, decode_attention, flash_attention,
-                         masks, reference, sharded_attention)
+from pallas_ring import BlockSizes, decode_attention, flash_attention, masks, reference
 
 PARAMS = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                out_of_bounds_reads="raise", num_cores_or_threads=2)
@@ -124,34 +122,6 @@ def test_decode(races):
   want = reference.attention(q, k, v, mask=masks.Causal(), q_positions=q_pos,
                              segment_ids=jnp.zeros((2, 2), jnp.int32), kv_segment_ids=seg_kv)[0]
   assert rel_err(got, want) < 2e-3
-
-
-def _mesh(n):
-  return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("sp",))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, layout, devices", [("ring", "zigzag", 2),
-                                                      ("ring", "contiguous", 4),
-                                                      ("ulysses", "contiguous", 2)])
-def test_sequence_parallel(strategy, layout, devices, races):
-  """The ring (each step's forward merges into the running (o, lse) and its backward adds into
-  the running dQ and the travelling dK/dV: the kernels' accumulators) and Ulysses on several
-  devices, forward and gradients."""
-  from pallas_ring import layouts
-  t, n, kh, h = 64 * devices, 2, 2, 64
-  q, k, v, do = _inputs(4, t, n, kh, h, jnp.float32)
-  seg = jnp.asarray(np.arange(t)[None] // 100, jnp.int32)
-  mesh = _mesh(devices)
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy,
-                               backend="pallas_tpu", block_sizes=TILES)
-  perm = lambda x: layouts.permute(x, layout, devices)
-  ours = lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=masks.Causal(),
-                                      segment_ids=perm(seg), interpret=PARAMS)
-  ref = lambda *a: perm(reference.attention(*(layouts.unpermute(x, layout, devices) for x in a),
-                                            mask=masks.Causal(), segment_ids=seg)[0])
-  put = lambda x: jax.device_put(perm(x), NamedSharding(mesh, P(None, "sp")))
-  _check(ours, ref, tuple(map(put, (q, k, v))), perm(do), 2e-3)
 
 
 def test_interpret_params_reach_the_kernels(monkeypatch):
