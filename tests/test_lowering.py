@@ -300,6 +300,8 @@ def _tool(name):
   path = pathlib.Path(__file__).parents[1] / "tools" / f"{name}.py"
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
+  import sys
+  sys.modules[name] = module  # (its dataclasses look their module up there)
   spec.loader.exec_module(module)
   return module
 
