@@ -24,10 +24,9 @@ PARAMS = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
 TILES = BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128)
 
 
-@pytest.fixture
-def races(monkeypatch):
-  """Every race-detection state the interpreter creates (one per kernel call: it replaces
-  ``interpret_pallas_call.races`` each time); the test fails if any of them found a race."""
+def _recorded_states(monkeypatch) -> list:
+  """Every race-detection state the interpreter creates from now on (one per kernel call: it
+  replaces ``interpret_pallas_call.races`` each time, so the last one alone misses races)."""
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
   states = []
 
@@ -37,6 +36,13 @@ def races(monkeypatch):
       states.append(self)
 
   monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
+  return states
+
+
+@pytest.fixture
+def races(monkeypatch):
+  """The test fails if any kernel it runs under the interpreter reported a race."""
+  states = _recorded_states(monkeypatch)
   yield states
   assert states, "the TPU interpreter ran no kernel with race detection"
   assert not any(s.races_found for s in states), "the TPU interpreter reported a race"
@@ -45,15 +51,7 @@ def races(monkeypatch):
 def test_the_race_check_sees_a_race(monkeypatch):
   """The ``races`` fixture's check can fail: two cores writing one output block from the two
   halves of a ``parallel`` grid axis is a race the interpreter reports."""
-  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  states = []
-
-  class Recorded(ipc.RaceDetectionState):
-    def __init__(self, *a, **k):
-      super().__init__(*a, **k)
-      states.append(self)
-
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
+  states = _recorded_states(monkeypatch)
 
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]
