@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(PY) -m pallas_ring demo
 
-# The full suite, as CI runs it (about 31 minutes on 2 cores, the README's number; --durations
+# The full suite, as CI runs it (about 65 minutes on 2 cores, the README's number; --durations
 # lists the slowest).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
