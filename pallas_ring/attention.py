@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_ring import block_sparse, call, fp8, kernels, packing, pair, plans, validation
+from pallas_ring import block_sparse, call, fp8, kernels, operands, packing, pair, plans
+from pallas_ring import validation
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
@@ -30,7 +31,7 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
-  if sinks is not None or ops.bias is not None:
+  if sinks is not None or pair.differentiable(ops):
     delta = common.delta_array(delta, do)
 
   def backward(q, k, v, do, lse, delta, ops):
@@ -40,7 +41,7 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks,
-          pair.ops_grad(q, k, v, do, lse, delta, ops, cfg))
+          pair.ops_cotangent(ops, pair.ops_grad(q, k, v, do, lse, delta, ops, cfg)))
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
@@ -129,8 +130,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions,
-      dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
-      alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
       interpret=interpret, return_lse=return_lse)
@@ -141,7 +142,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                                                               kv_segment_ids=kv_seg))
   # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
   # makes the output NaN instead of silently wrong.
-  return validation.poison(run(q, k, v, checked), validation.dense_mask_misuse(dense_mask))
+  return validation.poison(run(q, k, v, checked), operands.dense_mask_misuse(dense_mask))
 
 
 def run(q, k, v, checked: call.Checked):
@@ -157,7 +158,7 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   s, hv = k.shape[1], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
   st = settings
-  segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras = arrays
+  segment_ids, kv_segment_ids, q_positions, kv_positions, terms, seeds, offsets = arrays
   tiles = tuning.resolve(backend, st.block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
                          mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
@@ -173,16 +174,11 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
       block_sparse.make_token_info(t, b, q_positions, segment_ids), tp)
   kv_info = block_sparse.pad_token_info(
       block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
-  if dense is not None:
-    dense = jnp.pad(dense, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
-  bias = extras.bias
-  if bias is not None:
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, tp - t), (0, sp - s)))
-  ops = common.Operands(q_info, kv_info, dense, bias, *pair.extras_operands(
-      extras, q_info, kv_info, b, n, broadcast=st.dropout_broadcast))
+  ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
+                             offsets, b, n, broadcast=st.dropout_broadcast)
   pad = pair.pad_tokens
-  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), sinks, ops, cfg, planner,
-                        backend)
+  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), terms.get("sinks"), ops,
+                        cfg, planner, backend)
   out = out[:, :t, :, :hv]
   if st.return_lse:
     return out, lse[:, :, :t]

@@ -13,32 +13,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 
 from pallas_ring import dropout, kernels, pair, validation
+from pallas_ring import operands as operands_lib
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import tuning
 
 Array = Any
-
-
-class Extras(NamedTuple):
-  """The optional score terms of one call, validated.
-
-  Attributes:
-    bias: ``[Bb, Nb, T, S]`` additive bias or None.
-    alibi: float32 ``[Ba, N, 1]`` ALiBi slopes or None.
-    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
-    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
-      hashes global indices), or None.
-  """
-
-  bias: Optional[Array] = None
-  alibi: Optional[Array] = None
-  seeds: Optional[Array] = None
-  offsets: Optional[Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +45,19 @@ class Arrays(NamedTuple):
     kv_segment_ids: int ``[B, S]`` of the keys.
     q_positions: int ``[T]`` or ``[B, T]``.
     kv_positions: int ``[S]`` or ``[B, S]``.
-    dense: bool ``[Bm, Nm, T, S_mask]`` (Bm in {1, B}, Nm in {1, N}).
-    sinks: ``[N]`` sink logits.
-    extras: the bias, ALiBi slopes and dropout words (``Extras``).
+    terms: ``{name: array}`` of the optional operands given, normalized (``operands``).
+    seeds: int32 ``[2]`` dropout words (``dropout.seeds``) or None (no dropout).
+    offsets: int32 ``[2]``: global index of the first local batch row and query head (dropout
+      hashes global indices), or None.
   """
 
   segment_ids: Optional[Array] = None
   kv_segment_ids: Optional[Array] = None
   q_positions: Optional[Array] = None
   kv_positions: Optional[Array] = None
-  dense: Optional[Array] = None
-  sinks: Optional[Array] = None
-  extras: Extras = Extras()
+  terms: dict = {}
+  seeds: Optional[Array] = None
+  offsets: Optional[Array] = None
 
 
 class Checked(NamedTuple):
@@ -84,30 +68,24 @@ class Checked(NamedTuple):
   per_platform: dict
 
 
-def backend_variants(backend: str, interpret, q, block_sizes, dense=None,
-                     extras: Optional[Extras] = None, decode: bool = False,
+def backend_variants(backend: str, interpret, q, block_sizes, decode: bool = False,
                      head_dim: Optional[int] = None):
   """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
 
-  ``dense`` and ``extras`` are the call's optional operands: a kernel that lacks one is skipped by
-  ``"auto"`` and refused (with the reason and the fallback) when asked for by name. ``decode``:
-  the call is ``decode_attention``'s. ``head_dim``: the head dim the kernels run at
+  ``decode``: the call is ``decode_attention``'s. ``head_dim``: the head dim the kernels run at
   (``pair.kernel_head_dim``; default q's).
   """
   block_sizes = tuning.as_block_sizes(block_sizes)
-  ex = extras or Extras()
   head_dim = q.shape[-1] if head_dim is None else head_dim
-  call = kernels.Call(jnp.result_type(q), head_dim, dense=dense is not None,
-                      bias=ex.bias is not None, alibi=ex.alibi is not None,
-                      dropout=ex.seeds is not None, decode=decode, block_sizes=block_sizes)
+  call = kernels.Call(jnp.result_type(q), head_dim, decode=decode, block_sizes=block_sizes)
   if backend != "auto":
     kernels.check_explicit(backend, call)
   return block_sizes, kernels.variants(backend, interpret, call)
 
 
 def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segment_ids=None,
-          q_positions=None, kv_positions=None, dense_mask=None, sinks=None, softcap=None,
-          scale=None, bias=None, alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
+          q_positions=None, kv_positions=None, operands: Optional[dict] = None, softcap=None,
+          scale=None, dropout_rate: float = 0.0, dropout_rng=None,
           dropout_offsets=(0, 0), dropout_broadcast: bool = False, block_sizes=None,
           backend: str = "auto", interpret=None, return_lse: bool = False,
           names=("q_positions", "kv_positions"), decode: bool = False) -> Checked:
@@ -116,8 +94,10 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   Args:
     q: ``[B, T, N, H]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (this device's, for a ring
       shard).
-    kv_shards: the K/V shards the dense mask and the bias span along their key axis (a ring
-      shard's: the ring size R; their key axis is then ``R * S`` long).
+    kv_shards: the K/V shards the operands that span the keys cover (a ring shard's: the ring
+      size R; their key axis is then ``R * S`` long).
+    operands: ``{keyword: value}`` of the optional operands (``operands.DECLARED``; None:
+      absent).
     names: how the caller names its two position arguments (for errors).
     decode: the call is ``decode_attention``'s (``auto`` may pick another kernel).
     The rest: as ``flash_attention`` (``kv_segment_ids`` default to ``segment_ids`` when
@@ -133,11 +113,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   softcap = validation.check_positive("softcap", softcap, None)
   rate = dropout.check_dropout(dropout_rate, dropout_rng)
   on = rate > 0
-  extras = Extras(validation.normalize_bias(bias, b, n, t, mask_len),
-                  None if alibi_slopes is None else
-                  jax.lax.stop_gradient(validation.normalize_alibi(alibi_slopes, b, n)),
-                  dropout.seeds(dropout_rng) if on else None,
-                  jnp.asarray(dropout_offsets, jnp.int32) if on else None)
+  terms = operands_lib.normalize(operands or {}, operands_lib.Dims(b, n, t, mask_len))
   if kv_segment_ids is None and segment_ids is not None:
     if t != s:
       raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "
@@ -149,15 +125,14 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   validation.check_token_array(names[1], kv_positions, b, s, allow_1d=True)
   if (segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
-  dense = validation.normalize_dense_mask(dense_mask, b, n, t, mask_len)
-  if sinks is not None:
-    validation.check_sinks(sinks, n)
-  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, dense, extras,
-                                               decode, pair.kernel_head_dim(q, v))
+  block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, decode,
+                                               pair.kernel_head_dim(q, v))
   settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
                       bool(return_lse))
-  arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, dense, sinks, extras)
+  arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, terms,
+                  dropout.seeds(dropout_rng) if on else None,
+                  jnp.asarray(dropout_offsets, jnp.int32) if on else None)
   return Checked(settings, arrays, per_platform)
 
 
-__all__ = ["Checked", "Settings", "Arrays", "Extras", "check", "backend_variants"]
+__all__ = ["Checked", "Settings", "Arrays", "check", "backend_variants"]

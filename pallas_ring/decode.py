@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_ring import block_sparse, call, fp8, kernels, pair, sharded
+from pallas_ring import block_sparse, call, fp8, kernels, operands, pair, sharded
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.kernels import common, tuning
@@ -127,7 +127,7 @@ def _chunk_infos(q_pos, lengths, offset, p: int, c: int, tp: int, sp: int):
   return info(_split(q_pos, p), q_seg, tp), info(kv_pos, kv_seg, sp)
 
 
-def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
+def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, terms, *,
               settings: call.Settings, total: int):
   """``(o [B, T, N, H], lse [B, N, T])`` in the accumulation dtype, before sinks, of the queries
   against this device's cache ``k, v [B, S, K, H]``, whose slot ``j`` has global position
@@ -139,20 +139,21 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
       built ahead, in numpy, when ``offset`` is too).
     lengths: int32 ``[B]`` visible slots per row (global), or None (every slot).
     offset: the global position of this device's first slot (an int, or traced on a mesh).
-    alibi: float32 ``[Ba, N, 1]`` slopes or None.
+    terms: the in-kernel optional operands (``operands``; per query head, so a dedicated
+      decode kernel, which packs a kv head's query heads into rows, serves only calls without).
     total: the cache's slots over every device (global S).
   """
   b, t, n, _ = q.shape
   s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
   impl = kernels.get(backend)
-  if impl.decode is not None and alibi is None:
+  if impl.decode is not None and not terms:
     out = _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, settings=settings,
                         total=total)
     if out is not None:
       return out
   k, v = _widened(k, v, q.dtype)  # (the forward kernels take 16/32-bit K/V)
-  pack = alibi is None
+  pack = not terms
   rows, heads = (t * (n // kh), kh) if pack else (t, n)
   tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)
   p = settings.block_sizes.kv_splits or num_splits(
@@ -173,9 +174,8 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, alibi, *,
   cfg = pair.kernel_config(tiles, mask=settings.mask, scale=settings.scale,
                            softcap=settings.softcap, q_len=rows, kv_len=c, out_dtype=acc,
                            interpret=interpret)
-  if alibi is not None and alibi.shape[0] > 1:
-    alibi = _split(alibi, p)  # [B * P, N, 1]
-  ops = common.Operands(*_chunk_infos(q_pos, lengths, offset, p, c, tp, sp), alibi=alibi)
+  ops = common.Operands(*_chunk_infos(q_pos, lengths, offset, p, c, tp, sp),
+                        **operands.repeat_batch(terms, p))  # (batch rows: [B * P, ...])
   pad = pair.pad_tokens
   kc, vc = (pad(x.reshape(b * p, c, kh, x.shape[-1]), sp, hp) for x in (k, v))
   # (no sort: a few fused ops, or numpy constants when the positions are known while tracing)
@@ -305,8 +305,8 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
       q, k_cache, v_cache, q_descale, k_descale, v_descale, out_dtype,
       names=("q", "k_cache", "v_cache"))
   checked = call.check(
-      q, k_cache, v_cache, mask=mask, q_positions=q_positions, sinks=sinks, softcap=softcap,
-      scale=scale, alibi_slopes=alibi_slopes,
+      q, k_cache, v_cache, mask=mask, q_positions=q_positions, softcap=softcap,
+      scale=scale, operands=dict(alibi_slopes=alibi_slopes, sinks=sinks),
       block_sizes=block_sizes if block_sizes is not None or cfg is None else cfg.block_sizes,
       backend=cfg.backend if backend == "auto" and cfg is not None else backend,
       interpret=interpret, return_lse=return_lse, decode=True)
@@ -316,7 +316,8 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
   q_pos = checked.arrays.q_positions
   if q_pos is not None:
     q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32).reshape(-1, t), (b, t))
-  args = (q, k_cache, v_cache, q_pos, lengths, checked.arrays.sinks, checked.arrays.extras.alibi)
+  terms = checked.arrays.terms
+  args = (q, k_cache, v_cache, q_pos, lengths, terms.get("sinks"), operands.in_kernel(terms))
   # (float32 out of the kernels where v's descale still multiplies it)
   static = dict(settings=checked.settings, total=s, platforms=tuple(checked.per_platform.items()),
                 out_dtype=q.dtype if v_scale is None else jnp.dtype(jnp.float32))
@@ -334,16 +335,16 @@ def _finish(o, lse, sinks, dtype, settings: call.Settings):
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "platforms", "total", "out_dtype"))
-def _decode(q, k, v, q_pos, lengths, sinks, alibi, *, settings, platforms, total, out_dtype):
+def _decode(q, k, v, q_pos, lengths, sinks, terms, *, settings, platforms, total, out_dtype):
   """One device: ``_local_on`` on the platform's backend, then the sinks."""
   local = functools.partial(_local_on, settings=settings, total=total)
-  o, lse = kernels.dispatch(local, dict(platforms), q, k, v, q_pos, lengths, 0, alibi)
+  o, lse = kernels.dispatch(local, dict(platforms), q, k, v, q_pos, lengths, 0, terms)
   return _finish(o, lse, sinks, out_dtype, settings)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "config", "settings", "platforms", "total",
                                              "out_dtype"))
-def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, settings,
+def _decode_sharded(q, k, v, q_pos, lengths, sinks, terms, *, mesh, config, settings,
                     platforms, total, out_dtype):
   """shard_map over the cache's slots: each device attends its own, the results merge."""
   sp = config.axis_name
@@ -351,9 +352,9 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
   rep, cache, rows = P(batch), P(batch, sp), P(batch, None)
   local = functools.partial(_local_on, settings=settings, total=total)
 
-  def per_device(q_, k_, v_, pos_, len_, sinks_, alibi_):
+  def per_device(q_, k_, v_, pos_, len_, sinks_, terms_):
     offset = lax.axis_index(sp) * k_.shape[1]
-    o, lse = kernels.dispatch(local, dict(platforms), q_, k_, v_, pos_, len_, offset, alibi_)
+    o, lse = kernels.dispatch(local, dict(platforms), q_, k_, v_, pos_, len_, offset, terms_)
     # One small all-gather of every device's (o, lse) (a latency-bound collective: one beats
     # the pmax and two psums of a merge across the axis), then the merge on each device.
     h = o.shape[-1]
@@ -363,12 +364,13 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, alibi, *, mesh, config, sett
     return _finish(o, lse, sinks_, out_dtype, settings)
 
   optional = lambda x, spec: None if x is None else spec
-  alibi_spec = optional(alibi, P(batch if alibi is not None and alibi.shape[0] > 1 else None))
+  term_specs = operands.specs(terms, batch=batch, heads=None, rows=None)
   in_specs = (rows, cache, cache, optional(q_pos, rows), optional(lengths, rep),
-              optional(sinks, P()), alibi_spec)
+              optional(sinks, P()), term_specs)
   out_specs = (rows, rows) if settings.return_lse else rows
   args = [sharded.constrain(x, mesh, s_)
-          for x, s_ in zip((q, k, v, q_pos, lengths, sinks, alibi), in_specs)]
+          for x, s_ in zip((q, k, v, q_pos, lengths, sinks), in_specs)]
+  args.append({name: sharded.constrain(x, mesh, term_specs[name]) for name, x in terms.items()})
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pallas_ring import masks as masks_lib
-from pallas_ring import validation
+from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
@@ -53,7 +53,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   misuse = []  # traced flags of a misused dense mask: the output is poisoned with NaN
   if dense_mask is not None:
     dense_mask = flat_bnts(dense_mask)
-    misuse.append(validation.dense_mask_misuse(dense_mask, "mask"))  # 0/1 floats only
+    misuse.append(operands.dense_mask_misuse(dense_mask, "mask"))  # 0/1 floats only
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
   bias = flat_bnts(bias)
   dropout = dropout or {}

@@ -15,7 +15,7 @@ import jax
 from jax import custom_derivatives
 import jax.numpy as jnp
 
-from pallas_ring import dropout
+from pallas_ring import dropout, operands
 from pallas_ring.kernels import common, tuning
 from pallas_ring.kernels import xla as xla_kernels
 
@@ -124,14 +124,27 @@ def defvjp_symbolic(fun, fwd, bwd):
   fun.defvjp(fwd_values, bwd_cts, symbolic_zeros=True)
 
 
-def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig):
-  """The cotangent of ``ops``: the bias gradient (computed densely in XLA for every lowering,
-  and dead code when nobody asks for it); every other operand is not differentiable."""
-  grads = jax.tree.map(lambda _: None, ops)
-  if ops.bias is None:
-    return grads
-  dbias = xla_kernels.bias_grad(q, k, v, do.astype(q.dtype), lse, delta, ops, cfg)
-  return grads._replace(bias=dbias.astype(ops.bias.dtype))
+def ops_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig) -> dict:
+  """``{name: cotangent}`` of the differentiable operands in ``ops`` (``operands.DECLARED``):
+  each an additive logit term, whose gradient is ``dS`` summed over the axes it broadcasts
+  along, computed densely in XLA for every lowering (dead code when nobody asks for it)."""
+  grads = {}
+  for name in differentiable(ops):
+    x = getattr(ops, name)
+    grads[name] = xla_kernels.logit_term_grad(q, k, v, do.astype(q.dtype), lse, delta, ops, cfg,
+                                              x.shape).astype(x.dtype)
+  return grads
+
+
+def differentiable(ops: common.Operands) -> tuple:
+  """The names of the differentiable operands present in ``ops``."""
+  return tuple(o.name for o in operands.DECLARED
+               if o.in_kernel and o.differentiable and getattr(ops, o.name) is not None)
+
+
+def ops_cotangent(ops: common.Operands, grads: dict) -> common.Operands:
+  """``ops``' cotangent for a custom VJP: ``grads`` where given, None elsewhere."""
+  return jax.tree.map(lambda _: None, ops)._replace(**grads)
 
 
 def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
@@ -145,12 +158,13 @@ def kernel_config(tiles: tuning.Tiles, *, mask, scale, softcap, q_len, kv_len,
       dropout_rate=float(dropout_rate), variants=tiles.variants)
 
 
-def extras_operands(extras, q_info, kv_info, batch: int, heads: int, *, broadcast=False):
-  """``(alibi, DropoutKeys)`` of the Operands from a call's ``call.Extras`` (the bias is padded by
-  the caller)."""
+def kernel_operands(q_info, kv_info, terms: dict, seeds, offsets, batch: int, heads: int, *,
+                    broadcast=False) -> common.Operands:
+  """The kernels' ``Operands`` of one pair: token info, the in-kernel operands of ``terms``
+  (cut to this pair's keys and padded by the caller) and the dropout keys of ``seeds`` /
+  ``offsets`` (``call.Arrays``; None: no dropout)."""
   keys = None
-  if extras.seeds is not None:
-    keys = dropout.keys(extras.seeds, batch, heads, q_info.positions, kv_info.positions,
-                        batch_offset=extras.offsets[0], head_offset=extras.offsets[1],
-                        broadcast=broadcast)
-  return extras.alibi, keys
+  if seeds is not None:
+    keys = dropout.keys(seeds, batch, heads, q_info.positions, kv_info.positions,
+                        batch_offset=offsets[0], head_offset=offsets[1], broadcast=broadcast)
+  return common.Operands(q_info, kv_info, dropout=keys, **operands.in_kernel(terms))

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, packing, pair, plans
-from pallas_ring import validation
+from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, operands, packing
+from pallas_ring import pair, plans, validation
 from pallas_ring import halo as halo_lib
 from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
@@ -63,7 +63,6 @@ from pallas_ring.sends import pack_buffers, rotate, unpack_buffers  # noqa: F401
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
-merge = common.merge  # (o, lse) of two partial results over disjoint keys
 RING_STRATEGIES = ("ring", "all_gather")  # the strategies run by ``run``
 
 
@@ -123,15 +122,15 @@ class _Fixed(NamedTuple):
   """Operands that stay on this device (not rotated).
 
   Attributes:
-    dense: bool ``[Bm, Nm, Tp, R * Sp]`` this shard's rows of the dense mask, columns of every kv
-      shard (layout order, each padded like K/V), or None.
-    bias: ``[Bb, Nb, Tp, R * Sp]`` the additive bias, laid out like ``dense``, or None.
-    extras: ALiBi slopes and dropout words (``call.Extras`` without its bias).
+    terms: the in-kernel operands (``operands``); those that span the keys hold this shard's
+      query rows and the columns of every kv shard (layout order, each padded like K/V:
+      ``[.., Tp, R * Sp]``).
+    seeds, offsets: the dropout words (``call.Arrays``), or None.
   """
 
-  dense: Optional[Any]
-  bias: Optional[Any]
-  extras: call.Extras
+  terms: dict
+  seeds: Optional[Any]
+  offsets: Optional[Any]
 
 
 def _moving_info(st: RingStatic, info: block_sparse.TokenInfo):
@@ -163,18 +162,21 @@ def _sent(st: RingStatic, local, chain: int):
   return (cut(k), cut(v)), (None, None if seg is None else cut(seg, "edge"))
 
 
-def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int, halo=None):
-  """The Operands of (this q shard, kv shard ``src``, or its slice ``halo``): the dense mask's
-  and bias's columns of that shard, and the dropout keys of its (global) key positions."""
-  def cols(x):
-    if x is None:
-      return None
-    x = lax.dynamic_slice_in_dim(x, src * width, width, axis=3)
-    return x if halo is None else halo_lib.take(x, halo.runs, halo.padded, axis=3)
+def _cols(x, axis: int, src, width: int, halo=None):
+  """Kv shard ``src``'s columns (``width`` of them, or its slice ``halo``) of ``x``'s key
+  ``axis``."""
+  x = lax.dynamic_slice_in_dim(x, src * width, width, axis=axis)
+  return x if halo is None else halo_lib.take(x, halo.runs, halo.padded, axis=axis)
 
-  alibi, keys = pair.extras_operands(fixed.extras, q_info, kv_info, q.shape[0], q.shape[2],
-                                     broadcast=st.dropout_broadcast)
-  return common.Operands(q_info, kv_info, cols(fixed.dense), cols(fixed.bias), alibi, keys)
+
+def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int, halo=None):
+  """The Operands of (this q shard, kv shard ``src``, or its slice ``halo``): the key columns
+  of that shard of each operand that spans the keys, and the dropout keys of its (global) key
+  positions."""
+  terms = operands.map_axis(fixed.terms, operands.KEYS,
+                            lambda x, axis: _cols(x, axis, src, width, halo))
+  return pair.kernel_operands(q_info, kv_info, terms, fixed.seeds, fixed.offsets, q.shape[0],
+                              q.shape[2], broadcast=st.dropout_broadcast)
 
 
 def step_plan(st: RingStatic, ops: common.Operands, rank, src, backward: bool = False):
@@ -205,26 +207,28 @@ def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
 
 def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands, dq=None,
                    parts=common.BOTH, plan=None, dkv=None):
-  """``(dq, dk, dv, dbias)`` of one pair (dbias: the bias columns of this kv shard, or None),
-  its dq added to ``dq`` (the earlier pairs', or None) and its dk, dv to ``dkv = (dk, dv)``
-  (this shard's so far, or None; lowerings add both inside their kernels where they can).
-  ``parts=common.DQ`` computes only dq and dbias, ``common.DKV`` only dk and dv (the others
-  None). ``plan``: the backward's (default: the planner's for ``ops``)."""
+  """``(dq, dk, dv, dterms)`` of one pair (dterms: ``{name: cotangent}`` of the differentiable
+  operands' columns of this kv shard, ``pair.ops_grad``), its dq added to ``dq`` (the earlier
+  pairs', or None) and its dk, dv to ``dkv = (dk, dv)`` (this shard's so far, or None;
+  lowerings add both inside their kernels where they can). ``parts=common.DQ`` computes only dq
+  and dterms, ``common.DKV`` only dk and dv (the others None, dterms empty). ``plan``: the
+  backward's (default: the planner's for ``ops``)."""
   want_dq, want_dkv = common.wants(parts)
   plan = st.planner.plan(ops, backward=True) if plan is None else plan
-  no_bias = ops.bias is None or not want_dq
+  with_terms = want_dq and pair.differentiable(ops)
 
   def run():
     grads = kernels.get(st.backend).backward(q, k, v, do, lse, delta, ops, plan, st.cfg, dq,
                                              parts, dkv)
-    dbias = None if no_bias else pair.ops_grad(q, k, v, do, lse, delta, ops, st.cfg).bias
-    return (*grads, dbias)
+    return (*grads, pair.ops_grad(q, k, v, do, lse, delta, ops, st.cfg) if with_terms else {})
 
   def skip():
     zeros = lambda x: jnp.zeros(x.shape, common.acc_dtype(q.dtype))
     dq_ = (zeros(q) if dq is None else dq) if want_dq else None
     dk, dv = ((zeros(k), zeros(v)) if dkv is None else dkv) if want_dkv else (None, None)
-    return dq_, dk, dv, None if no_bias else jnp.zeros(ops.bias.shape, ops.bias.dtype)
+    terms = {name: jnp.zeros(getattr(ops, name).shape, getattr(ops, name).dtype)
+             for name in pair.differentiable(ops)} if with_terms else {}
+    return dq_, dk, dv, terms
 
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
@@ -246,18 +250,9 @@ def _gather_info(info, st):
   return block_sparse.TokenInfo(_gather(info.positions, st), _gather(info.segment_ids, st))
 
 
-def _local_kv(st: RingStatic, k, v):
-  """This shard's K/V as the ring holds them: the pair ``(k, v)``, sent as two collectives (or
-  one packed buffer, ``RingStatic.pack_sends``). (A stacked ``[2, B, Sp, K, H]`` buffer, one
-  collective on TPU, kept a 1 GiB copy of the local K/V alive through the backward at 2M
-  tokens on a v5e-8.)"""
-  del st
-  return k, v
-
-
 def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
-  """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks); ``kv``
-  from ``_local_kv``."""
+  """Returns ``(o, lse)`` in the accumulation dtype over all kv shards (before sinks); ``kv``:
+  this shard's ``(k, v)``."""
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
@@ -297,32 +292,37 @@ def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc):
 
 
 def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
-  """``(dq, dk, dv, dbias)``; dbias (or None) has the full-width layout of ``fixed.bias``."""
+  """``(dq, dk, dv, dterms)``; dterms: ``{name: cotangent}`` of the differentiable operands of
+  ``fixed.terms``, in their full-width layout."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    dq, dk, dv, dbias = pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
-                                       delta, ops, plan=step_plan(st, ops, rank, 0, True))
+    dq, dk, dv, dterms = pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
+                                        delta, ops, plan=step_plan(st, ops, rank, 0, True))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
-    return dq, scatter(dk), scatter(dv), dbias
+    return dq, scatter(dk), scatter(dv), dterms
 
-  def compute(kv, moving, src, dbias, dq=None, parts=common.BOTH, dkv=None, chain=None):
+  def put(full, name, step, src, h):
+    """A step's cotangent columns of operand ``name`` written into its full-width one: each
+    step owns the columns of its kv shard (or slice)."""
+    axis = operands.BY_NAME[name].axis(operands.KEYS)
+    if h is not None:
+      step = halo_lib.put(_cols(full, axis, src, sp), step, h.runs, axis=axis)
+    return lax.dynamic_update_slice_in_dim(full, step.astype(full.dtype), src * sp, axis)
+
+  def compute(kv, moving, src, dterms, dq=None, parts=common.BOTH, dkv=None, chain=None):
     """This step's pair: ``dq`` so far plus its own, ``dkv = (dk, dv)`` so far of the shard
-    (or chain ``chain``'s slice of it) it holds plus its own, and ``dbias`` (``parts``: only dq
-    and dbias, or only dk and dv)."""
+    (or chain ``chain``'s slice of it) it holds plus its own, and ``dterms`` (``parts``: only
+    dq and dterms, or only dk and dv)."""
     sub, h = st.for_pair(chain), st.halo(chain)
     ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
-    dq, dk, dv, dbias_s = pair_backward(sub, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
-                                        step_plan(sub, ops, rank, src, True), dkv)
-    if dbias_s is not None:  # each step owns the columns of its kv shard (or slice)
-      if h is not None:
-        cols = lax.dynamic_slice_in_dim(dbias, src * sp, sp, 3)
-        dbias_s = halo_lib.put(cols, dbias_s, h.runs, axis=3)
-      dbias = lax.dynamic_update_slice_in_dim(dbias, dbias_s.astype(dbias.dtype), src * sp, 3)
-    return dq, None if dk is None else (dk, dv), dbias
+    dq, dk, dv, step = pair_backward(sub, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+                                     step_plan(sub, ops, rank, src, True), dkv)
+    dterms = {name: put(full, name, step[name], src, h) for name, full in dterms.items()}
+    return dq, None if dk is None else (dk, dv), dterms
 
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
@@ -333,46 +333,47 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   # A chain with a halo sends its slice and gets the slice's dK/dV home.
   local = (kv, _moving_info(st, kv_info))
   first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
-  dbias = None if fixed.bias is None else jnp.zeros(fixed.bias.shape, common.acc_dtype(q.dtype))
-  dq, _, dbias = compute(*local, rank, dbias, parts=common.DQ)
+  dterms = {name: jnp.zeros(x.shape, common.acc_dtype(q.dtype)) for name, x in fixed.terms.items()
+            if operands.BY_NAME[name].differentiable}
+  dq, _, dterms = compute(*local, rank, dterms, parts=common.DQ)
   home, slices = None, []
   for i, ((d, n), held) in enumerate(zip(st.chains, first)):
-    dq, dkv, dbias = _backward_chain(st, functools.partial(compute, chain=i), rank, held, d, n,
-                                     dq, dbias)
+    dq, dkv, dterms = _backward_chain(st, functools.partial(compute, chain=i), rank, held, d, n,
+                                      dq, dterms)
     back = rotate(dkv, st, -d * n)
     if st.halo(i) is not None:  # a slice's dK/dV: added into the local pair's at its runs
       slices.append((st.halo(i).runs, back))
     else:
       home = back if home is None else jax.tree.map(jnp.add, home, back)
-  _, dkv, _ = compute(*local, rank, None, parts=common.DKV, dkv=home)
+  _, dkv, _ = compute(*local, rank, {}, parts=common.DKV, dkv=home)
   for runs, back in slices:
     dkv = tuple(halo_lib.put(x, y, runs, add=True) for x, y in zip(dkv, back))
-  return (dq, *dkv, dbias)
+  return (dq, *dkv, dterms)
 
 
-def _backward_chain(st: RingStatic, compute, rank, held, d: int, n: int, dq, dbias):
+def _backward_chain(st: RingStatic, compute, rank, held, d: int, n: int, dq, dterms):
   """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's): ``(dq, dkv,
-  dbias)``, ``dkv`` the dK/dV of the shard of the last step (on the device ``n`` hops from its
+  dterms)``, ``dkv`` the dK/dV of the shard of the last step (on the device ``n`` hops from its
   own). Each step's dK/dV are added to those received with its shard (inside the kernels where
   the lowering can: no second buffer for the sum)."""
   src = lambda step: (rank - d * step) % st.ring_size
   nxt = rotate(held, st, d) if n > 1 else None  # step 1 sends its K/V on unless it is the last
-  dq, dkv, dbias = compute(*held, src(1), dbias, dq)
+  dq, dkv, dterms = compute(*held, src(1), dterms, dq)
   if n == 1:
-    return dq, dkv, dbias
+    return dq, dkv, dterms
 
   def body(carry, step):
-    dq, held, dkv, dbias = carry
+    dq, held, dkv, dterms = carry
     nxt, dkv_in = rotate((held, dkv), st, d)
-    dq, dkv, dbias = compute(*held, src(step), dbias, dq, dkv=dkv_in)
-    return (dq, nxt, dkv, dbias), None
+    dq, dkv, dterms = compute(*held, src(step), dterms, dq, dkv=dkv_in)
+    return (dq, nxt, dkv, dterms), None
 
-  carry = (dq, nxt, dkv, dbias)
+  carry = (dq, nxt, dkv, dterms)
   if n > 2:
     carry, _ = lax.scan(body, carry, _steps(2, n), unroll=st.unroll)
-  dq, held, dkv, dbias = carry
+  dq, held, dkv, dterms = carry
   dkv_in = rotate(dkv, st, d)  # the last shard's K/V go nowhere
-  return compute(*held, src(n), dbias, dq, dkv=dkv_in)
+  return compute(*held, src(n), dterms, dq, dkv=dkv_in)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -382,7 +383,7 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
   o, lse = pair.finish_forward(
-      *_ring_forward(st, q, _local_kv(st, k, v), q_info, kv_info, fixed), sinks, q.dtype)
+      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, q.dtype)
   return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
@@ -390,14 +391,15 @@ def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
-  dq, dk, dv, dbias = pair.first_order_only(functools.partial(_ring_backward, st))(
-      q, _local_kv(st, k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
+  dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
+      q, (k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
     dsinks = pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
-  dfixed = none(fixed)._replace(bias=None if dbias is None else dbias.astype(fixed.bias.dtype))
+  dfixed = none(fixed)._replace(terms={name: dterms[name].astype(x.dtype) if name in dterms
+                                       else None for name, x in fixed.terms.items()})
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
           none(kv_info), dfixed)
 
@@ -468,9 +470,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     ) from e
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
-      q_positions=positions, kv_positions=positions, dense_mask=dense_mask, sinks=sinks,
-      softcap=softcap, scale=scale, bias=bias, alibi_slopes=alibi_slopes,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      q_positions=positions, kv_positions=positions,
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
       interpret=interpret, return_lse=return_lse, names=("positions", "positions"))
@@ -486,7 +488,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   out = run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
   # (a float dense mask's values cannot be read under jit: misuse makes the output NaN)
-  return validation.poison(out, validation.dense_mask_misuse(dense_mask))
+  return validation.poison(out, operands.dense_mask_misuse(dense_mask))
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,
@@ -509,7 +511,7 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   derived = positions is None
   if derived:
     positions = layout_pos
-    local = arrays.dense is None and arrays.extras.bias is None and strategy == "ring"
+    local = not operands.spanning(arrays.terms, operands.KEYS) and strategy == "ring"
     if local and reach_lib.ring_reach(checked.settings.mask, t * r, layout, r) == (0, 0):
       # The mask reaches no other shard (e.g. chunks inside shards): flash attention on this
       # shard, without the ring's float32 accumulators (BENCHMARKS.md, "Reach-limited ring").
@@ -522,11 +524,11 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
                          variants=halo_lib.RingVariants() if variants is None else variants)
   with pair.forward_mode_errors():
     return kernels.dispatch(on, checked.per_platform, q, k, v, segment_ids, kv_segment_ids,
-                            positions, arrays.dense, arrays.sinks, arrays.extras)
+                            positions, arrays.terms, arrays.seeds, arrays.offsets)
 
 
-def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions, dense, sinks,
-             extras, *, settings: call.Settings, axis_name, ring_size, layout, derived_positions,
+def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions, terms, seeds,
+             offsets, *, settings: call.Settings, axis_name, ring_size, layout, derived_positions,
              strategy, scan_unroll, variants: halo_lib.RingVariants):
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs = settings
@@ -566,22 +568,23 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                   for c in st.chains)
     st = dataclasses.replace(st, halos=halos if any(halos) else ())
 
-  def pad_cols(x):
-    """Rows padded to tp; columns: each kv shard padded to its padded length (ring), or the
-    gathered axis padded once (all_gather)."""
-    if x is None:
-      return None
-    x = x.reshape(*x.shape[:3], r, t)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0), (0, 0 if gather else tp - t)))
-    x = x.reshape(*x.shape[:3], -1)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, kv_padded - t * r))) if gather else x
+  def pad_cols(x, axis):
+    """Key columns: each kv shard padded to its padded length (ring), or the gathered axis
+    padded once (all_gather)."""
+    if gather:
+      return jnp.pad(x, [(0, kv_padded - t * r if a == axis else 0) for a in range(x.ndim)])
+    x = x.reshape(*x.shape[:axis], r, t, *x.shape[axis + 1:])
+    x = jnp.pad(x, [(0, tp - t if a == axis + 1 else 0) for a in range(x.ndim)])
+    return x.reshape(*x.shape[:axis], r * tp, *x.shape[axis + 2:])
 
-  fixed = _Fixed(pad_cols(dense), pad_cols(extras.bias), extras._replace(bias=None))
+  padded = operands.pad(terms, queries=tp, keys=t * r)  # (rows; columns below)
+  fixed = _Fixed(operands.in_kernel(operands.map_axis(padded, operands.KEYS, pad_cols)), seeds,
+                 offsets)
   pad = pair.pad_tokens
-  out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp), sinks, q_info,
-                   kv_info, fixed, st)
+  out, lse = _ring(pad(q, tp, hp), pad(k, shard_len, hp), pad(v, shard_len, hp),
+                   terms.get("sinks"), q_info, kv_info, fixed, st)
   out = out[:, :t, :, :hv]
   return (out, lse[:, :, :t]) if cs.return_lse else out
 
 
-__all__ = ["ring_attention", "merge"]
+__all__ = ["ring_attention"]

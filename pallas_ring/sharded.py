@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_ring import auto, balance, call, fp8, layouts, packing, ring, ulysses, validation
+from pallas_ring import auto, balance, call, fp8, layouts, operands, packing, ring, ulysses
+from pallas_ring import validation
 from pallas_ring.config import SequenceParallelConfig
 
 
@@ -139,8 +140,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     placement, positions = positions, positions.positions
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
-      dense_mask=dense_mask, sinks=sinks, softcap=softcap, scale=scale, bias=bias,
-      alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_broadcast=dropout_broadcast, block_sizes=config.block_sizes,
       backend=config.backend, interpret=interpret, return_lse=return_lse,
       names=("positions", "positions"))
@@ -180,8 +181,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   # Traced (under jit): flags that poison the output, since the values cannot be read here.
-  misuse = [validation.dense_mask_misuse(dense_mask),
-            natural_order_mask(checked.arrays.dense, positions, config.layout, r)]
+  misuse = [operands.dense_mask_misuse(dense_mask),
+            natural_order_mask(checked.arrays.terms.get("dense"), positions, config.layout, r)]
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
   out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
@@ -286,24 +287,19 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
     pos_spec = P(tokens) if positions.ndim == 1 else P(batch, tokens)
   uly = config.strategy == "ulysses"
   a2a = sp if uly else ua  # the all-to-all's axis, or None
-  # [B|1, N|1, T, T] arrays: columns whole; rows sharded with the ring's queries (ring axis),
-  # heads with the all-to-all's (Ulysses: every row of this device's heads).
+  # Optional operands (``operands``): query rows sharded with the ring's queries (Ulysses: every
+  # row), heads over the head axis and the all-to-all's (each device's own heads after the
+  # exchange), keys whole.
   heads = tuple(a for a in (head, a2a) if a is not None) or None
-  tiles = lambda x: None if x is None else P(batch if x.shape[0] > 1 else None,
-                                             heads if x.shape[1] > 1 else None,
-                                             None if uly else sp, None)
-  ex = arrays.extras
-  alibi_spec = None if ex.alibi is None else P(batch if ex.alibi.shape[0] > 1 else None, head,
-                                               None)
+  term_specs = operands.specs(arrays.terms, batch=batch, heads=heads, rows=None if uly else sp)
   out_specs = (tok, P(batch, head, tokens)) if settings.return_lse else tok
 
-  def per_shard(q_, k_, v_, seg_, pos_, dense_, sinks_, bias_, alibi_, seeds_, cu_):
+  def per_shard(q_, k_, v_, seg_, pos_, terms_, seeds_, cu_):
     offsets = None
     if seeds_ is not None:  # dropout hashes global batch rows and heads
       index = lambda axes, size: 0 if axes is None else jax.lax.axis_index(axes) * size
       offsets = jnp.asarray([index(batch, q_.shape[0]), index(head, q_.shape[2])], jnp.int32)
-    shard = call.Arrays(seg_, seg_, pos_, pos_, dense_, sinks_,
-                        call.Extras(bias_, alibi_, seeds_, offsets))
+    shard = call.Arrays(seg_, seg_, pos_, pos_, terms_, seeds_, offsets)
     checked = call.Checked(settings, shard, dict(platforms))
     if a2a is not None:
       return ulysses.run(q_, k_, v_, checked, axis_name=a2a, layout=config.layout,
@@ -312,12 +308,12 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
     return ring.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
                     strategy=config.strategy, scan_unroll=config.scan_unroll, cu_seqlens=cu_)
 
-  in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec,
-              tiles(arrays.dense), None if arrays.sinks is None else P(head), tiles(ex.bias),
-              alibi_spec, None if ex.seeds is None else P(), None if cu_seqlens is None else P())
+  in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec, term_specs,
+              None if arrays.seeds is None else P(), None if cu_seqlens is None else P())
   args = [constrain(x, mesh, s) for x, s in zip(
-      (q, k, v, arrays.segment_ids, positions, arrays.dense, arrays.sinks, ex.bias, ex.alibi,
-       ex.seeds, cu_seqlens), in_specs)]
+      (q, k, v, arrays.segment_ids, positions), in_specs)]
+  args.append({k_: constrain(x, mesh, term_specs[k_]) for k_, x in arrays.terms.items()})
+  args += [constrain(x, mesh, s) for x, s in zip((arrays.seeds, cu_seqlens), in_specs[6:])]
   fn = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                      check_vma=False)
   return fn(*args)

@@ -51,18 +51,12 @@ def _gather_tokens(x, axis_name, axis=1):
   return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def _local_heads(x, axis: int, r: int, rank):
-  """This device's ``1/R`` of ``x`` along a head ``axis`` (unchanged if that axis is 1)."""
-  if x is None or x.shape[axis] == 1:
-    return x
-  size = x.shape[axis] // r
-  return lax.dynamic_slice_in_dim(x, rank * size, size, axis=axis)
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None,
         ring_axis=None, scan_unroll: int = 1):
-  """Ulysses attention of a checked call over this device's shards (``call.check``: dense mask
-  and bias hold this device's heads and query rows; see ``sharded``).
+  """Ulysses attention of a checked call over this device's shards (``call.check``; its
+  optional operands hold this device's heads after the exchange: see ``sharded``).
 
   Args:
     q: ``[B, L, N, H]``; k, v: ``[B, L, K, H]``, this device's tokens in layout order.
@@ -80,20 +74,18 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
   """
   u = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
-  arrays, ex = checked.arrays, checked.arrays.extras
+  arrays = checked.arrays
   rep = kv_repeats(k.shape[2], u)
   if rep > 1:
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
   positions = _gather_tokens(arrays.q_positions, axis_name, axis=-1)
   segment_ids = _gather_tokens(arrays.segment_ids, axis_name)
-  offsets = ex.offsets
+  offsets = arrays.offsets
   if offsets is not None:  # dropout hashes the global query head
     offsets = offsets + jnp.asarray([0, 1], offsets.dtype) * rank * q.shape[2]
-  local = call.Arrays(
-      segment_ids, segment_ids, positions, positions, arrays.dense,
-      _local_heads(arrays.sinks, 0, u, rank),
-      ex._replace(alibi=_local_heads(ex.alibi, 1, u, rank), offsets=offsets))
+  local = arrays._replace(segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                          q_positions=positions, kv_positions=positions, offsets=offsets)
   if ring_axis is not None:  # (the ring derives positions and packed segments of its chunk)
     out = ring.run(q, k, v, checked._replace(arrays=local), axis_name=ring_axis, layout=layout,
                    strategy="ring", scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)

@@ -32,7 +32,7 @@ def _shape(x):
   return tuple(np.shape(x))
 
 
-def _check_float(name, x):
+def check_float(name, x):
   dt = jnp.result_type(x)
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"`{name}` has dtype {dt}; attention needs a real floating dtype "
@@ -46,7 +46,7 @@ def check_qkv(q, k, v) -> None:
     if np.ndim(x) != 4:
       raise ValueError(f"`{name}` must have rank 4 ([batch, seq, heads, head_dim]), got shape "
                        f"{_shape(x)}. Add the missing axes, e.g. `x[None]` for batch 1.")
-    _check_float(name, x)
+    check_float(name, x)
   (b, _, n, h), (bk, s, kh, hk), vs = _shape(q), _shape(k), _shape(v)
   if vs[:3] != (bk, s, kh):
     raise ValueError(f"`k` and `v` must agree on [batch, seq, kv_heads], got k {(bk, s, kh, hk)} "
@@ -114,7 +114,7 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
                     f"(cast with `.astype(jnp.int32)`).")
 
 
-def _bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
+def bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
   """``x``'s shape padded to rank 4 after checking it broadcasts to ``[B, N, T, S]``."""
   shape = _shape(x)
   if len(shape) > 4:
@@ -128,35 +128,6 @@ def _bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
   return full
 
 
-def dense_mask_misuse(dense_mask, name: str = "dense_mask"):
-  """Checks that a non-boolean dense mask holds only 0 and 1 (1 = visible, as Flax reads it).
-
-  Concrete values are read: others (an additive ``0 / -inf`` mask) raise naming ``bias``. Traced
-  values (under ``jit``) cannot be read while tracing: the caller poisons its output with NaN
-  where the returned flag is True, so misuse is loud rather than silently wrong.
-
-  Returns:
-    None (nothing left to check: no mask, a bool mask, or concrete values), or a traced bool
-    scalar, True when the mask holds a value other than 0 and 1 (NaN included).
-  """
-  if dense_mask is None:
-    return None
-  m = jnp.asarray(dense_mask)
-  if m.dtype == bool:
-    return None
-  if isinstance(m, jax.core.Tracer):
-    return jnp.any((m != 0) & (m != 1))
-  values = np.unique(np.asarray(m))
-  if not np.all((values == 0) | (values == 1)):
-    raise ValueError(
-        f"`{name}` has dtype {m.dtype} with values other than 0 and 1 (e.g. "
-        f"{values[~((values == 0) | (values == 1))][0]}): a non-boolean dense mask is read as "
-        "0 = masked, 1 = visible. An additive mask (0 visible, -inf masked) belongs in `bias`; "
-        "or pass a bool mask (True = visible). (Under jit, where the values cannot be read, "
-        "such a mask makes the output NaN.)")
-  return None
-
-
 def poison(out, *flags):
   """``out`` (an array or a tuple of them) made NaN where any traced flag (not None) is True."""
   flags = [f for f in flags if f is not None]
@@ -164,49 +135,3 @@ def poison(out, *flags):
     return out
   bad = functools.reduce(jnp.logical_or, flags)
   return jax.tree.map(lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x), out)
-
-
-def normalize_dense_mask(dense_mask, b: int, n: int, t: int, s: int):
-  """Broadcasts a dense mask to ``[Bm, Nm, T, S]`` bool with Bm in {1, B}, Nm in {1, N}.
-
-  A non-boolean mask must hold 0 / 1: concrete values are checked here (``dense_mask_misuse``);
-  traced ones are left to the entry point, which poisons its output where they are not.
-  """
-  if dense_mask is None:
-    return None
-  full = _bnts_shape("dense_mask", dense_mask, b, n, t, s)
-  m = jnp.asarray(dense_mask)
-  if not isinstance(m, jax.core.Tracer):
-    dense_mask_misuse(m)
-  m = m.reshape(full) if m.dtype == bool else (m.reshape(full) != 0)
-  return jnp.broadcast_to(m, (full[0], full[1], t, s))
-
-
-def normalize_bias(bias, b: int, n: int, t: int, s: int):
-  """Broadcasts an additive bias to ``[Bb, Nb, T, S]`` (Bb in {1, B}, Nb in {1, N}), its dtype
-  kept (its gradient sums over the broadcast axes through autodiff)."""
-  if bias is None:
-    return None
-  full = _bnts_shape("bias", bias, b, n, t, s)
-  _check_float("bias", bias)
-  return jnp.broadcast_to(jnp.reshape(bias, full), (full[0], full[1], t, s))
-
-
-def normalize_alibi(slopes, b: int, n: int):
-  """ALiBi slopes ``[N]`` or ``[B, N]`` -> float32 ``[Ba, N, 1]`` (Ba in {1, B})."""
-  if slopes is None:
-    return None
-  shape = _shape(slopes)
-  if shape not in ((n,), (1, n), (b, n)):
-    raise ValueError(f"`alibi_slopes` has shape {shape}; expected [N] = ({n},) or [B, N] = "
-                     f"{(b, n)}: one slope per query head (and batch row).")
-  _check_float("alibi_slopes", slopes)
-  x = jnp.asarray(slopes, jnp.float32)
-  return (x[None] if x.ndim == 1 else x)[..., None]
-
-
-def check_sinks(sinks, n: int) -> None:
-  if _shape(sinks) != (n,):
-    raise ValueError(f"`sinks` has shape {_shape(sinks)}; expected [N] = ({n},), one logit per "
-                     "query head.")
-  _check_float("sinks", sinks)

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import (BlockSizes, SequenceParallelConfig, flash_attention, layouts, masks,
                          reference, sharded_attention)
-from pallas_ring.ring import merge
+from pallas_ring.kernels.common import merge
 from conftest import kernel_dtype, rel_err, small_blocks
 
 TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}

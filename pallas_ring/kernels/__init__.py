@@ -212,10 +212,12 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
   """
   if backend == "auto":
     check_variants(call.block_sizes)
-  out = {}
+  out, picks = {}, {}  # (picks: "auto" resolved once per platform family)
   for platform in _lowering_platforms():
     fam = family(platform)
-    b = auto(fam, call) if backend == "auto" else backend
+    if fam not in picks:
+      picks[fam] = auto(fam, call) if backend == "auto" else backend
+    b = picks[fam]
     native = get(b).platform
     # (an interpreter's parameters, e.g. ``pltpu.InterpretParams``, reach the kernels as given)
     given = interpret if dataclasses.is_dataclass(interpret) else bool(interpret)

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import jax
 
-from pallas_ring.config import BlockSizes
+from pallas_ring.block_sizes import BlockSizes
 
 TILE_FIELDS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
 

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_ring import masks as masks_lib
-from pallas_ring.config import BlockSizes
+from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend, common, pallas_triton_decode
 from pallas_ring.kernels.triton_logits import dot, dot_nt, logits2
 

@@ -13,7 +13,7 @@ import math
 from typing import Any, Mapping
 
 from pallas_ring import kernels
-from pallas_ring.config import BlockSizes
+from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend as backend_lib
 from pallas_ring.kernels import tile_cache
 

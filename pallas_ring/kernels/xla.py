@@ -255,11 +255,13 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   return common.accumulated(dq_acc, (dq, dk, dv), dkv_acc)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def bias_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig):
-  """Gradient of the additive bias ``ops.bias`` (``[Bb, Nb, Tp, Sp]``), for every lowering.
+@functools.partial(jax.jit, static_argnames=("cfg", "shape"))
+def logit_term_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelConfig,
+                    shape: tuple):
+  """Gradient of an additive logit term of ``shape`` ``[Bb, Nb, Tp, Sp]`` (the bias), for every
+  lowering.
 
-  ``d bias = ds = p * (keep * dp / (1 - rate) - delta)``, summed over the axes the bias
+  ``d term = ds = p * (keep * dp / (1 - rate) - delta)``, summed over the axes the term
   broadcasts along. A dense bias is O(T * S) by nature; this computes one ``block_q_bwd`` row band
   of all heads at a time (``lax.map``), so temporaries stay O(B * N * block * S).
   """
@@ -267,7 +269,7 @@ def bias_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.KernelC
   sp, kh = k.shape[1], k.shape[2]
   g = n // kh
   bq = cfg.block_q_bwd
-  bb, nb = ops.bias.shape[:2]
+  bb, nb = shape[:2]
   acc = common.acc_dtype(q.dtype)
   lse = common.safe_lse(lse)
   k_index = jnp.arange(sp, dtype=jnp.int32)[None, None, None, :]

@@ -35,7 +35,7 @@ score terms), ``tiles`` (variants, plan lists, calls, VMEM budget), ``fwd_kernel
 
 from __future__ import annotations
 
-from pallas_ring.config import BlockSizes
+from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend
 from pallas_ring.kernels.pallas_tpu import bwd_kernels, fwd_kernel, info, tiles, views
 from pallas_ring.kernels.pallas_tpu.bwd_kernels import backward

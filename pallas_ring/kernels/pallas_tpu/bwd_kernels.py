@@ -163,7 +163,7 @@ class _BwdShapes(NamedTuple):
   q_shape: tuple  # [B, Tp, N, H]
   k_shape: tuple  # [B, Sp, K, H]
   heads: "_Heads"
-  info: "_Info"  # token info, dense mask, bias, ALiBi, dropout keys (``_info_arrays``)
+  info: "_Info"  # token info and the optional operands (``info``)
   arrays: list  # q, k, v, do as the kernels take them (``_View.array``)
   rows: tuple  # lse, delta [B, N, Tp] float32
   cfg: common.KernelConfig
