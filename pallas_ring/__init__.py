@@ -19,6 +19,7 @@ _PUBLIC = {
     "decode_attention": ("pallas_ring.decode", "decode_attention"),
     "BlockSizes": ("pallas_ring.config", "BlockSizes"),
     "SequenceParallelConfig": ("pallas_ring.config", "SequenceParallelConfig"),
+    "RingVariants": ("pallas_ring.config", "RingVariants"),
     "TokenInfo": ("pallas_ring.block_sparse", "TokenInfo"),
     "tuning_cache_path": ("pallas_ring.kernels.tile_cache", "tuning_cache_path"),
     "dropout_keep_mask": ("pallas_ring.dropout", "dropout_keep_mask"),
@@ -47,6 +48,6 @@ def __dir__():
 
 
 __all__ = ["nn", "flash_attention", "ring_attention", "sharded_attention", "decode_attention",
-           "masks", "layouts",
-           "BlockSizes", "SequenceParallelConfig", "TokenInfo", "tuning_cache_path", "dropout_keep_mask",
-           "segment_ids_from_cu_seqlens", "quantize_fp8"]
+           "masks", "layouts", "BlockSizes", "SequenceParallelConfig", "RingVariants", "TokenInfo",
+           "tuning_cache_path", "dropout_keep_mask", "segment_ids_from_cu_seqlens",
+           "quantize_fp8"]

@@ -50,6 +50,36 @@ def _preset_path(name_or_path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class RingVariants:
+  """Static variants of the ring's schedule (a jit static argument, like ``BlockSizes``).
+
+  Attributes:
+    halo: send only the slice of a remote K/V shard that the mask can see (``halo_runs``), and
+      receive only its dK/dV; False sends whole shards (the ring before halos).
+    halo_max_share: send the whole shard where the slice, padded to the kernels' tiles, is at
+      least this share of the padded shard.
+    gather_halos: where every slice the mask reaches is smaller than this share of a shard in
+      all (and no dense mask or bias spans the keys), receive them once and attend to the local
+      K/V plus those slices in one kernel call (``halo_gather``) instead of ring steps.
+  """
+
+  halo: bool = True
+  halo_max_share: float = 0.75
+  gather_halos: bool = True
+
+  def __post_init__(self):
+    for name in ("halo", "gather_halos"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"RingVariants.{name}={getattr(self, name)!r} is invalid: it must be a "
+                         "bool. Pass True or False.")
+    share = self.halo_max_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+      raise ValueError(f"RingVariants.halo_max_share={share!r} is invalid: it must be a number "
+                       "in (0, 1] (the padded slice's share of the shard from which the whole "
+                       "shard is sent). Pass e.g. 0.75.")
+
+
+@dataclasses.dataclass(frozen=True)
 class SequenceParallelConfig:
   """How attention is spread over a sequence-parallel mesh axis."""
 
@@ -67,6 +97,7 @@ class SequenceParallelConfig:
   block_sizes: Optional[BlockSizes] = None  # kernel tiles; None = backend heuristic
   backend: str = "auto"  # auto | pallas_tpu | pallas_triton | xla
   scan_unroll: int = 1  # unroll factor of the ring scan
+  ring_variants: Optional[RingVariants] = None  # the ring's schedule variants; None: defaults
 
   def __post_init__(self):
     name = "SequenceParallelConfig"
@@ -117,6 +148,12 @@ class SequenceParallelConfig:
     if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
       raise ValueError(f"{name}.block_sizes={self.block_sizes!r} must be a BlockSizes, a mapping "
                        "of its fields, or None.")
+    if isinstance(self.ring_variants, Mapping):
+      check_keys(RingVariants, self.ring_variants)
+      object.__setattr__(self, "ring_variants", RingVariants(**self.ring_variants))
+    if self.ring_variants is not None and not isinstance(self.ring_variants, RingVariants):
+      raise ValueError(f"{name}.ring_variants={self.ring_variants!r} must be a RingVariants, a "
+                       "mapping of its fields, or None (the defaults).")
     if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or \
         self.scan_unroll < 1:
       raise ValueError(f"{name}.scan_unroll={self.scan_unroll!r} is invalid: it must be an int "
@@ -196,5 +233,5 @@ def load_preset(name_or_path) -> Preset:
                 data.get("topology"))
 
 
-__all__ = ["BlockSizes", "SequenceParallelConfig", "Preset", "load_preset", "preset_names",
+__all__ = ["BlockSizes", "RingVariants", "SequenceParallelConfig", "Preset", "load_preset", "preset_names",
            "STRATEGIES"]

@@ -27,36 +27,12 @@ import numpy as np
 import jax.numpy as jnp
 
 from pallas_ring import block_sparse, layouts, plans
+from pallas_ring.config import RingVariants
 from pallas_ring import masks as masks_lib
 from pallas_ring import reach as reach_lib
 
 Runs = Tuple[Tuple[int, int], ...]  # ((start, stop), ...) local token indices, sorted, disjoint
 MAX_RUNS = 4  # runs of one slice (zigzag needs 2; closer runs merge past this)
-
-
-@dataclasses.dataclass(frozen=True)
-class RingVariants:
-  """Static variants of the ring's schedule (a jit static argument, like ``BlockSizes``).
-
-  Attributes:
-    halo: send only the slice of a remote K/V shard that the mask can see (``halo_runs``), and
-      receive only its dK/dV; False sends whole shards (the ring before halos).
-    halo_max_share: send the whole shard where the slice, padded to the kernels' tiles, is at
-      least this share of the padded shard.
-  """
-
-  halo: bool = True
-  halo_max_share: float = 0.75
-
-  def __post_init__(self):
-    if not isinstance(self.halo, bool):
-      raise ValueError(f"RingVariants.halo={self.halo!r} is invalid: it must be a bool (True "
-                       "sends only the visible slice of a shard). Pass True or False.")
-    share = self.halo_max_share
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-      raise ValueError(f"RingVariants.halo_max_share={share!r} is invalid: it must be a number "
-                       "in (0, 1] (the padded slice's share of the shard from which the whole "
-                       "shard is sent). Pass e.g. 0.75.")
 
 
 def _needed_keys(spec, bounds, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
@@ -87,8 +63,8 @@ def _to_runs(need: np.ndarray, max_runs: int) -> Runs:
 
 @functools.lru_cache(maxsize=256)
 def halo_runs(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
-              direction: int, hops: int, max_runs: int = MAX_RUNS) -> Runs:
-  """Local token indices of a shard that some device sees at some step ``1 .. hops`` of the
+              direction: int, hops: int, max_runs: int = MAX_RUNS, first: int = 1) -> Runs:
+  """Local token indices of a shard that some device sees at some step ``first .. hops`` of the
   chain whose K/V travel in ``direction`` (+1: toward higher ranks), on the layout's positions.
 
   Args:
@@ -96,6 +72,7 @@ def halo_runs(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: in
     seq_len, layout, ring_size: T, the layout and R.
     direction, hops: the chain (``ring.RingStatic.chains``).
     max_runs: the most runs returned (closer runs are merged: a superset).
+    first: the chain's first step counted (``hops``: that one step's slice).
 
   Returns:
     ``((start, stop), ...)`` sorted disjoint runs; ``()`` when no key is visible.
@@ -106,7 +83,7 @@ def halo_runs(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: in
   need = np.zeros(order.shape[1], bool)
   for dst in range(r):
     qpos = np.sort(order[dst])
-    for step in range(1, hops + 1):
+    for step in range(first, hops + 1):
       need |= _needed_keys(spec, bounds, qpos, order[(dst - direction * step) % r])
   return _to_runs(need, max_runs)
 

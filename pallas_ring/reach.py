@@ -89,7 +89,6 @@ def _pair_needed(spec, bounds, qpos: np.ndarray, kpos: np.ndarray) -> bool:
   return bool(np.any(any_visible(spec, qb, kb)))
 
 
-@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=256)  # (static arguments; auto, run and the ring each ask)
 def ring_reach(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int
                ) -> Tuple[int, int]:

@@ -57,6 +57,7 @@ from jax import lax
 from pallas_ring import attention, block_sparse, call, fp8, kernels, layouts, operands, packing
 from pallas_ring import pair, plans, validation
 from pallas_ring import halo as halo_lib
+from pallas_ring import halo_gather
 from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
 from pallas_ring.sends import pack_buffers, rotate, unpack_buffers  # noqa: F401 (internal API)
@@ -512,12 +513,18 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   if derived:
     positions = layout_pos
     local = not operands.spanning(arrays.terms, operands.KEYS) and strategy == "ring"
-    if local and reach_lib.ring_reach(checked.settings.mask, t * r, layout, r) == (0, 0):
+    mask = checked.settings.mask
+    if local and reach_lib.ring_reach(mask, t * r, layout, r) == (0, 0):
       # The mask reaches no other shard (e.g. chunks inside shards): flash attention on this
       # shard, without the ring's float32 accumulators (BENCHMARKS.md, "Reach-limited ring").
       arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                q_positions=layout_pos, kv_positions=layout_pos)
       return attention.run(q, k, v, checked._replace(arrays=arrays))
+    pieces = local and halo_gather.pieces(mask, t * r, layout, r, variants or
+                                          halo_lib.RingVariants())
+    if pieces:  # it reaches small slices of other shards: receive them, attend once
+      return halo_gather.run(q, k, v, checked, segment_ids, kv_segment_ids, layout_pos, pieces,
+                             axis_name=axis_name, layout=layout)
   on = functools.partial(_ring_on, settings=checked.settings, axis_name=axis_name, ring_size=r,
                          layout=layout, derived_positions=derived, strategy=strategy,
                          scan_unroll=scan_unroll,

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_ring import auto, balance, call, fp8, layouts, operands, packing, ring, ulysses
 from pallas_ring import validation
-from pallas_ring.config import SequenceParallelConfig
+from pallas_ring.config import RingVariants, SequenceParallelConfig
 
 
 def _mesh_axes(mesh) -> tuple:
@@ -247,7 +247,8 @@ def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=N
                      kv_heads=max(1, k.shape[2] // hs), head_dim=q.shape[3],
                      ring_size=mesh.shape[config.axis_name], layout=config.layout,
                      itemsize=jnp.dtype(k.dtype).itemsize,
-                     derived_positions=positions is None and checked.arrays.q_positions is None)
+                     derived_positions=positions is None and checked.arrays.q_positions is None,
+                     variants=config.ring_variants or RingVariants())
 
 
 def _check_eager_autodiff(mesh, q) -> None:
@@ -304,9 +305,10 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
     if a2a is not None:
       return ulysses.run(q_, k_, v_, checked, axis_name=a2a, layout=config.layout,
                          cu_seqlens=cu_, ring_axis=None if uly else sp,
-                         scan_unroll=config.scan_unroll)
+                         scan_unroll=config.scan_unroll, variants=config.ring_variants)
     return ring.run(q_, k_, v_, checked, axis_name=sp, layout=config.layout,
-                    strategy=config.strategy, scan_unroll=config.scan_unroll, cu_seqlens=cu_)
+                    strategy=config.strategy, scan_unroll=config.scan_unroll, cu_seqlens=cu_,
+                    variants=config.ring_variants)
 
   in_specs = (tok, tok, tok, None if arrays.segment_ids is None else seq, pos_spec, term_specs,
               None if arrays.seeds is None else P(), None if cu_seqlens is None else P())

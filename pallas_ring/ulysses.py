@@ -54,7 +54,7 @@ def _gather_tokens(x, axis_name, axis=1):
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None,
-        ring_axis=None, scan_unroll: int = 1):
+        ring_axis=None, scan_unroll: int = 1, variants=None):
   """Ulysses attention of a checked call over this device's shards (``call.check``; its
   optional operands hold this device's heads after the exchange: see ``sharded``).
 
@@ -67,7 +67,8 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
     ring_axis: None: the U devices hold the whole sequence (``L = T / U``) and each attends all
       of it for ``N / U`` heads. A mesh axis: the 2-D scheme, the U devices hold one ring
       rank's chunk, split contiguously, and after the all-to-all the ring runs over this axis
-      (``scan_unroll`` steps per scan iteration) on that chunk.
+      (``scan_unroll`` steps per scan iteration, ``variants``: its ``RingVariants``) on that
+      chunk.
 
   Returns:
     ``[B, L, N, H]`` (and lse ``[B, N, L]`` when the call asks).
@@ -88,7 +89,8 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
                           q_positions=positions, kv_positions=positions, offsets=offsets)
   if ring_axis is not None:  # (the ring derives positions and packed segments of its chunk)
     out = ring.run(q, k, v, checked._replace(arrays=local), axis_name=ring_axis, layout=layout,
-                   strategy="ring", scan_unroll=scan_unroll, cu_seqlens=cu_seqlens)
+                   strategy="ring", scan_unroll=scan_unroll, cu_seqlens=cu_seqlens,
+                   variants=variants)
   else:
     t = q.shape[1]
     order = layouts.global_order(t, layout, u)  # [T] positions in layout order

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from pallas_ring import SequenceParallelConfig, layouts, masks, reference, ring_attention
-from pallas_ring import sharded_attention
+from pallas_ring import halo_gather, sharded_attention
 from pallas_ring.halo import RingVariants, halo_runs
 from pallas_ring.reach import ring_reach
 from conftest import rel_err
@@ -70,11 +70,20 @@ CASES = {  # name: (mask, layout, documents, bias)
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_halo_ring_matches_the_reference(name):
-  """Output and gradients (q, k, v; the bias where given) against the dense reference; GQA."""
+RING = RingVariants(gather_halos=False)  # halos through ring steps (not gathered at once)
+
+
+@pytest.mark.parametrize("name,variants", [(name, RING) for name in CASES] + [
+    ("narrow_contiguous", None), ("narrow_zigzag_docs", None), ("right_zigzag", None)])
+def test_halo_ring_matches_the_reference(name, variants):
+  """Output and gradients (q, k, v; the bias where given) against the dense reference; GQA.
+  ``variants=None``: the defaults, which gather the narrow halos and attend once
+  (``halo_gather``)."""
   mask, layout, docs, with_bias = CASES[name]
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla", block_sizes=BLOCKS)
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla", block_sizes=BLOCKS,
+                               ring_variants=variants)
+  if variants is None:
+    assert halo_gather.pieces(masks.as_spec(mask), 8 * C, layout, 8, RingVariants())
   q, k, v = _problem(3)
   t = q.shape[1]
   rng = np.random.default_rng(4)
@@ -122,13 +131,16 @@ def test_window_of_an_eighth_sends_an_eighth_of_a_shard(layout):
   """SlidingWindow(C/8), C = 64: each neighbour gets 1/8 of a shard's K/V (forward) and sends
   back 1/8 of its dK/dV; whole shards with ``RingVariants(halo=False)``."""
   mask = masks.SlidingWindow(8)
-  halo = _ring_bytes(layout, mask, None)
+  halo = _ring_bytes(layout, mask, RING)
   whole = _ring_bytes(layout, mask, RingVariants(halo=False))
+  gathered = _ring_bytes(layout, mask, None)  # the defaults: halos received once (halo_gather)
   shard = 64 * 2 * 32 * 4  # one K (or V) shard, float32
   neighbours = 1 if layout == "contiguous" else 2
   assert whole[0] == neighbours * 2 * shard
-  assert halo[0] == neighbours * 2 * shard // 8, (halo, whole)
+  assert halo[0] == gathered[0] == neighbours * 2 * shard // 8, (halo, whole)
   assert halo[1] * 8 == whole[1], (halo, whole)
+  # the backward sends only the halos' dK/dV back (the ring's steps also send K/V again)
+  assert gathered[1] == 2 * gathered[0] < halo[1], (gathered, halo)
 
 
 def test_ring_variants_errors():
@@ -136,6 +148,23 @@ def test_ring_variants_errors():
     RingVariants(halo_max_share=1.5)
   with pytest.raises(ValueError, match="RingVariants.halo"):
     RingVariants(halo=1)
+  with pytest.raises(ValueError, match="RingVariants.gather_halos"):
+    RingVariants(gather_halos="yes")
+  with pytest.raises(ValueError, match="ring_variants"):
+    SequenceParallelConfig(axis_name="sp", ring_variants=3)
+
+
+def test_gathered_halos_pieces():
+  """What ``halo_gather`` receives: each hop's slice, lower ranks first; None where the mask is
+  unbounded, a slice is most of a shard, or gathering is off."""
+  pieces = lambda mask, layout="contiguous", v=RingVariants(): halo_gather.pieces(
+      masks.as_spec(mask), 8 * C, layout, 8, v)
+  assert pieces(masks.SlidingWindow(2)) == ((1, ((14, 16),)),)
+  assert pieces(masks.SlidingWindow(2, 3)) == ((1, ((14, 16),)), (-1, ((0, 3),)))
+  assert pieces(masks.SlidingWindow(2), "zigzag") == ((1, ((6, 8),)), (-1, ((14, 16),)))
+  assert pieces(masks.Causal()) is None
+  assert pieces(masks.SlidingWindow(C + 3)) is None  # a whole shard and more
+  assert pieces(masks.SlidingWindow(2), v=RING) is None
 
 
 def test_halo_equals_whole_shards_with_dense_mask_dropout_and_alibi():

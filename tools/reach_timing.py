@@ -4,9 +4,10 @@ Forward+backward, median wall clock, bf16 (float32 on CPU), MHA ``--heads``/``--
 ``--head-dim``, ``--tokens`` per device:
 
 * ``SlidingWindow(--window)``, ``ChunkedCausal(--chunk)`` and ``Causal()`` in the contiguous and
-  zigzag layouts through ``ring_attention`` under ``shard_map``, twice: with halos (the default:
-  a step sends only the slice of a shard the mask sees) and with ``RingVariants(halo=False)``
-  (whole shards, the ring before halos), against one device's own tokens' local work
+  zigzag layouts through ``ring_attention`` under ``shard_map``: the defaults (narrow halos
+  gathered once and attended in one call, ``halo_gather``), halos sent by ring steps
+  (``RingVariants(gather_halos=False)``) and whole shards (``RingVariants(halo=False)``, the
+  ring before halos), against one device's own tokens' local work
   (``flash_attention`` on ``--tokens`` tokens; issue 59's target: ring / local <= 1.3);
 * a long-tail pack of 12 documents (causal) in zigzag order against ``layouts.balance``
   (target: zigzag / balanced >= 1.15 on 2 GPUs, >= 1.3 on 4).
@@ -33,6 +34,7 @@ from pallas_ring.halo import RingVariants
 
 LONG_TAIL = [700, 420, 260, 180, 130, 100, 80, 60, 40, 32, 28, 18]  # shares of the pack
 WHOLE = RingVariants(halo=False)  # the ring before halos: whole shards every hop
+STEPPED = RingVariants(gather_halos=False)  # halos sent by ring steps, not gathered at once
 
 
 def _median_ms(fn, *args, reps=10):
@@ -91,8 +93,9 @@ def main():
   time_ms = lambda f, *a: _median_ms(f, *a, reps=args.reps)
   print(f"{jax.devices()[0].device_kind} x{r}, {args.tokens} tokens per device, N=K={n}, "
         f"H={h}, {jnp.dtype(args.dtype).name}, fwd+bwd median ms of {args.reps}")
-  print(f"{'mask':34s} {'layout':10s} {'halo':>8s} {'whole':>8s} {'local':>7s} "
-        f"{'halo/local':>10s} {'whole/local':>11s} {'whole/halo':>10s}  reach  auto")
+  print(f"{'mask':34s} {'layout':10s} {'default':>8s} {'stepped':>8s} {'whole':>8s} "
+        f"{'local':>7s} {'dflt/local':>10s} {'step/local':>10s} {'whole/local':>11s}  reach  "
+        "auto")
   local_masks = (masks.SlidingWindow(args.window), masks.ChunkedCausal(args.chunk))
   targets = []
   for mask in local_masks + (() if args.no_causal else (masks.Causal(),)):
@@ -100,11 +103,13 @@ def main():
              if mask in local_masks else float("nan"))
     for layout in ("contiguous", "zigzag"):
       halo = time_ms(_ring(mesh, mask, layout, None), q, k, v)
+      stepped = (time_ms(_ring(mesh, mask, layout, STEPPED), q, k, v) if mask in local_masks
+                 else halo)
       whole = time_ms(_ring(mesh, mask, layout, WHOLE), q, k, v)
       auto = choose(mask, seq_len=t, heads=n, kv_heads=n, head_dim=h, ring_size=r,
                     layout=layout, itemsize=jnp.dtype(args.dtype).itemsize)
-      print(f"{mask!s:34s} {layout:10s} {halo:8.2f} {whole:8.2f} {local:7.2f} "
-            f"{halo / local:10.2f} {whole / local:11.2f} {whole / halo:10.2f}  "
+      print(f"{mask!s:34s} {layout:10s} {halo:8.2f} {stepped:8.2f} {whole:8.2f} {local:7.2f} "
+            f"{halo / local:10.2f} {stepped / local:10.2f} {whole / local:11.2f}  "
             f"{auto.reach}  {auto.strategy}")
       if mask in local_masks:
         targets.append((f"{mask!s} {layout}: ring / local = {halo / local:.2f}", "<= 1.3",

@@ -90,14 +90,14 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
 
   Args:
     backend: a resolved backend name.
-    block_sizes: the user's overrides (None fields are resolved).
+    block_sizes: the user's overrides (None fields are resolved), checked once by the entry
+      point (``call.check``: ``kernels.check_explicit`` of the backend).
     q_len, kv_len, head_dim: the call's (unpadded) shape.
     dtype, group, mask_class: the rest of the shape class the cache is keyed by (``dtype=None``
       skips the cache and table).
   """
   impl = kernels.get(backend)
   bs = kernels.for_backend(backend, as_block_sizes(block_sizes))  # (another's variants: dropped)
-  impl.check_block_sizes(bs)
   kind = device_kind(backend) if dtype is not None else ""
   shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
                length=max(q_len, kv_len))
