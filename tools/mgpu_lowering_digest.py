@@ -32,7 +32,9 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # (the ring's mesh)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# This checkout's pallas_ring (before an installed or editable one), and tests/conftest.py.
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -358,6 +360,8 @@ def main():
   args = parser.parse_args()
   if args.compare:
     sys.exit(1 if compare(*args.compare) else 0)
+  import pallas_ring
+  print(f"pallas_ring from {os.path.dirname(pallas_ring.__file__)}", flush=True)
   results = {}
   for config in configs():
     if args.only and args.only not in config.name:
