@@ -15,7 +15,8 @@ import pytest
 
 from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
-from pallas_ring.kernels.pallas_mosaic_gpu import Variants, fwd_kernel, pipeline, tiles
+from pallas_ring.kernels.pallas_mosaic_gpu import (
+    Variants, fwd_kernel, fwd_scheduler, pipeline, tiles)
 from conftest import ON_GPU, check_ring_step, kernel_call_sites, rel_err, ring_step
 from conformance import Conformance
 
@@ -104,7 +105,7 @@ def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
   return kw
 
 
-STAGED = "copy_bias.<locals>.copy"  # (a source name in a forward kernel staging its bias)
+STAGED = "copy_tile_term.<locals>.copy"  # (a source name in a forward kernel staging its term)
 
 
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
@@ -247,13 +248,14 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
 
 
 def test_work_items_cover_every_q_block_once_in_either_order():
-  """``_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
+  """``work_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
   K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
-  g = fwd_kernel._Geometry(bq=64, bk=128, slots=2, group=1, head_dim=128, dtype=jnp.bfloat16,
-                           info_rows=1, q_blocks=5, heads=3, batch=2, ctas=30)
+  g = fwd_scheduler.FwdGeometry(bq=64, bk=128, slots=2, group=1, head_dim=128,
+                                dtype=jnp.bfloat16, info_rows=1, q_blocks=5, heads=3, batch=2,
+                                ctas=30)
   every = {(b, h, q) for b in range(2) for h in range(3) for q in range(5)}
   for order in ("heads", "blocks"):
-    items = [tuple(int(x) for x in fwd_kernel._item(
+    items = [tuple(int(x) for x in fwd_scheduler.work_item(
         dataclasses.replace(g, order=order), jnp.int32(i))) for i in range(30)]
     assert set(items) == every and len(items) == 30, order
     first = items[:5] if order == "blocks" else items[:3]

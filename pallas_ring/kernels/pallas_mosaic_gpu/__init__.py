@@ -21,17 +21,24 @@ when given a ``common.RowTerm``. For backward tiles other than 128 x 128 it is
 ``pallas_triton``'s on the same plan (``backward_unsupported`` says why; the contract allows
 different lowerings per pass).
 
-Every score term (soft-cap, ALiBi, bias, dense masks, dropout) is applied in every kernel
-(``terms``). Not served here (``unsupported`` says why; ``backend="auto"`` then uses
+Every score term is applied in every kernel (``terms``, the only module that names the
+features behind them). Not served here (``unsupported`` says why; ``backend="auto"`` then uses
 ``pallas_triton``): float32 inputs, GPUs before sm_90.
 
 One module per concern, as FlashAttention-3's ``hopper/``:
 
 * ``tiles``: sizes, the shared-memory budget, what is served, the kernel ``Variants`` and rules;
 * ``pipeline``: shared-memory tiles and slots, token info, named barriers, the consumers' schedule;
-* ``terms``: the score terms beyond ``q.k`` (soft-cap, ALiBi, bias, dense masks, dropout);
-* ``fwd_kernel``: work items, the main loop (serial and overlapped walks), producer, epilogue;
-* ``bwd_kernels``: the dK/dV and dQ kernels;
+* ``terms``: the score terms beyond ``q.k`` and the kernels' vocabulary for them;
+* ``fwd_scheduler``: the forward's geometry and work items (its tile scheduler);
+* ``fwd_mainloop``: the forward consumers' walk (serial and overlapped) and q loads;
+* ``fwd_epilogue``: normalise and write, or merge into the ring's running result;
+* ``fwd_kernel``: the forward kernel (warpgroup roles, producer) and its launch (``forward``);
+* ``bwd_common``: the backward kernels' geometry, walk, tile arithmetic and epilogue;
+* ``dq_kernel``: the dQ kernel (owned rows, delta, main loop, producer);
+* ``dkv_kernel``: the dK/dV kernel's CTA context and producer; ``dkv_mainloop``: its consumers
+  (also the wide ones); ``dkv_fused``: its fused-dQ steps and launch;
+* ``bwd_kernels``: the backward's host side (``backward``): geometry, launches;
 * this module: the backend object (``BACKEND``) registered in ``pallas_ring.kernels``.
 """
 

@@ -63,7 +63,7 @@ def broadcast_info(ref, layout, shape, dim, info_rows):
 
 def head_view(ref, batch, head):
   """The (batch, head) slice of a ``[Bx, Nx, ...]`` input whose leading axes may be broadcast
-  (size 1: index 0): plan lists, dropout row keys, the tile bias."""
+  (size 1: index 0): plan lists, dropout row keys, the tile term."""
   return ref.at[common.sel(ref.shape[0], batch), common.sel(ref.shape[1], head)]
 
 
@@ -96,9 +96,9 @@ def keep_alive(x):
 
 # The forward's consumers schedule their matmuls on two hardware ("named") barriers, id
 # ``NamedBarrier.SCHEDULE + w`` for consumer warpgroup w. H100, T=16k, bf16, against meetings
-# at a shared-memory barrier (as the backward's): dense 0.900x vs 0.877x cuDNN, causal 0.978x
+# at a shared-memory barrier (as the backward's): unmasked 0.900x vs 0.877x cuDNN, causal 0.978x
 # vs 0.953x, documents 0.210 vs 0.220 ms. The backward's meetings got slower on hardware
-# barriers (dense forward+backward 0.897x vs 0.931x), so they stay on shared-memory ones
+# barriers (unmasked forward+backward 0.897x vs 0.931x), so they stay on shared-memory ones
 # (``meet``).
 
 

@@ -1,10 +1,20 @@
-"""Score terms of the Mosaic GPU kernels beyond ``q.k``: the soft-cap, ALiBi, an additive bias,
-dense masks and dropout.
+"""Score terms of the Mosaic GPU kernels beyond ``q.k``, and the vocabulary the kernels use for
+them. The kernels name terms by how they enter a tile, never by the feature they implement:
+
+* the soft-cap: part of ``logits``;
+* a *position term* (``Terms.alibi``; ALiBi): ``-slope * log2(e) * |q_pos - k_pos|`` from the
+  token positions of both sides, one slope per (batch, head) (``position_slope``);
+* a *separable* position term (``Terms.separable``; ALiBi under a mask that only sees
+  ``k <= q``): a key term added to the logits and a query term folded into the rows' lse;
+* a *tile term* (``Terms.tile_term``; an additive bias and a dense mask, ``tile_bias``): an
+  additive ``[rows, keys]`` window read per tile (``term_window``), staged through shared memory
+  where it fits (``TermStage``);
+* dropout: keep decisions from row and column keys (``keep``, ``kept``, ``kept_delta``).
 
 Every kernel computes base-2 logits ``s * c`` (``logits``). ALiBi subtracts
 ``slope * log2(e) * |q_pos - k_pos|`` from them, with the positions of the token info (exact
 int32 distances, so far positions lose no precision). Under a mask that only sees ``k <= q``
-(``Terms.alibi_split``) the term splits, as in the Triton kernels, into a key term
+(``Terms.separable``) the term splits, as in the Triton kernels, into a key term
 ``slope * (k - a)`` added to the logits (one add per element) and a query term
 ``slope * (q - a)`` constant along a row, which only shifts the row's lse; the anchor ``a`` is a
 position of the tile's own rows, so the terms of the keys that matter (near the diagonal) stay
@@ -23,7 +33,7 @@ window of it on every tile with a bias and on the plan's partial tiles with a de
 info's batch axes fit the dense mask's (``Terms.dense_vis``), the term also hides what the mask
 spec, the segment ids and the padding hide (``dense_visibility``, computed in the XLA fusion that
 builds the term), so a partial tile adds the term and computes no visibility of its own. A
-16-bit term is staged (``Terms.staged``, ``BiasStage``): the producer copies each reader's next
+16-bit term is staged (``Terms.staged``, ``TermStage``): the producer copies each reader's next
 window by TMA into that reader's shared-memory tile as soon as the reader has loaded the
 previous one, so the load's latency hides behind a step of matmuls; a float32 term, or one
 without room, is read from global memory into registers after the tile's ``q.k^T``. Its
@@ -42,23 +52,28 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import masks as masks_lib
-from pallas_ring.kernels import common
+from pallas_ring.kernels import backend, common
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     head_view, load_ref, swizzled_smem, token_info)
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants, staged_bias_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Terms:
   """Which optional score terms a kernel call applies (static)."""
 
-  alibi: bool = False  # ALiBi slopes ``[Ba, N, 1]`` are given
-  alibi_split: bool = False  # ALiBi under a causal-type mask: key and query terms (above)
+  alibi: bool = False  # ALiBi slopes ``[Ba, N, 1]`` are given: a position term
+  separable: bool = False  # ALiBi under a causal-type mask: key and query terms (above)
   dropout: bool = False  # dropout keys are given (``cfg.dropout_rate > 0``)
   bias: bool = False  # an additive bias is given: ``tile_bias`` on every tile
   dense: bool = False  # a dense mask is given: ``tile_bias`` (on the partial tiles without bias)
-  staged: bool = False  # ``tile_bias`` reaches its readers through shared memory (``BiasStage``)
+  staged: bool = False  # ``tile_bias`` reaches its readers through shared memory (``TermStage``)
   dense_vis: bool = False  # ``tile_bias`` carries the tile's whole visibility (above)
+
+  @property
+  def tile_term(self) -> bool:
+    """Whether an additive tile term is given (``tile_bias``: a bias, a dense mask or both)."""
+    return self.bias or self.dense
 
   @property
   def every_tile_info(self) -> bool:
@@ -75,7 +90,7 @@ class Terms:
       return True
     return False if self.dense_vis else masked
 
-  def tile_bias_on(self, masked: bool) -> bool:
+  def tile_term_on(self, masked: bool) -> bool:
     """Whether a tile (``masked``: a partial one) adds the ``tile_bias`` term."""
     return self.bias or (self.dense and masked)
 
@@ -87,11 +102,11 @@ class Terms:
     return ((ops.alibi.astype(jnp.float32),) if self.alibi else ()) + (
         (ops.dropout.rows,) if self.dropout else ()) + (
         (tile_bias(ops, transposed, cfg if self.dense_vis else None),)
-        if self.bias or self.dense else ())
+        if self.tile_term else ())
 
   def refs(self, refs) -> tuple[TermRefs, tuple]:
     """``(TermRefs, rest)`` from refs that start with ``inputs``."""
-    used = (self.alibi, self.dropout, self.bias or self.dense)
+    used = (self.alibi, self.dropout, self.tile_term)
     it = iter(refs[:sum(used)])
     return TermRefs(*(next(it) if u else None for u in used)), refs[sum(used):]
 
@@ -99,9 +114,9 @@ class Terms:
 class TermRefs(NamedTuple):
   """The kernel refs of ``Terms.inputs`` (None where absent)."""
 
-  slopes: Optional[jax.Array] = None
-  row_keys: Optional[jax.Array] = None
-  tile_bias: Optional[jax.Array] = None
+  slopes: Optional[jax.Array] = None  # the position term's slopes
+  row_keys: Optional[jax.Array] = None  # dropout's row keys
+  tile_term: Optional[jax.Array] = None  # ``tile_bias``
 
 
 def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
@@ -113,18 +128,25 @@ def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
            ops.kv_info.segment_ids)
   fits = dense and (cfg.variants or Variants()).dense_visibility and all(
       x is None or x.shape[0] in (1, ops.dense.shape[0]) for x in infos)
-  return Terms(alibi=alibi, alibi_split=alibi and masks_lib.is_causal(cfg.mask),
+  return Terms(alibi=alibi, separable=alibi and masks_lib.is_causal(cfg.mask),
                dropout=ops.dropout is not None, bias=ops.bias is not None, dense=dense,
                dense_vis=fits)
+
+
+def ops_call(q, ops: common.Operands) -> backend.Call:
+  """The ``Call`` of kernel operands (to refuse what ``tiles.unsupported`` names)."""
+  return backend.Call(q.dtype, q.shape[-1], dense=ops.dense is not None,
+                      bias=ops.bias is not None, alibi=ops.alibi is not None,
+                      dropout=ops.dropout is not None)
 
 
 def tile_bias(ops: common.Operands, transposed: bool = False,
               cfg: Optional[common.KernelConfig] = None) -> jax.Array:
   """The additive tile term ``[Bt, Nt, Tp, Sp]`` (``transposed``: ``[Bt, Nt, Sp, Tp]``): the bias
-  (natural-log units, in ``tile_bias_dtype``), ``-inf`` where the dense mask hides a key (zeros
+  (natural-log units, in ``tile_term_dtype``), ``-inf`` where the dense mask hides a key (zeros
   and ``-inf`` for a dense mask alone) and, given ``cfg`` (``Terms.dense_vis``), where
   ``dense_visibility`` does."""
-  dt = tile_bias_dtype(ops)
+  dt = tile_term_dtype(ops)
   x = None if ops.bias is None else ops.bias.astype(dt)
   if ops.dense is not None:
     vis = ops.dense if cfg is None else dense_visibility(ops, cfg)
@@ -144,7 +166,7 @@ def dense_visibility(ops: common.Operands, cfg: common.KernelConfig) -> jax.Arra
   return jnp.broadcast_to(vis, ops.dense.shape)
 
 
-def tile_bias_dtype(ops: common.Operands):
+def tile_term_dtype(ops: common.Operands):
   """The dtype of ``tile_bias``: the bias's (at most float32), else bfloat16."""
   if ops.bias is None:
     return jnp.dtype(jnp.bfloat16)
@@ -152,7 +174,15 @@ def tile_bias_dtype(ops: common.Operands):
   return jnp.dtype(jnp.float32) if dt.itemsize > 4 else dt
 
 
-class BiasStage(NamedTuple):
+def staged_bytes(terms: Terms, dtype, variants: Variants, readers: int, rows: int,
+                 cols: int) -> int:
+  """Bytes of a staged tile term's windows (``TermStage``) of ``readers`` readers of
+  ``[rows, cols]`` in ``dtype`` (``tile_term_dtype``): 0 without a tile term or where it is not
+  staged (``tiles.staged_bias_bytes``); callers stage only where it fits."""
+  return staged_bias_bytes(dtype, variants, readers, rows, cols) if terms.tile_term else 0
+
+
+class TermStage(NamedTuple):
   """A staged tile term's shared-memory windows, one per reader (a consumer warpgroup that adds
   the term), and their barriers. A reader arrives at ``free`` once before its walk
   (``open_stage``) and once per window it has loaded; the producer waits there before each
@@ -164,13 +194,13 @@ class BiasStage(NamedTuple):
 
 
 def stage_scratch(dtype, readers: int, shape) -> tuple:
-  """``BiasStage``'s scratch: the windows of ``readers`` readers of ``shape``, and the barriers
+  """``TermStage``'s scratch: the windows of ``readers`` readers of ``shape``, and the barriers
   (for ``pl.run_scoped``)."""
   return (swizzled_smem(dtype, readers, *shape), plgpu.Barrier(num_barriers=readers),
           plgpu.Barrier(num_barriers=readers))
 
 
-def open_stage(terms: Terms, stage: Optional[BiasStage], reader) -> None:
+def open_stage(terms: Terms, stage: Optional[TermStage], reader) -> None:
   """A reader's first arrival at its ``free`` barrier (before its walk): its tile is free."""
   if terms.staged:
     plgpu.barrier_arrive(stage.free.at[reader])
@@ -180,15 +210,15 @@ def _window(ref, batch, head, rows, cols, shape):
   return head_view(ref, batch, head).at[pl.ds(rows, shape[0]), pl.ds(cols, shape[1])]
 
 
-def copy_bias(terms: Terms, ref, stage: Optional[BiasStage], readers: int, masked, batch, head,
-              rows, cols, shape) -> None:
-  """Producer: where the tile adds the term (``Terms.tile_bias_on``; ``masked`` may be traced),
+def copy_tile_term(terms: Terms, ref, stage: Optional[TermStage], readers: int, masked, batch,
+                   head, rows, cols, shape) -> None:
+  """Producer: where the tile adds the term (``Terms.tile_term_on``; ``masked`` may be traced),
   copies each reader's ``shape`` window of ``tile_bias`` (reader ``w``'s rows from
   ``rows + w * shape[0]``, columns from ``cols``) into its shared-memory tile, once the reader
   has loaded its previous one. Nothing unless staged."""
   if not terms.staged:
     return
-  on = terms.tile_bias_on(masked)
+  on = terms.tile_term_on(masked)
 
   def copy():
     @pl.loop(0, readers)
@@ -203,13 +233,13 @@ def copy_bias(terms: Terms, ref, stage: Optional[BiasStage], readers: int, maske
     pl.when(on)(copy)
 
 
-def bias_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
-                stage: Optional[BiasStage] = None, reader=None):
+def term_window(terms: Terms, ref, masked, batch, head, rows, cols, shape,
+                stage: Optional[TermStage] = None, reader=None):
   """A consumer's ``shape`` window of ``tile_bias`` (rows from ``rows``, columns from ``cols``)
   in float32 (natural-log units) and the wgmma layout: from ``reader``'s tile of ``stage`` when
   staged (then released to the producer), else from global memory; None where the tile adds no
-  such term (``Terms.tile_bias_on``)."""
-  if not terms.tile_bias_on(masked):
+  such term (``Terms.tile_term_on``)."""
+  if not terms.tile_term_on(masked):
     return None
   if terms.staged:
     plgpu.barrier_wait(stage.full.at[reader])
@@ -237,15 +267,16 @@ def key_info(ops: common.Operands) -> jax.Array:
                           jnp.broadcast_to(cols, (b, 1, info.shape[-1]))], axis=1)
 
 
-def slope2(slopes_ref, batch, head):
-  """The ALiBi slope of (batch, head) in base-2 units (a scalar read), or None without ALiBi."""
+def position_slope(slopes_ref, batch, head):
+  """The position term's slope of (batch, head) in base-2 units (a scalar read of the ALiBi
+  slopes), or None without a position term."""
   if slopes_ref is None:
     return None
   return slopes_ref[common.sel(slopes_ref.shape[0], batch), head, 0] * common.LOG2E
 
 
 def logit_slope(slope, cfg: common.KernelConfig):
-  """A base-2 ALiBi ``slope`` in the units of ``logits``'s ``s`` (``with_terms``), or None."""
+  """A base-2 position ``slope`` in the units of ``logits``'s ``s`` (``with_terms``), or None."""
   return None if slope is None else slope * (1.0 / logit_scale(cfg))
 
 
@@ -264,29 +295,29 @@ def logits(qk, cfg: common.KernelConfig):
   return capped, logit_scale(cfg)
 
 
-def with_terms(s, c, alibi=None, bias=None):
-  """``s`` of ``logits`` with ALiBi's and the tile bias's terms added in its own units (base-2
-  terms divided by ``c``), so that the softmax's ``exp2(s * c - m)`` stays one fused
+def with_terms(s, c, position=None, tile=None):
+  """``s`` of ``logits`` with the position term and the tile term added in its own units
+  (base-2 terms divided by ``c``), so that the softmax's ``exp2(s * c - m)`` stays one fused
   multiply-add per element and a term costs one more (None: absent).
 
   Args:
-    alibi: ``(slope, q_pos, k_pos)``, the slope in ``s``'s units (``slope2 / logit_scale``) and
-      the tile's int32 positions broadcast to its shape: ``-slope * |q_pos - k_pos|``; or, split
-      (above), the keys' term in ``s``'s units (``position_term`` of that slope) broadcast to
-      the tile.
-    bias: the tile's ``bias_window`` (natural-log units).
+    position: ALiBi's ``(slope, q_pos, k_pos)``, the slope in ``s``'s units
+      (``position_slope / logit_scale``) and the tile's int32 positions broadcast to its shape:
+      ``-slope * |q_pos - k_pos|``; or, separable (above), the keys' term in ``s``'s units
+      (``position_term`` of that slope) broadcast to the tile.
+    tile: the tile's ``term_window`` (natural-log units).
   """
-  if isinstance(alibi, tuple):
-    slope, q_pos, k_pos = alibi
+  if isinstance(position, tuple):
+    slope, q_pos, k_pos = position
     s = s - slope * jnp.abs((q_pos - k_pos).astype(jnp.float32))
-  elif alibi is not None:
-    s = s + alibi
-  return s if bias is None else s + bias * (common.LOG2E / c)
+  elif position is not None:
+    s = s + position
+  return s if tile is None else s + tile * (common.LOG2E / c)
 
 
 def position_term(slope, positions, anchor):
-  """``slope * (positions - anchor)`` in float32: a split ALiBi's key or query term of a vector
-  of int32 positions."""
+  """``slope * (positions - anchor)`` in float32: a separable position term's key or query term
+  (ALiBi's) of a vector of int32 positions."""
   return slope * (positions - anchor).astype(jnp.float32)
 
 

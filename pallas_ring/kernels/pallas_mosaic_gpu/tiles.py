@@ -48,7 +48,7 @@ class Variants:
   dkv_head_splits: Optional[int] = None
   dkv_min_waves: int = 4  # the rule splits below this many waves of dK/dV CTAs (one per SM)
   dkv_max_splits: int = 4  # ... into at most this many CTAs per kv block
-  # False: one fused backward kernel at head dims <= 128 (``bwd_kernels``): the dK/dV kernel
+  # False: one fused backward kernel at head dims <= 128 (``dkv_fused``): the dK/dV kernel
   # also adds each tile's ds^T K to a float32 dQ by atomic (TMA reduce) adds, in no fixed order,
   # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible.
   deterministic: bool = True
@@ -56,7 +56,7 @@ class Variants:
   # (above, their registers do not fit beside its float32 result: after them).
   dq_with_dkv_up_to: int = 64
   # A 16-bit bias or dense-mask term reaches each consumer through a shared-memory tile that the
-  # producer fills by TMA a step ahead (``terms.BiasStage``), where it fits beside the slots.
+  # producer fills by TMA a step ahead (``terms.TermStage``), where it fits beside the slots.
   # False: each consumer loads it from global memory after its tile's q.k^T (as a float32 term
   # always is).
   stage_bias: bool = True
@@ -89,13 +89,6 @@ def unsupported(call: backend.Call) -> Optional[str]:
   return None
 
 
-def ops_call(q, ops: common.Operands) -> backend.Call:
-  """The ``Call`` of kernel operands (to refuse what ``unsupported`` names)."""
-  return backend.Call(q.dtype, q.shape[-1], dense=ops.dense is not None,
-                      bias=ops.bias is not None, alibi=ops.alibi is not None,
-                      dropout=ops.dropout is not None)
-
-
 def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
   """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile and
   ``staged`` bytes of staged bias windows (at least 2)."""
@@ -114,7 +107,7 @@ def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int
 
 def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
                       cols: int) -> int:
-  """Bytes of the staged bias windows (``terms.BiasStage``) of ``readers`` readers of
+  """Bytes of the staged bias windows (``terms.TermStage``) of ``readers`` readers of
   ``[rows, cols]``, or 0 where the term is not staged (32-bit, or ``Variants.stage_bias``
   off); callers stage only where it fits."""
   itemsize = jnp.dtype(term_dtype).itemsize
@@ -203,8 +196,9 @@ def sm_count() -> int:
     return 132
 
 
-# The forward's work items in launch order (``_item``): q blocks from the last, so the longest
-# rows of causal-type masks start first and the short ones fill the tail, and
+# The forward's work items in launch order (``fwd_scheduler.work_item``): q blocks from the
+# last, so the longest rows of causal-type masks start first and the short ones fill the tail,
+# and
 #   "heads": heads vary fastest, then q blocks: the longest rows of all heads start first;
 #   "blocks": q blocks vary fastest, then heads: CTAs that run at the same time read the same
 #     head's K/V, which L2 then serves to all of them.

@@ -1,0 +1,134 @@
+"""The dK/dV kernel's consumers: main loops over the walked q/dO tiles and their epilogues.
+
+Head dims up to 128 (``consumer``): each consumer owns 64 keys and computes their p, ds, dK and
+dV, alternating its matmuls with the other's (``pipeline.pingpong``); fused, it also adds
+``ds^T K`` to dQ (``dkv_fused``). Above ("wide"), a warpgroup's float32 dK and dV of 64 keys
+alone would fill its registers (2 x 128 per thread at H=256), so the two consumers share the
+CTA's 64 keys and split the work: warpgroup 0 computes ``p^T = exp(K q^T - lse)`` and
+``dV += p^T dO`` (``p_and_dv``), warpgroup 1 ``dp^T = V dO^T`` and ``dK += ds^T q`` with
+``ds^T = p^T (dp^T - delta)`` (``ds_and_dk``); p^T passes through two shared-memory buffers.
+Each warpgroup runs two of the four matmuls, and the wait for p^T offsets warpgroup 1 by half a
+step, so one's elementwise work overlaps the other's matmuls."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
+    accumulate, finish, grad_logits, probs, products, signed_grad_logits, zeros)
+from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import add_dq, stage_ds
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
+    COLS, load_ref, meet, pingpong, slot_of)
+from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import CONSUMER_REGS
+
+if TYPE_CHECKING:
+  from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import DkvCta, OwnedKeys
+
+
+def consumer(c: DkvCta) -> None:
+  """A consumer of head dims up to 128: its own 64 keys' p, ds, dK and dV."""
+  g, cfg, r = c.g, c.cfg, c.r
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  open_stage(g.terms, r.stage, c.wg)
+  own, keys = c.own_keys()
+  acc = zeros((g.rows, g.head_dim))
+  meet_other = functools.partial(meet, r.sched)
+  dk, dv = pingpong(lambda: c.walk(functools.partial(_step, c, keys), acc, acc), meet_other,
+                    meet_other)
+  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)),
+         (c.out_at(r.dv, own), dv * cfg.keep_scale))
+
+
+def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
+  """``consumer``'s walked tile of query head rank ``h``, queries from ``start``."""
+  g, cfg, r = c.g, c.cfg, c.r
+  n, dk, dv = carry
+  slot = slot_of(n, g.slots)
+  q, do = r.q_smem.at[slot], r.do_smem.at[slot]
+  plgpu.barrier_wait(r.q_bar.at[slot])
+  plgpu.barrier_wait(r.do_bar.at[slot])
+  # s^T = K q^T, dp^T = V dO^T
+  s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched))
+  terms = c.tile_terms(h, start, slot, masked, keys)
+  p, dlogits = probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
+  keep_mask = terms.keep_mask()
+  ds = grad_logits(p, dp, kept_delta(load_ref(r.delta_smem.at[slot], COLS), cfg), dlogits,
+                   row_axis=1, keep_mask=keep_mask)
+  p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype), ds.astype(g.dtype)))
+  meet(r.sched)  # the other warpgroup's matmuls are issued
+  # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
+  with_dkv = (stage_ds(c, ds),) if g.dq_with_dkv else ()
+  dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
+  plgpu.barrier_arrive(r.free.at[slot])
+  if g.fused_dq:
+    (dq,) = dq or accumulate((stage_ds(c, ds),))
+    add_dq(c, dq, h, start)
+  return n + 1, dk, dv
+
+
+def p_and_dv(c: DkvCta) -> None:
+  """Wide, warpgroup 0: ``p^T = exp(K q^T - lse)`` to warpgroup 1, ``dV += p^T dO``."""
+  g, cfg, r = c.g, c.cfg, c.r
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  open_stage(g.terms, r.stage, c.wg)
+  own, keys = c.own_keys(v=False)
+
+  def body(h, start, masked, carry):
+    n, dv = carry
+    slot, buf = slot_of(n, g.slots), slot_of(n, 2)
+    plgpu.barrier_wait(r.q_bar.at[slot])
+    (s,) = products(c.tile, ((c.k_own, r.q_smem.at[slot]),))
+    terms = c.tile_terms(h, start, slot, masked, keys)
+    p, dlogits = probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
+
+    @pl.when(n >= 2)
+    def _():
+      plgpu.barrier_wait(r.p_free.at[buf])
+
+    # (soft-cap folded; with dropout, dropped terms negated: ``signed_grad_logits``)
+    ps = p if dlogits is None else p * dlogits
+    keep_mask = terms.keep_mask()
+    r.p_smem.at[buf][...] = (ps if keep_mask is None else jnp.where(keep_mask, ps, -ps)
+                             ).astype(g.dtype)
+    plgpu.barrier_arrive(r.p_full.at[buf])
+    plgpu.barrier_wait(r.do_bar.at[slot])
+    (dv,) = accumulate(((dv, kept(p, keep_mask).astype(g.dtype), r.do_smem.at[slot]),))
+    plgpu.barrier_arrive(r.free.at[slot])
+    return n + 1, dv
+
+  (dv,) = c.walk(body, zeros((g.rows, g.head_dim)))
+  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dv, own), dv * cfg.keep_scale))
+
+
+def ds_and_dk(c: DkvCta) -> None:
+  """Wide, warpgroup 1: ``dp^T = V dO^T``; ``ds^T`` from warpgroup 0's ``p^T``;
+  ``dK += ds^T q``."""
+  g, cfg, r = c.g, c.cfg, c.r
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  own, _ = c.own_keys(k=False)
+
+  def body(h, start, masked, carry):
+    n, dk = carry
+    slot, buf = slot_of(n, g.slots), slot_of(n, 2)
+    plgpu.barrier_wait(r.do_bar.at[slot])
+    (dp,) = products(c.tile, ((c.v_own, r.do_smem.at[slot]),))
+    plgpu.barrier_wait(r.p_full.at[buf])
+    p = load_ref(r.p_smem.at[buf], plgpu.Layout.WGMMA).astype(jnp.float32)  # (soft-cap folded)
+    plgpu.barrier_arrive(r.p_free.at[buf])
+    delta = kept_delta(load_ref(r.delta_smem.at[slot], COLS), cfg)
+    ds = (signed_grad_logits(p, dp, delta) if g.terms.dropout else
+          grad_logits(p, dp, delta, None, row_axis=1))
+    plgpu.barrier_wait(r.q_bar.at[slot])
+    (dk,) = accumulate(((dk, ds.astype(g.dtype), r.q_smem.at[slot]),))
+    plgpu.barrier_arrive(r.free.at[slot])
+    return n + 1, dk
+
+  (dk,) = c.walk(body, zeros((g.rows, g.head_dim)))
+  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
