@@ -379,7 +379,6 @@ def test_auto_picks_mosaic_on_hopper_only_where_it_serves(monkeypatch):
   pick = lambda dt, **kw: kernels.variants("auto", None, kernels.Call(dt, 128, **kw))["cuda"][0]
   assert pick(jnp.bfloat16) == pick(jnp.float16) == "pallas_mosaic_gpu"
   assert pick(jnp.float32) == "pallas_triton"
-  assert pick(jnp.bfloat16, bias=True, dense=True, alibi=True, dropout=True) == "pallas_mosaic_gpu"
   assert pick(jnp.bfloat16, block_sizes=BlockSizes(block_q=64)) == "pallas_triton"
   assert pick(jnp.bfloat16, decode=True) == "pallas_triton"  # (it serves, but slower)
   kernels.check_explicit("pallas_mosaic_gpu", kernels.Call(jnp.bfloat16, 128, decode=True))

@@ -36,18 +36,8 @@ class Call:
 
   dtype: Any  # the inputs' dtype
   head_dim: int  # H, unpadded
-  dense: bool = False  # a dense mask is given
-  bias: bool = False  # an additive bias is given
-  alibi: bool = False  # ALiBi slopes are given
-  dropout: bool = False  # dropout_rate > 0
   decode: bool = False  # decode_attention: a few query rows against a long KV cache
   block_sizes: BlockSizes = BlockSizes()  # the user's tile overrides (and kernel variants)
-
-  @property
-  def features(self) -> tuple[tuple[str, bool], ...]:
-    """``(description, used)`` of the optional score terms."""
-    return (("a dense mask", self.dense), ("a bias", self.bias), ("ALiBi slopes", self.alibi),
-            ("dropout", self.dropout))
 
 
 class Backend:
@@ -62,7 +52,8 @@ class Backend:
   # -- what it serves ----------------------------------------------------------------------------
 
   def supports(self, call: Call) -> Optional[str]:
-    """Why this backend cannot serve ``call`` (None when it can): dtype, device, features."""
+    """Why this backend cannot serve ``call`` (None when it can): dtype, device, head dim.
+    (Every backend serves every optional operand, ``operands.DECLARED``.)"""
     del call
     return None
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_ring.config import BlockSizes
+from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_kernels import backward
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import forward

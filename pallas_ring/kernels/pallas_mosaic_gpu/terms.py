@@ -134,10 +134,10 @@ def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
 
 
 def ops_call(q, ops: common.Operands) -> backend.Call:
-  """The ``Call`` of kernel operands (to refuse what ``tiles.unsupported`` names)."""
-  return backend.Call(q.dtype, q.shape[-1], dense=ops.dense is not None,
-                      bias=ops.bias is not None, alibi=ops.alibi is not None,
-                      dropout=ops.dropout is not None)
+  """The ``Call`` of a kernel's inputs (to refuse what ``tiles.unsupported`` names: dtype and
+  head dim; every operand is served)."""
+  del ops
+  return backend.Call(q.dtype, q.shape[-1])
 
 
 def tile_bias(ops: common.Operands, transposed: bool = False,

@@ -80,7 +80,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def unsupported(call: backend.Call) -> Optional[str]:
-  """Why this lowering cannot serve a call (None when it can): dtype, head dim, features."""
+  """Why this lowering cannot serve a call (None when it can): dtype, head dim."""
   if jnp.dtype(call.dtype) not in [jnp.dtype(d) for d in DTYPES]:
     return f"inputs of dtype {jnp.dtype(call.dtype)} (wgmma takes bfloat16 or float16)"
   head_dim = padded_head_dim(call.head_dim)
