@@ -211,10 +211,5 @@ def in_kernel(terms: Mapping[str, Array]) -> dict:
   return {k: x for k, x in terms.items() if BY_NAME[k].in_kernel}
 
 
-def describe(terms) -> str:
-  """The keywords of ``terms`` (names), for messages."""
-  return ", ".join(f"`{BY_NAME[k].argument}`" for k in terms)
-
-
 __all__ = ["Operand", "dense_mask_misuse", "Dims", "DECLARED", "BY_NAME", "BATCH", "HEADS", "QUERIES", "KEYS", "ONE",
            "normalize", "spanning", "pad", "map_axis", "repeat_batch", "specs", "in_kernel"]
