@@ -211,5 +211,6 @@ def in_kernel(terms: Mapping[str, Array]) -> dict:
   return {k: x for k, x in terms.items() if BY_NAME[k].in_kernel}
 
 
-__all__ = ["Operand", "dense_mask_misuse", "Dims", "DECLARED", "BY_NAME", "BATCH", "HEADS", "QUERIES", "KEYS", "ONE",
-           "normalize", "spanning", "pad", "map_axis", "repeat_batch", "specs", "in_kernel"]
+__all__ = ["Operand", "Dims", "DECLARED", "BY_NAME", "BATCH", "HEADS", "QUERIES", "KEYS", "ONE",
+           "dense_mask_misuse", "normalize", "spanning", "pad", "map_axis", "repeat_batch",
+           "specs", "in_kernel"]
