@@ -233,5 +233,5 @@ def load_preset(name_or_path) -> Preset:
                 data.get("topology"))
 
 
-__all__ = ["BlockSizes", "RingVariants", "SequenceParallelConfig", "Preset", "load_preset", "preset_names",
-           "STRATEGIES"]
+__all__ = ["BlockSizes", "RingVariants", "SequenceParallelConfig", "Preset", "load_preset",
+           "preset_names", "STRATEGIES"]
