@@ -59,7 +59,7 @@ class RingVariants:
     halo_max_share: send the whole shard where the slice, padded to the kernels' tiles, is at
       least this share of the padded shard.
     gather_halos: where every slice the mask reaches is smaller than this share of a shard in
-      all (and no dense mask or bias spans the keys), receive them once and attend to the local
+      all (and no operand spans the keys), receive them once and attend to the local
       K/V plus those slices in one kernel call (``halo_gather``) instead of ring steps.
   """
 

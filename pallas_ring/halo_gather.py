@@ -8,7 +8,7 @@ per-step kernels and no float32 accumulators. Autodiff sends the slices' dK/dV b
 transposes of the ``ppermute``\\ s and slices).
 
 It serves ``ring.run`` where the positions are the layout's, the strategy is the ring, no operand
-spans the keys (a dense mask or bias would need its columns gathered too) and the slices are
+spans the keys (``operands.KEYS``: its columns would have to be gathered too) and the slices are
 small (``RingVariants.gather_halos``, ``pieces``); elsewhere the ring runs as before.
 """
 
