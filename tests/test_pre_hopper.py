@@ -81,10 +81,6 @@ def test_without_the_triton_lowering_auto_runs_xla_on_gpus_and_says_so():
           and "Use backend='auto'" in out), out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pallas_mosaic_gpu's fwd_kernel.py and bwd_kernels.py import pallas_triton at module level "
-    "(their fallbacks), so without the Triton lowering Hopper loses its kernels too; make those "
-    "imports lazy, then remove this mark"))
 def test_without_the_triton_lowering_hopper_keeps_its_mosaic_gpu_kernels():
   proc = _without_triton("""
       import jax.numpy as jnp

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_ring.kernels import common, pallas_triton
+from pallas_ring import kernels
+from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import BwdGeometry, owned_tiles
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import fused_call
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import dkv_kernel
@@ -228,9 +229,9 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   """
   b, tp, n, hp = q.shape
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
-    return pallas_triton.backward(q, k, v, do, lse, delta, ops, plan,
-                                  dataclasses.replace(cfg, num_stages=None), dq_acc, parts,
-                                  dkv_acc)
+    return kernels.get("pallas_triton").backward(  # (imported here: Hopper needs no Triton)
+        q, k, v, do, lse, delta, ops, plan, dataclasses.replace(cfg, num_stages=None), dq_acc,
+        parts, dkv_acc)
   want_dq, want_dkv = common.wants(parts)
   why = unsupported(ops_call(q, ops))
   variants = cfg.variants or Variants()

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_ring.kernels import common, pallas_triton
+from pallas_ring import kernels
+from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_epilogue import epilogue
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import (
     Consumer, FwdRefs, load_q, open_item, walk)
@@ -145,12 +146,11 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   memory) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
   merges into it instead: each consumer reads its rows of ``acc`` once it has finished its walk
   and writes the merged float32 rows (measured faster than merging after the kernel for a ring
-  step at 8k tokens per H100, though the read after the walk stalls each CTA: BENCHMARKS.md's
-  history).
+  step at 8k tokens per H100, though the read after the walk stalls each CTA).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
-    return pallas_triton.forward(q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None),
-                                 acc)
+    return kernels.get("pallas_triton").forward(  # (imported here: Hopper needs no Triton)
+        q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None), acc)
   why = unsupported(ops_call(q, ops))
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
