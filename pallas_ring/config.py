@@ -1,7 +1,8 @@
-"""Typed configs: kernel block sizes and the sequence-parallel (ring) config.
+"""Typed configs: kernel block sizes (``BlockSizes``, from ``block_sizes``), the ring's schedule
+variants (``RingVariants``) and the sequence-parallel config (``SequenceParallelConfig``).
 
-Both are frozen dataclasses (hashable, usable as jit static arguments) with ``from_dict`` and
-``from_yaml``. Unknown keys and invalid values raise ``ValueError`` naming the field, the value,
+All are frozen dataclasses (hashable, usable as jit static arguments); the configs have
+``from_dict`` and ``from_yaml``. Unknown keys and invalid values raise ``ValueError`` naming the field, the value,
 the rule and the fix.
 """
 
@@ -58,9 +59,10 @@ class RingVariants:
       receive only its dK/dV; False sends whole shards (the ring before halos).
     halo_max_share: send the whole shard where the slice, padded to the kernels' tiles, is at
       least this share of the padded shard.
-    gather_halos: where every slice the mask reaches is smaller than this share of a shard in
-      all (and no operand spans the keys), receive them once and attend to the local
-      K/V plus those slices in one kernel call (``halo_gather``) instead of ring steps.
+    gather_halos: with ``halo``, where the slices the mask reaches (unpadded, over every hop)
+      are less than ``halo_max_share`` of a shard in all and no operand spans the keys, receive
+      them once and attend to the local K/V plus the slices in one kernel call
+      (``halo_gather``) instead of ring steps.
   """
 
   halo: bool = True

@@ -88,6 +88,11 @@ def halo_runs(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: in
   return _to_runs(need, max_runs)
 
 
+def run_length(runs: Runs) -> int:
+  """The tokens of ``runs``."""
+  return sum(b - a for a, b in runs)
+
+
 def run_index(runs: Runs) -> np.ndarray:
   """int32 ``[W]`` the local indices of ``runs``, in order."""
   return np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in runs] or
@@ -194,5 +199,5 @@ def share(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
   return 1.0 if part >= variants.halo_max_share else part
 
 
-__all__ = ["RingVariants", "Halo", "SlicePlanner", "halo_runs", "run_index", "take", "put",
+__all__ = ["RingVariants", "Halo", "SlicePlanner", "halo_runs", "run_length", "run_index", "take", "put",
            "make", "share"]

@@ -48,17 +48,10 @@ def pieces(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
         out.append((direction * hop, runs))
   # Lower ranks' slices first, farthest first, then higher ranks' (nearest first).
   out.sort(key=lambda p: (p[0] < 0, -abs(p[0]) if p[0] > 0 else abs(p[0])))
-  tokens = sum(b - a for _, runs in out for a, b in runs)
+  tokens = sum(halo_lib.run_length(runs) for _, runs in out)
   if tokens >= variants.halo_max_share * (seq_len // r):
     return None
   return tuple(out)
-
-
-def _receive(x, runs: halo_lib.Runs, shift: int, axis_name, ring_size: int, axis: int = 1):
-  """The slice ``runs`` (along ``axis``) of the shard ``shift`` ranks back."""
-  part = halo_lib.take(x, runs, sum(b - a for a, b in runs), axis=axis)
-  perm = [(i, (i + shift) % ring_size) for i in range(ring_size)]
-  return lax.ppermute(part, axis_name, perm)
 
 
 def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos, pieces_: Pieces,
@@ -78,10 +71,14 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
   t = q.shape[1]
   before = [p for p in pieces_ if p[0] > 0]
   after = [p for p in pieces_ if p[0] < 0]
-  recv = lambda x, shift, runs, axis=1: _receive(x, runs, shift, axis_name, r, axis)
+
+  def recv(x, shift, runs, axis=1):  # the slice ``runs`` of the shard ``shift`` ranks back
+    part = halo_lib.take(x, runs, halo_lib.run_length(runs), axis=axis)
+    return lax.ppermute(part, axis_name, [(i, (i + shift) % r) for i in range(r)])
+
   src_pos = lambda shift, runs: halo_lib.take(
-      layouts.positions(t * r, layout, r, (rank - shift) % r), runs,
-      sum(b - a for a, b in runs), axis=0)
+      layouts.positions(t * r, layout, r, (rank - shift) % r), runs, halo_lib.run_length(runs),
+      axis=0)
 
   def joined(x, axis=1):
     if x is None:

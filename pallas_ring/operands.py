@@ -3,9 +3,9 @@
 The arrays a call may add to q, k, v and the token metadata (the dense mask, the additive bias,
 ALiBi slopes, the sinks) are each described here by one ``Operand``: the keyword that passes
 it, how it is checked and normalized, the role of each axis of the normalized array, whether
-the kernels read it (a ``kernels.common.Operands`` field) or it is merged around them, and
-whether it has a gradient. The code that moves operands iterates over ``DECLARED`` and reads
-the axis roles, never an operand's name:
+the kernels read it (a ``kernels.common.Operands`` field) or it is merged around them (the
+sinks, which the entry points take by name), and whether it has a gradient. The code that moves
+operands iterates over ``DECLARED`` and reads the axis roles:
 
 * ``call.check`` normalizes each given one into ``Arrays.terms`` (``normalize``);
 * ``flash_attention`` pads its query and key axes to the tiles (``pad``);
@@ -13,7 +13,8 @@ the axis roles, never an operand's name:
 * ``sharded_attention`` gives each a PartitionSpec (``spec``), which also hands Ulysses the
   heads of its devices;
 * ``decode_attention`` repeats batch rows for its cache chunks (``repeat_batch``);
-* ``kernel_operands`` / ``gradients`` build the kernels' ``Operands`` and their cotangents.
+* ``pair.kernel_operands`` / ``pair.ops_grad`` build the kernels' ``Operands`` and the
+  cotangents of the differentiable ones (additive logit terms of the ``TILE`` layout).
 
 What an operand computes lives in ``reference`` and in each backend's kernels (and its score
 term in ``kernels.common.score_terms``). A new operand is one more declaration here, one keyword
@@ -40,6 +41,7 @@ HEADS = "heads"  # N query heads, or 1 where it broadcasts over them
 QUERIES = "queries"  # the call's T queries
 KEYS = "keys"  # every key the call sees (a ring shard's: the R * S keys of the ring)
 ONE = "one"  # size 1
+TILE = (BATCH, HEADS, QUERIES, KEYS)  # a [B|1, N|1, T, S] operand
 
 
 class Dims(NamedTuple):
@@ -61,6 +63,11 @@ class Operand:
   normalize: Callable  # (value, Dims) -> normalized array; raises naming ``argument``
   in_kernel: bool = True  # the kernels read it (else it is merged around them)
   differentiable: bool = False  # it has a gradient (else it is held with stop_gradient)
+
+  def __post_init__(self):
+    # A differentiable kernel operand is an additive logit term: its gradient is dS summed over
+    # its broadcast axes (``pair.ops_grad``), which needs the tile layout.
+    assert not (self.in_kernel and self.differentiable) or self.axes == TILE, self.name
 
   def axis(self, role: str) -> Optional[int]:
     """The index of the axis with ``role``, or None."""
@@ -144,10 +151,8 @@ def _sinks(x, d: Dims):
     raise ValueError(f"`sinks` has shape {tuple(jnp.shape(x))}; expected [N] = ({d.n},), one "
                      "logit per query head.")
   validation.check_float("sinks", x)
-  return x
+  return jnp.asarray(x)
 
-
-TILE = (BATCH, HEADS, QUERIES, KEYS)  # a [B|1, N|1, T, S] operand
 
 DECLARED = (
     Operand("dense", "dense_mask", TILE, _dense_mask),

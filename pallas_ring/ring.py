@@ -16,6 +16,9 @@ Caller-given positions (data, e.g. a ``layouts.Placement``) keep the whole ring,
 Halos: a chain of a bounded mask sends only the slice of a shard some device sees
 (``halo.halo_runs``, e.g. a window's last ``left`` tokens of a contiguous shard) and runs the pair
 kernel on it; its dK/dV come home as that slice (``halo.RingVariants(halo=False)``: whole shards).
+Where the mask reaches no other shard, ``run`` calls flash attention on the local shard; where it
+reaches only small slices, it receives them once and attends to local K/V plus the slices in one
+call (``halo_gather``; ``RingVariants(gather_halos=False)``: the ring steps above).
 
 Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
 the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
@@ -449,8 +452,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
-    ring_variants: a ``halo.RingVariants`` (None: its defaults, halos on); e.g.
-      ``RingVariants(halo=False)`` sends whole shards, as before halos.
+    ring_variants: a ``RingVariants`` (None: its defaults: halos on, small halos gathered once,
+      ``halo_gather``); e.g. ``RingVariants(halo=False)`` sends whole shards every step.
 
   Returns:
     ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
@@ -497,6 +500,7 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   """``ring_attention`` of a checked call (``call.check``, with ``kv_shards`` the ring size)
   over this device's shards: derives what depends on the device's rank and runs the ring;
   nothing is checked again. ``variants``: the ring's schedule variants (None: defaults)."""
+  variants = halo_lib.RingVariants() if variants is None else variants
   r = lax.axis_size(axis_name)
   t = q.shape[1]
   arrays = checked.arrays
@@ -520,15 +524,14 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
       arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                q_positions=layout_pos, kv_positions=layout_pos)
       return attention.run(q, k, v, checked._replace(arrays=arrays))
-    pieces = local and halo_gather.pieces(mask, t * r, layout, r, variants or
-                                          halo_lib.RingVariants())
+    pieces = local and halo_gather.pieces(mask, t * r, layout, r, variants)
     if pieces:  # it reaches small slices of other shards: receive them, attend once
       return halo_gather.run(q, k, v, checked, segment_ids, kv_segment_ids, layout_pos, pieces,
                              axis_name=axis_name, layout=layout)
   on = functools.partial(_ring_on, settings=checked.settings, axis_name=axis_name, ring_size=r,
                          layout=layout, derived_positions=derived, strategy=strategy,
                          scan_unroll=scan_unroll,
-                         variants=halo_lib.RingVariants() if variants is None else variants)
+                         variants=variants)
   with pair.forward_mode_errors():
     return kernels.dispatch(on, checked.per_platform, q, k, v, segment_ids, kv_segment_ids,
                             positions, arrays.terms, arrays.seeds, arrays.offsets)

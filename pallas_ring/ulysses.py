@@ -51,8 +51,6 @@ def _gather_tokens(x, axis_name, axis=1):
   return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-
-
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=None,
         ring_axis=None, scan_unroll: int = 1, variants=None):
   """Ulysses attention of a checked call over this device's shards (``call.check``; its

@@ -195,3 +195,39 @@ def test_halo_equals_whole_shards_with_dense_mask_dropout_and_alibi():
   assert rel_err(out, out_w) < 1e-6
   for name, a, b_ in zip("qkvb", grads, grads_w):
     assert rel_err(a, b_) < 1e-6, (name, rel_err(a, b_))
+
+
+@pytest.mark.parametrize("layout,mask,packed", [
+    ("contiguous", masks.SlidingWindow(2), True), ("zigzag", masks.SlidingWindow(3, 2), False)])
+def test_gathered_halos_equal_the_ring_steps_with_every_extra(layout, mask, packed):
+  """Sinks, ALiBi, dropout, the lse and packed sequences (``cu_seqlens``) through the gathered
+  halos (``halo_gather``) equal the ring's halo steps: output, lse and gradients (q, k, v,
+  sinks)."""
+  assert halo_gather.pieces(masks.as_spec(mask), 8 * C, layout, 8, RingVariants())
+  q, k, v = _problem(7)
+  rng = np.random.default_rng(8)
+  sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  cu = jnp.asarray([0, 40, 90, 120], jnp.int32) if packed else None
+  spec = P(None, "sp")
+
+  def make(variants):
+    def f(q_, k_, v_, s_):
+      return ring_attention(q_, k_, v_, axis_name="sp", mask=mask, layout=layout, backend="xla",
+                            block_sizes=BLOCKS, sinks=s_, alibi_slopes=jnp.asarray(
+                                [0.5, 0.25, 0.125, 0.0625]), dropout_rate=0.2,
+                            dropout_rng=jax.random.key(3), return_lse=True, cu_seqlens=cu,
+                            ring_variants=variants)
+    f = jax.shard_map(f, mesh=_mesh(), in_specs=(spec,) * 3 + (P(),),
+                      out_specs=(spec, P(None, None, "sp")), check_vma=False)
+    w = jnp.cos(jnp.arange(16.0))
+    loss = lambda *a: jnp.sum(f(*a)[0] * w) + jnp.sum(jnp.where(jnp.isfinite(f(*a)[1]),
+                                                                f(*a)[1], 0.0))
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))
+
+  (out, lse), grads = make(None)(q, k, v, sinks)
+  (out_r, lse_r), grads_r = make(RING)(q, k, v, sinks)
+  live = jnp.isfinite(lse_r)
+  assert rel_err(out, out_r) < 1e-5
+  assert rel_err(jnp.where(live, lse, 0.0), jnp.where(live, lse_r, 0.0)) < 1e-5
+  for name, a, b_ in zip(("q", "k", "v", "sinks"), grads, grads_r):
+    assert rel_err(a, b_) < 1e-5, (name, rel_err(a, b_))
