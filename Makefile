@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The demo needs the package alone (JAX, Flax): no libtpu, no Jupyter.
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test quick bench compile wheel clean
+.PHONY: demo test test-all quick bench compile wheel clean
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,15 +25,20 @@ $(STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(PY) -m pallas_ring demo
 
-# The full suite, as CI runs it (about 65 minutes on 2 cores, the README's number; --durations
-# lists the slowest).
+# Every test, as CI runs it (about 22 minutes on 2 cores, the README's number; --durations lists
+# the slowest): parametrized ones on their representative cases (-m "not slow": each backend, mask
+# class, layout and strategy; tests/conftest.py picks them).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow" --durations=15
 
-# The edit-test loop (about 10 minutes on 2 cores): everything not marked slow, i.e. the first case
-# of each parametrized test (tests/conftest.py), with fewer hypothesis examples.
+# The whole suite: every case and hypothesis's full example counts (about 65 minutes on 2 cores).
+test-all: $(STAMP)
+	HYPOTHESIS_PROFILE=all $(PY) -m pytest -n 2 --dist loadgroup -q --durations=15
+
+# The edit-test loop (about 14 minutes on 2 cores): the first case of each test, without the costly
+# ones CI adds (marked ci: the demo, notebooks, training runs...), with fewer hypothesis examples.
 quick: $(STAMP)
-	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow and not ci"
 
 bench: $(STAMP)
 	$(PY) -m pallas_ring bench

@@ -1,4 +1,5 @@
-"""Test setup: 8 virtual CPU devices (set before JAX initialises) and a deterministic hypothesis profile."""
+"""Test setup: 8 virtual CPU devices (set before JAX initialises), deterministic hypothesis profiles
+and the three test selections (``make quick`` < ``make test``, which CI runs, < ``make test-all``)."""
 
 import os
 
@@ -7,6 +8,11 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 if os.environ.get("PALLAS_RING_TEST_GPU") is None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # The tests compile thousands of small programs and run each a few times: LLVM's optimization
+  # passes took about a third of the suite's CPU time and buy nothing at these sizes (CPU programs
+  # only; an optimization level in XLA_FLAGS overrides it).
+  if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # TPU programs are compiled (not run) through libtpu by several pytest-xdist workers at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -14,22 +20,55 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# HYPOTHESIS_PROFILE: "ci" (make test), "quick" (make quick) or "all" (make test-all).
 settings.register_profile(
-    "ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
+    "all", derandomize=True, deadline=None, max_examples=30, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=8)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.register_profile("ci", parent=settings.get_profile("all"), max_examples=15)
+settings.register_profile("quick", parent=settings.get_profile("all"), max_examples=8)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def examples(ci, all):  # noqa: A002 (the profile's name)
+  """``max_examples`` for a hypothesis test that sets its own: ``all`` under ``make test-all``,
+  ``ci`` under ``make test`` (at most the profile's count under ``make quick``)."""
+  return all if PROFILE == "all" else min(ci, settings.default.max_examples)
 
 
 def pytest_collection_modifyitems(config, items):
-  """``make quick`` (``-m "not slow"``) keeps the first case of each parametrized test; its other
-  cases are marked slow and run with the rest of the full suite (``make test``, CI)."""
-  seen = set()
+  """The selections: ``make test`` (CI) runs ``-m "not slow"``, ``make quick`` runs ``-m "not
+  slow and not ci"`` and ``make test-all`` runs everything.
+
+  A parametrized test runs its first case in all three; with ``@pytest.mark.ci_cases(id, ...)``
+  it runs the listed cases (their ids as in the node ids) in CI instead, the first of them in
+  ``make quick`` (``ci_cases(every=True)``: every case, for cheap ones). Conftest marks the CI
+  cases after that one ``ci`` and every other case ``slow``. Whole tests marked ``ci`` (costly,
+  e.g. the demo) run in CI but not in ``make quick``; tests marked ``slow`` only in ``make
+  test-all``.
+  """
+  families = {}
   for item in items:
-    family = item.nodeid.split("[")[0]
-    if family in seen and "[" in item.nodeid:
-      item.add_marker(pytest.mark.slow)
-    seen.add(family)
+    if getattr(item, "callspec", None) is not None:
+      families.setdefault(item.nodeid.split("[")[0], []).append(item)
+  for family, cases in families.items():
+    chosen = cases[0].get_closest_marker("ci_cases")
+    if chosen is None:
+      keep = cases[:1]
+    elif chosen.kwargs.get("every"):
+      keep = cases
+    else:
+      ids = {c.callspec.id for c in cases}
+      unknown = [i for i in chosen.args if i not in ids]
+      if unknown and len(cases) > 1:  # (a run of one case by its node id lists no others)
+        raise pytest.UsageError(f"{family}: ci_cases names no case {unknown}; its cases: "
+                                f"{sorted(ids)}")
+      keep = [c for c in cases if c.callspec.id in chosen.args] or cases[:1]
+    for case in cases:
+      if case not in keep:
+        case.add_marker(pytest.mark.slow)
+      elif case is not keep[0]:
+        case.add_marker(pytest.mark.ci)
 
 
 def rel_err(got, ref):

@@ -104,6 +104,7 @@ def test_backward_jaxpr_has_no_t_by_s_array():
 class FlashCases:
   """Every backend against the dense reference: forward, lse, gradients (``conformance``)."""
 
+  @pytest.mark.ci_cases("causal_mha_f32", "full_mqa_f16", "chunked_sinks", "prefix_or_wide_window", "documents_causal_bf16", "dense_and_causal", "custom_positions_sinks_softcap")
   @pytest.mark.parametrize("name", list(CASES))
   def test_conformance(self, name):
     backend = self.backend
@@ -354,6 +355,7 @@ def test_block_test_is_sound_at_int32_limits():
   assert bool(any_[0]) and bool(all_[0])
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("make", [lambda: masks.SlidingWindow(2**31),
                                   lambda: masks.SlidingWindow(4, 2**40),
                                   lambda: masks.PrefixLM(2**31),
@@ -377,6 +379,7 @@ def test_float64_is_computed_in_float64_by_xla():
     assert g.dtype == jnp.float64 and rel_err(g, g_ref) < 1e-12
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu"])
 def test_float64_refused_by_pallas_backends(backend):
   with jax.enable_x64(True):

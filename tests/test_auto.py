@@ -13,6 +13,7 @@ from conftest import rel_err
 MHA = dict(heads=16, kv_heads=16, head_dim=128, ring_size=8, itemsize=2)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("mask, per_device, layout, kw, expected", [
     (masks.SlidingWindow(1024), 32768, "contiguous", MHA, "ring"),  # one hop, overlapped
     (masks.ChunkedCausal(8192), 32768, "contiguous", MHA, "ring"),  # no hop at all

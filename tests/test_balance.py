@@ -28,6 +28,7 @@ def _work_by_shard(seg, perm, r, mask):
   return per_token[perm[0]].reshape(r, t // r).sum(axis=1)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("r", [2, 4, 8])
 @pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(64)])
 def test_long_tail_pack_is_balanced(r, mask):

@@ -28,6 +28,7 @@ def test_interleaved_timing_calls_every_implementation_alike():
   assert calls[10:] == (["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3) * 2
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
 def test_balanced_orders_give_every_place_and_predecessor_alike(n):
   orders = bench.balanced_orders(n)

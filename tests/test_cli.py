@@ -2,11 +2,17 @@
 
 import pytest
 
-from pallas_ring import cli
+from pallas_ring import cli, layouts
 
 
-@pytest.mark.slow
-def test_demo_passes(capsys):
+# The demo compiles a ring program per layout and mask: CI runs it over the layouts the checks
+# read, make test-all over every layout (as `make demo` does).
+@pytest.mark.ci
+@pytest.mark.parametrize("only", [("zigzag", "striped"), None],
+                         ids=["zigzag_striped", "every_layout"])
+def test_demo_passes(capsys, monkeypatch, only):
+  if only:
+    monkeypatch.setattr(layouts, "LAYOUTS", only)
   with pytest.raises(SystemExit) as e:
     cli.main(["demo"])  # T=256: two tiles per shard, so zigzag can skip the empty ones
   out = capsys.readouterr().out
@@ -49,8 +55,11 @@ def test_compile_prints_what_auto_chose(capsys):
   assert "strategy='auto' chose 'ulysses'" in out and "ring hops forward/backward 3/0" in out
 
 
-@pytest.mark.slow
-def test_demo_runs_ulysses(capsys):
+@pytest.mark.ci
+@pytest.mark.parametrize("only", [("zigzag",), None], ids=["zigzag", "every_layout"])
+def test_demo_runs_ulysses(capsys, monkeypatch, only):
+  if only:
+    monkeypatch.setattr(layouts, "LAYOUTS", only)
   with pytest.raises(SystemExit) as e:
     cli.main(["demo", "--strategy", "ulysses", "--seq-len", "128"])
   out = capsys.readouterr().out

@@ -29,6 +29,7 @@ def test_unknown_key_suggests_closest():
     BlockSizes.from_dict({"block_k": 64})
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("kw, match", [
     (dict(layout="spiral"), r"layout='spiral'.*zigzag"),
     (dict(strategy="tree"), r"strategy='tree'.*all_gather"),
@@ -70,6 +71,7 @@ def test_tpu_presets_compile_the_ring(path):
   assert rep.permutes_overlap_kernels
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
 def test_presets_parse(path):
   cfg = SequenceParallelConfig.from_yaml(path)

@@ -40,6 +40,7 @@ def _reference(q, k, v, lengths, mask, q_positions=None, **kw):
                              kv_segment_ids=kv_seg, **kw)
 
 
+@pytest.mark.ci_cases("greedy_gqa_causal-xla", "speculative_mqa_window-pallas_triton", "chunk_mha_full_sinks_softcap-pallas_tpu")
 @pytest.mark.parametrize("backend, interpret", BACKENDS, ids=[b for b, _ in BACKENDS])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_the_reference(case, backend, interpret):
@@ -153,6 +154,7 @@ def test_differentiating_it_raises_naming_flash_attention():
     jax.jvp(f, (q,), (q,))
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("change, error, match", [
     (dict(kv_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"`kv_lengths` has shape \(3,\)"),
     (dict(kv_lengths=jnp.ones((2,))), TypeError, "`kv_lengths` has dtype float32"),
@@ -169,6 +171,7 @@ def test_mistakes_raise_naming_the_argument(change, error, match):
     decode_attention(kw.pop("q"), k, v, **kw)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("backend, marker", [("pallas_triton", "__gpu$xla.gpu.triton"),
                                              ("pallas_mosaic_gpu", "@mosaic_gpu")])
 def test_lowers_to_one_gpu_kernel_for_cuda(backend, marker):

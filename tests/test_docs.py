@@ -44,7 +44,7 @@ def test_readme_reads_as_a_user_guide():
   assert results.count("(`python") >= 3  # each table's reproducing command
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("index, devices", [(i, 1) for i in range(len(_python_blocks()))]
                          + [(0, 8)])
 def test_readme_block_runs(index, devices, tmp_path):

@@ -117,6 +117,7 @@ def test_dropout_is_a_function_of_global_positions_not_tiles_or_backends():
   assert rel_err(shifted, base) > 1e-2
 
 
+@pytest.mark.ci_cases("shape0-xla", "shape1-pallas_triton")
 @pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
 @pytest.mark.parametrize("shape", [(200, 200), (4, 1, 200), (2, 1, 1, 200), (2, 4, 200, 200)])
 def test_bias_and_its_gradient_match_jax_nn(backend, shape):
@@ -165,6 +166,7 @@ def _mesh(r):
                        axis_types=(AxisType.Auto,) * 2)
 
 
+@pytest.mark.ci_cases("contiguous-1-ring", "zigzag-4-ring", "striped-2-all_gather")
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("r", [1, 2, 4])
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)

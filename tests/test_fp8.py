@@ -36,6 +36,7 @@ def test_quantize_keeps_each_heads_amax_and_its_precision(dtype):
   assert float(dz[0, 0]) == 1.0 and not np.any(np.isnan(np.asarray(z8, np.float32)))
 
 
+@pytest.mark.ci_cases("xla-None", "pallas_triton-True")
 @pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_tpu", True),
                                                 ("pallas_triton", True)])
 def test_flash_attention_on_fp8_operands(backend, interpret):
@@ -119,6 +120,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_mistakes_name_the_argument(case):
   q, k, _ = _problem(5)

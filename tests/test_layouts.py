@@ -24,6 +24,7 @@ def test_zigzag_two_ranks_table():
                                 [0, 1, 6, 7, 2, 3, 4, 5])
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("layout", list(TABLES))
 @pytest.mark.parametrize("t, r", [(8, 1), (8, 2), (48, 4), (64, 8)])
 def test_one_rank_agrees_with_the_global_order(layout, t, r):

@@ -46,6 +46,7 @@ def _structs(t, sharding=None):
           s((2, t, 2, 128), jnp.bfloat16), s((2, t), jnp.int32), s((1, 1, t, t), jnp.bool_))
 
 
+@pytest.mark.ci_cases("causal_gqa_softcap-v5e:2x2", "chunked_documents-v6e:2x2", "window_dense-v5e:2x2")
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -376,7 +377,8 @@ MATRIX_SUBSET = [("v4", "bfloat16", "ring", 128, "documents"),
                  ("v6e", "bfloat16", "forward", 64, "causal")]
 
 
-@pytest.mark.slow
+@pytest.mark.ci_cases("v4-bfloat16-ring-128-documents", "v5e-float16-forward+backward-64-causal", "v5p-float32-decode-256-documents", "v6e-bfloat16-forward-64-causal")
+@pytest.mark.ci
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("cell", MATRIX_SUBSET, ids=lambda c: "-".join(map(str, c)))
 def test_compile_matrix_subset_with_default_arguments(cell):

@@ -56,6 +56,7 @@ def test_combining_with_non_spec_raises():
     _ = masks.Causal() & np.ones((4, 4), bool)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("ctor, match", [
     (lambda: masks.SlidingWindow(-1), "left=-1"),
     (lambda: masks.SlidingWindow(2, -3), "right=-3"),
@@ -74,6 +75,7 @@ def test_non_int_parameter_raises_type_error():
     masks.Custom(3)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_block_test_sound_and_exact_on_contiguous_blocks(spec):
   """Every pair of contiguous blocks in [0, 14): any/all equal brute force for primitive specs

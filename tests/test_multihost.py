@@ -18,7 +18,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_sharded_attention_across_two_processes():
   here = pathlib.Path(__file__).parent
   port = str(_free_port())

@@ -380,7 +380,7 @@ def test_ring_attention_module_on_a_mesh_matches_and_uses_ppermute_in_scan():
   assert rel_err(_flat(g), _flat(g_ref)) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_transformer_trains_identically_single_device():
   stock = train(TransformerLM(), steps=50)
   ours = train(TransformerLM(attention_fn=make_attention_fn(mask=masks.Causal())), steps=50)
@@ -388,7 +388,7 @@ def test_transformer_trains_identically_single_device():
   np.testing.assert_allclose(ours, stock, rtol=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_transformer_trains_identically_on_a_zigzag_mesh():
   mesh = _mesh()
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",), backend="xla")
@@ -400,7 +400,7 @@ def test_transformer_trains_identically_on_a_zigzag_mesh():
   np.testing.assert_allclose(ring, stock, rtol=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_transformer_trains_with_attention_dropout():
   """Flax's MultiHeadDotProductAttention(dropout_rate=0.1) with our attention_fn: the example LM
   trains (finite, falling loss), on one device and on a zigzag ring."""
@@ -447,7 +447,7 @@ def test_an_auto_named_ring_attention_loads_a_stock_checkpoint():
   assert rel_err(Model(True).apply(stock, x), Model(False).apply(stock, x)) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_example_prints_both_losses_at_every_step(capsys):
   """The README says the example's two runs match at every step: it prints every step."""
   from pallas_ring.examples import transformer

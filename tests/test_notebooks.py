@@ -23,7 +23,7 @@ def test_pair_in_sync(path):
   assert src(a) == src(b), "run `jupytext --sync notebooks/*.py` after editing a notebook"
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path):
   import nbclient

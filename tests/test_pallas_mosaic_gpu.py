@@ -74,6 +74,7 @@ def _kernels_of_gradients(text):
   return text.count(MOSAIC) == 3 and TRITON not in text
 
 
+@pytest.mark.ci_cases("causal_gqa", "full_odd_lengths", "window_mqa", "chunked", "prefix_lm", "documents")
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_configuration_lowers_for_cuda(name):
   """Forward: one Mosaic GPU kernel; gradients: it plus the two backward kernels."""
@@ -108,6 +109,7 @@ def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
 STAGED = "copy_tile_term.<locals>.copy"  # (a source name in a forward kernel staging its term)
 
 
+@pytest.mark.ci_cases("False-False-causal_gqa", "True-True-softcap_h64")
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
                                   "full_odd_lengths"])
 @pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True),

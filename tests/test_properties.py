@@ -1,5 +1,6 @@
 """Property tests: random mask expressions x positions x segment ids x layouts x ring sizes x GQA
-against the dense reference, forward and gradients (60 + 24 examples per run, deterministic).
+against the dense reference, forward and gradients (deterministic: 60 + 24 examples in ``make
+test-all``, fewer in CI, see ``examples``).
 
 Mask expressions come from a fixed pool so compiled programs are reused across examples; the
 data (positions, segment ids, inputs) is fresh in every example.
@@ -14,7 +15,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, flash_attention, layouts, masks, reference
 from pallas_ring import sharded_attention
-from conftest import rel_err
+from conftest import examples, rel_err
 
 POOL = [
     masks.Causal(),
@@ -42,8 +43,8 @@ def _grads(fn, q, k, v, w):
   return jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)
 
 
-@pytest.mark.slow
-@settings(max_examples=60)  # ~7 minutes on 2 cores
+@pytest.mark.ci
+@settings(max_examples=examples(ci=12, all=60))  # all: ~3 minutes of a core
 @given(mask=st.sampled_from(POOL), heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]),
        docs=st.sampled_from([0, 3]), offset=st.integers(-20, 20), shuffle=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
@@ -65,8 +66,8 @@ def test_flash_attention_equals_reference(mask, heads, docs, offset, shuffle, se
     assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.slow
-@settings(max_examples=24)  # ~5 minutes on 2 cores
+@pytest.mark.ci
+@settings(max_examples=examples(ci=6, all=24))  # all: ~5 minutes of a core
 @given(mask=st.sampled_from(POOL[:3]), layout=st.sampled_from(layouts.LAYOUTS),
        ring=st.sampled_from([1, 2, 4, 8]), strategy=st.sampled_from(["ring", "all_gather"]),
        docs=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))

@@ -33,6 +33,7 @@ def sent_bytes(jaxpr, mult=1) -> int:
   return total
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("mask, expected", [
     (masks.Causal(), [(7, 0), (7, 0), (7, 0)]),
     (masks.Full(), [(7, 0), (7, 0), (7, 0)]),
@@ -125,6 +126,7 @@ REACH_CASES = [(name, lay) for name, mask in REACH_MASKS.items() for lay in layo
                if sum(ring_reach(mask, 8 * C, lay, 8)) < 7]
 
 
+@pytest.mark.ci_cases("window-contiguous", "window_or_chunked-zigzag")
 @pytest.mark.parametrize("mask_name, layout", REACH_CASES)
 def test_reach_ring_matches_the_reference(mask_name, layout):
   _check_against_reference(REACH_MASKS[mask_name], layout)

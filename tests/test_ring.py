@@ -55,6 +55,7 @@ def _check(mesh, cfg, mask, q, k, v, seg, sinks=None, softcap=None, interpret=No
     assert rel_err(a, b_) < tol, (name, rel_err(a, b_))
 
 
+@pytest.mark.ci_cases("contiguous-causal-ring", "zigzag-documents-ring", "striped-window-ring", "zigzag-full-all_gather")
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
@@ -79,6 +80,7 @@ def test_ring_of_8_with_sinks_softcap_and_odd_shards(layout):
   _check(mesh, cfg, masks.Causal() | masks.PrefixLM(7), q, k, v, seg, sinks=sinks, softcap=5.0)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu"])
 def test_pallas_backends_in_ring(backend):
   mesh = jax.make_mesh((4,), ("sp",))
@@ -88,6 +90,7 @@ def test_pallas_backends_in_ring(backend):
   _check(mesh, cfg, masks.Causal(), q, k, v, seg, interpret=True, tol=2e-3)
 
 
+@pytest.mark.ci_cases("pallas_triton-case0", "pallas_tpu-case2")
 @pytest.mark.parametrize("backend, case", [
     ("pallas_triton", (masks.Causal(), 200, 200, 4, 2, 64, jnp.bfloat16, True, None)),
     ("pallas_triton", (masks.Full(), 130, 96, 2, 1, 64, jnp.float32, False, 20.0)),
@@ -121,6 +124,7 @@ def test_gpu_schedule_ring_of_two_with_caller_positions():
     assert rel_err(a, b_) < 2e-3, (name, rel_err(a, b_))
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("shapes, word", [
     ((((4, 6), jnp.bfloat16), ((3,), jnp.float32), ((5,), jnp.int32)), jnp.uint32),
     ((((3, 5), jnp.bfloat16), ((2,), jnp.float32)), jnp.uint16),  # 30 bytes
@@ -192,6 +196,7 @@ def test_empty_steps_and_shards_are_zero_not_nan():
   assert np.all(np.asarray(g) == 0)
 
 
+@pytest.mark.ci_cases("pallas_tpu-tpu-tpu_custom_call-2", "pallas_triton-cuda-__gpu$xla.gpu.triton-2", "pallas_mosaic_gpu-cuda-@mosaic_gpu-2")
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("ring", [2, 4])
 @pytest.mark.parametrize("backend,platform,marker", [

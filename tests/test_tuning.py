@@ -29,7 +29,7 @@ def test_cache_path_follows_the_environment(cache_dir):
   assert tuning_cache_path() == str(cache_dir / "tiles.json")
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_tune_writes_the_cache_and_flash_attention_uses_it(cache_dir, capsys):
   from pallas_ring import cli
   with pytest.raises(SystemExit) as e:

@@ -67,7 +67,7 @@ def test_matches_the_reference_forward_and_gradients(layout, kv_heads):
     assert rel_err(got, want) < 2e-6
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_dense_mask_bias_dropout_and_lse_equal_the_ring():
   """Per-head bias and a dense mask (heads sharded over the axis), dropout (the same global keep
   mask) and the lse: equal to the ring's, gradients included."""
@@ -201,6 +201,7 @@ MATRIX = [(m, lay, mask, (8, 2, 1)[i % 3], i % 2 == 0) for i, (m, lay, mask) in 
     (m, lay, mask) for m in MESHES for lay in layouts.LAYOUTS for mask in MASK_CLASSES)]
 
 
+@pytest.mark.ci_cases("ulysses_8-contiguous-causal-k8-docs", "ulysses_4-zigzag-window-k1-plain", "ulysses_dp2x4-striped-prefix-k2-docs", "ulysses_ring_2x4-zigzag-full-k2-plain", "ulysses_ring_4x2-striped-window-k8-plain")
 @pytest.mark.parametrize("mesh_name, layout, mask_name, kv_heads, docs", MATRIX,
                          ids=[f"{m}-{lay}-{mask}-k{kh}-{'docs' if d else 'plain'}"
                               for m, lay, mask, kh, d in MATRIX])
@@ -220,6 +221,7 @@ def test_strategy_layout_mask_heads_matrix(mesh_name, layout, mask_name, kv_head
     assert rel_err(got, want) < 2e-6
 
 
+@pytest.mark.ci_cases("pallas_triton-ulysses", "pallas_tpu-ulysses_ring")
 @pytest.mark.parametrize("strategy", ["ulysses", "ulysses_ring"])
 @pytest.mark.parametrize("backend", ["pallas_triton", "pallas_tpu"])
 def test_pallas_backends_in_interpret_mode(backend, strategy):

@@ -64,6 +64,7 @@ CASES = [
 ]
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_error(case):
   _, call, exc, match = case
@@ -150,6 +151,7 @@ def test_batch_axes_none_means_no_batch_axes(tmp_path):
   assert SequenceParallelConfig.from_yaml(path).batch_axes == ()
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("kw, match", [
     (dict(batch_axes=("dp", "dp")), r"batch_axes=\('dp', 'dp'\) names 'dp' more than once"),
     (dict(batch_axes=("dp",), head_axis="dp"), r"head_axis='dp' is also in batch_axes"),
@@ -161,6 +163,7 @@ def test_config_rejects_axes_used_twice(kw, match):
     SequenceParallelConfig(**kw)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("kw, match", [
     (dict(q=jnp.zeros((16, 2, 16))), r"`q` must have rank 4.*\(16, 2, 16\)"),
     (dict(segment_ids=jnp.zeros((1, 12), jnp.int32)),
