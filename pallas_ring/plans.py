@@ -19,6 +19,7 @@ is its cache, and a new configuration builds new plans.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional, Tuple, Union
 
 import jax.numpy as jnp
@@ -80,8 +81,6 @@ class Planner:
   backward_tiles: Tiles
   positions: Optional[Union[Indexed, RingLayout]] = None
   limits: Limits = Limits()
-  # Plans built ahead, by tiles: ``(plans, table)`` of ``block_sparse.plan_table``.
-  _built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def plan(self, ops, backward: bool = False, rank=0, src=0) -> block_sparse.BlockPlan:
     """The plan of pair (q shard ``rank``, kv shard ``src``; traced or static, 0 on one device
@@ -110,11 +109,9 @@ class Planner:
     return (self.q_padded // bq) * (self.kv_padded // bk)
 
   def _ahead(self, bq: int, bk: int):
-    """``(plans, table)`` of every pair, built in numpy at the first request; None when the
-    ring has more pairs than ``limits.max_pairs``."""
-    if (bq, bk) not in self._built:
-      self._built[bq, bk] = self._build(bq, bk)
-    return self._built[bq, bk]
+    """``(plans, table)`` of every pair, built in numpy at the first request (of any equal
+    planner); None when the ring has more pairs than ``limits.max_pairs``."""
+    return _built(self, bq, bk)
 
   def _build(self, bq: int, bk: int):
     info = lambda pos, padded: block_sparse.pad_token_info(block_sparse.TokenInfo(pos[None]),
@@ -136,6 +133,13 @@ class Planner:
     for x in (*plans, table):
       x.flags.writeable = False
     return plans, table
+
+
+@functools.lru_cache(maxsize=64)
+def _built(planner: Planner, bq: int, bk: int):
+  """``planner._build(bq, bk)``, once per equal planner and tiles (a planner is a frozen jit
+  static argument: its plans are cached here, not in the planner)."""
+  return planner._build(bq, bk)  # pylint: disable=protected-access
 
 
 def on_device(ops, cfg, backward: bool = False) -> block_sparse.BlockPlan:

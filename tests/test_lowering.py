@@ -374,10 +374,13 @@ MATRIX_SUBSET = [("v4", "bfloat16", "ring", 128, "documents"),
                  ("v4", "float32", "forward+backward", 256, "documents"),
                  ("v5e", "float16", "forward+backward", 64, "causal"),
                  ("v5p", "float32", "decode", 256, "documents"),
-                 ("v6e", "bfloat16", "forward", 64, "causal")]
+                 ("v6e", "bfloat16", "forward", 64, "causal"),
+                 ("v6e", "bfloat16", "forward+backward", 192, "documents", 128)]
 
 
-@pytest.mark.ci_cases("v4-bfloat16-ring-128-documents", "v5e-float16-forward+backward-64-causal", "v5p-float32-decode-256-documents", "v6e-bfloat16-forward-64-causal")
+@pytest.mark.ci_cases("v4-bfloat16-ring-128-documents", "v5e-float16-forward+backward-64-causal",
+                      "v5p-float32-decode-256-documents", "v6e-bfloat16-forward-64-causal",
+                      "v6e-bfloat16-forward+backward-192-documents-128")
 @pytest.mark.ci
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("cell", MATRIX_SUBSET, ids=lambda c: "-".join(map(str, c)))

@@ -2,11 +2,13 @@
 is NaN, out-of-bounds reads raise, two cores per device share each ``parallel`` grid axis and a
 happens-before race detector watches every buffer; the kernels take the hardware's code paths
 where the interpreter runs them (float16 widened; the ref bitcast of in-place 16-bit blocks
-where the interpreter reads through it, ``pallas_tpu.views._interprets_ref_bitcast``). Plain interpret
-mode (the conformance tests) zero-fills scratch, runs one core and sees no races.
+where the interpreter reads through it, ``pallas_tpu.views._interprets_ref_bitcast``). Plain
+interpret mode (the conformance tests) zero-fills scratch, runs one core and sees no races.
 
-Tiny shapes (the interpreter runs each operation of each grid point on the host); every case
-checks outputs and gradients against ``pallas_ring.reference`` and that no race was reported.
+Tiny shapes (the interpreter runs each operation of each grid point on the host): flash
+attention forward and both backward passes, decode, and the ring and Ulysses on several devices;
+every case checks outputs and gradients against ``pallas_ring.reference`` and that no race was
+reported.
 """
 
 import jax
@@ -16,8 +18,11 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from conftest import rel_err
-from pallas_ring import BlockSizes, decode_attention, flash_attention, masks, reference
+from pallas_ring import (BlockSizes, SequenceParallelConfig, decode_attention, flash_attention,
+                         layouts, masks, reference, sharded_attention)
 
 PARAMS = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                out_of_bounds_reads="raise", num_cores_or_threads=2)
@@ -92,7 +97,7 @@ FLASH = {
 }
 
 
-# The first case runs in ``make quick`` (conftest marks the others slow).
+# The first case runs in `make test` and `make quick`, the others in `make test-all` (conftest).
 @pytest.mark.parametrize("case", list(FLASH))
 def test_flash_attention_forward_and_backward(case, races):
   t, n, kh, h, dt, extra = FLASH[case]
@@ -120,6 +125,34 @@ def test_decode(races):
   want = reference.attention(q, k, v, mask=masks.Causal(), q_positions=q_pos,
                              segment_ids=jnp.zeros((2, 2), jnp.int32), kv_segment_ids=seg_kv)[0]
   assert rel_err(got, want) < 2e-3
+
+
+# The interpreter runs each device's kernel call on a host thread of XLA's CPU pool and holds it
+# at its start until every device's call has arrived (a global barrier, as if kernels
+# communicated), so: two devices, as a 2-core machine has 2 such threads; and layouts whose ring
+# steps all have work on every device (a contiguous causal ring skips a step's kernel on some
+# devices, and the others' calls then wait forever).
+@pytest.mark.ci_cases("ring-zigzag-2", "ulysses-contiguous-2")
+@pytest.mark.parametrize("strategy, layout, devices", [("ring", "zigzag", 2),
+                                                      ("ring", "striped", 2),
+                                                      ("ulysses", "contiguous", 2)])
+def test_sequence_parallel(strategy, layout, devices, races):
+  """The ring (each step's forward merges into the running (o, lse) and its backward adds into
+  the running dQ and the travelling dK/dV: the kernels' accumulators) and Ulysses on several
+  devices, forward and gradients, with documents."""
+  t, n, kh, h = 64 * devices, 2, 2, 64
+  q, k, v, do = _inputs(4, t, n, kh, h, jnp.float32)
+  seg = jnp.asarray(np.arange(t)[None] // 100, jnp.int32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy,
+                               backend="pallas_tpu", block_sizes=TILES)
+  perm = lambda x: layouts.permute(x, layout, devices)
+  ours = lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                      segment_ids=perm(seg), interpret=PARAMS)
+  ref = lambda *a: perm(reference.attention(*(layouts.unpermute(x, layout, devices) for x in a),
+                                            mask=masks.Causal(), segment_ids=seg)[0])
+  put = lambda x: jax.device_put(perm(x), NamedSharding(mesh, P(None, "sp")))
+  _check(ours, ref, tuple(map(put, (q, k, v))), perm(do), 2e-3)
 
 
 def test_interpret_params_reach_the_kernels(monkeypatch):

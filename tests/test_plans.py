@@ -51,7 +51,7 @@ def test_indexed_plan_is_the_device_plan_in_numpy(spec, t, s, bq, bk):
                                              block_kv=bk, q_len=t, kv_len=s))(
       jnp.asarray(q_pos), jnp.asarray(kv_pos))
   _assert_same_plan(ahead, device)
-  built, _ = planner._built[bq, bk]
+  built, _ = planner._ahead(bq, bk)
   assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in built)
 
 
@@ -101,7 +101,7 @@ def test_limits_send_larger_plans_to_the_device():
   zig = lambda rank: bs.TokenInfo(layouts.positions(r * t, "zigzag", r, rank)[None])
   ring_ops = common.Operands(zig(1), zig(2))
   few_pairs = planner(ring, max_pairs=r * r - 1)
-  assert few_pairs.plan(ring_ops, rank=1, src=2) is not None and few_pairs._built[blk, blk] is None
+  assert few_pairs.plan(ring_ops, rank=1, src=2) is not None and few_pairs._ahead(blk, blk) is None
   _assert_same_plan(planner(ring).plan(ring_ops, rank=1, src=2),
                     few_pairs.plan(ring_ops, rank=1, src=2))
 
@@ -143,10 +143,10 @@ def test_ring_plans_are_the_device_plans_of_each_pair(layout, mask):
   for i in range(r):
     for j in range(r):
       _assert_same_plan(select(i, j), device(i, j), f" of pair ({i}, {j})")
-  stored, table = planner._built[blk, blk]
+  stored, table = planner._ahead(blk, blk)
   assert table.shape == (r, r) and stored.block_class.shape[0] == len(np.unique(table))
   one = plans.Planner(masks.Full(), 16, 16, 16, 16, (blk, blk), (blk, blk),
                       plans.RingLayout(64, "zigzag", r, False))
   zig = lambda rank: bs.make_token_info(16, 1, layouts.positions(64, "zigzag", r, rank))
   assert isinstance(one.plan(common.Operands(zig(0), zig(0))).kv_count, jax.Array)
-  assert one._built[blk, blk][0].block_class.shape[0] == 1
+  assert one._ahead(blk, blk)[0].block_class.shape[0] == 1

@@ -3,13 +3,14 @@ no TPU needed) and reports compile seconds and each program's VMEM.
 
 The matrix: generation (v4, v5e, v5p, v6e; one chip, or the topology's 4 chips for the ring) x
 dtype (bfloat16, float32, float16) x program (forward, forward+backward, the ring's
-forward+backward, whose steps add into accumulators, and decode) x head dim (64, 128, 256) x mask
-(causal, documents). Shapes: B=1, T=4096 per chip, N=K=8 (8-head blocks read in place: the most
-VMEM per program); decode is one token of B=2 rows against a 4096-slot cache, "documents"
-there meaning ragged ``kv_lengths``. Every call leaves ``block_sizes``, ``backend`` and
-``interpret`` at their defaults, traced under ``jax.set_mesh`` of the topology (the target
-chip's tiles). The VMEM of a program is the kernels' own measure (``pallas_tpu.tiles._Vmem``:
-pipelined blocks, scratch, the body's temporaries and a reserve), recorded for every pass::
+forward+backward, whose steps add into accumulators, and decode) x head dim (64, 128, 192/128:
+DeepSeek-style MLA, q/k 192 and v 128; 256) x mask (causal, documents). Shapes: B=1, T=4096 per
+chip, N=K=8 (8-head blocks read in place: the most VMEM per program); decode is one token of
+B=2 rows against a 4096-slot cache, "documents" there meaning ragged ``kv_lengths``. Every call
+leaves ``block_sizes``, ``backend`` and ``interpret`` at their defaults, traced under
+``jax.set_mesh`` of the topology (the target chip's tiles). The VMEM of a program is the
+kernels' own measure (``pallas_tpu.tiles._Vmem``: pipelined blocks, scratch, the body's
+temporaries and a reserve), recorded for every pass::
 
     python tools/tpu_compile_matrix.py                      # the whole matrix (~25 min, 2 cores)
     python tools/tpu_compile_matrix.py --generations v4 --dtypes bfloat16 --json out.json
@@ -35,7 +36,7 @@ import numpy as np  # noqa: E402
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 DTYPES = ("bfloat16", "float32", "float16")
 PROGRAMS = ("forward", "forward+backward", "ring", "decode")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = ((64, None), (128, None), (192, 128), (256, None))  # (q/k H, v Hv; None: H)
 MASKS = ("causal", "documents")
 SEQ_LEN, HEADS = 4096, 8
 
@@ -47,8 +48,14 @@ class Cell:
   generation: str  # "v4", "v5e", "v5p" or "v6e"
   dtype: str  # "bfloat16", "float32" or "float16"
   program: str  # one of PROGRAMS
-  head_dim: int  # H
+  head_dim: int  # H of q and k
   mask: str  # "causal" or "documents"
+  value_dim: int | None = None  # Hv of v (None: H)
+
+  @property
+  def heads(self) -> str:
+    """The head dims as the tables write them: ``H`` or ``H/Hv``."""
+    return f"{self.head_dim}" + (f"/{self.value_dim}" if self.value_dim else "")
 
 
 @dataclasses.dataclass
@@ -75,14 +82,14 @@ def _program(cell: Cell):
   from pallas_ring import (SequenceParallelConfig, decode_attention, flash_attention, masks,
                            sharded_attention)
   topology, dt = TOPOLOGIES[cell.generation], jnp.dtype(cell.dtype)
-  h, docs = cell.head_dim, cell.mask == "documents"
+  h, hv, docs = cell.head_dim, cell.value_dim or cell.head_dim, cell.mask == "documents"
   grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   if cell.program == "decode":
     mesh = _mesh(topology, 1, "x")
     sd = lambda shape, d=dt: jax.ShapeDtypeStruct(shape, d, sharding=NamedSharding(mesh, P()))
     lengths = np.array([4096, 1500], np.int32) if docs else None
     fn = lambda q, k, v: decode_attention(q, k, v, kv_lengths=lengths)
-    return fn, (sd((2, 1, HEADS, h)), sd((2, SEQ_LEN, HEADS, h)), sd((2, SEQ_LEN, HEADS, h))), mesh
+    return fn, (sd((2, 1, HEADS, h)), sd((2, SEQ_LEN, HEADS, h)), sd((2, SEQ_LEN, HEADS, hv))), mesh
   seg = lambda t: jnp.asarray(np.arange(t)[None] // 1000, jnp.int32) if docs else None
   if cell.program == "ring":
     mesh = _mesh(topology, 4, "sp")
@@ -91,11 +98,11 @@ def _program(cell: Cell):
     cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
     fn = lambda q, k, v: sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
                                            segment_ids=seg(t))
-    return grad(fn), (sd((1, t, HEADS, h)),) * 3, mesh
+    return grad(fn), (sd((1, t, HEADS, h)), sd((1, t, HEADS, h)), sd((1, t, HEADS, hv))), mesh
   mesh = _mesh(topology, 1, "x")
-  sd = jax.ShapeDtypeStruct((1, SEQ_LEN, HEADS, h), dt, sharding=NamedSharding(mesh, P()))
+  sd = lambda d: jax.ShapeDtypeStruct((1, SEQ_LEN, HEADS, d), dt, sharding=NamedSharding(mesh, P()))
   fn = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), segment_ids=seg(SEQ_LEN))
-  return (fn if cell.program == "forward" else grad(fn)), (sd, sd, sd), mesh
+  return (fn if cell.program == "forward" else grad(fn)), (sd(h), sd(h), sd(hv)), mesh
 
 
 def compile_cell(cell: Cell) -> Result:
@@ -129,7 +136,8 @@ def compile_cell(cell: Cell) -> Result:
 
 def cells(generations=tuple(TOPOLOGIES), dtypes=DTYPES, programs=PROGRAMS, head_dims=HEAD_DIMS,
           masks=MASKS):
-  return [Cell(*c) for c in itertools.product(generations, dtypes, programs, head_dims, masks)]
+  return [Cell(gen, dt, prog, h, mask, hv) for gen, dt, prog, (h, hv), mask
+          in itertools.product(generations, dtypes, programs, head_dims, masks)]
 
 
 def summary(results: list[Result]) -> str:
@@ -143,7 +151,7 @@ def summary(results: list[Result]) -> str:
     top = max(((p[3], p[4], r, p) for r in rs for p in r.passes), default=None,
               key=lambda x: x[0])
     where = "-" if top is None else (f"{top[2].cell.dtype} {top[2].cell.program} "
-                                     f"H={top[2].cell.head_dim} {top[2].cell.mask}: {top[3][0]} "
+                                     f"H={top[2].cell.heads} {top[2].cell.mask}: {top[3][0]} "
                                      f"{top[3][1]}x{top[3][2]}")
     lines.append(f"{gen:5s} {sum(r.ok for r in rs):3d}/{len(rs):<3d} {np.median(secs):8.1f} "
                  f"{max(secs):6.1f} {top[0] if top else 0:12.2f} {top[1] if top else 0:6d}  "
@@ -151,12 +159,19 @@ def summary(results: list[Result]) -> str:
   return "\n".join(lines)
 
 
+def _head_dims(text: str) -> tuple[int, int | None]:
+  """``"192/128"`` -> ``(192, 128)``, ``"64"`` -> ``(64, None)``."""
+  h, _, hv = text.partition("/")
+  return int(h), int(hv) if hv else None
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--generations", nargs="+", default=list(TOPOLOGIES), choices=list(TOPOLOGIES))
   p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
   p.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=list(PROGRAMS))
-  p.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+  p.add_argument("--head-dims", nargs="+", type=_head_dims, default=list(HEAD_DIMS),
+                 help="H or H/Hv (q/k and v head dims), e.g. 128 192/128")
   p.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
   p.add_argument("--json", help="also write every cell's result to this file")
   args = p.parse_args()
@@ -168,7 +183,7 @@ def main():
     r = compile_cell(cell)
     results.append(r)
     state = "ok" if r.ok else f"FAILS {r.error}"
-    print(f"{cell.generation:4s} {cell.dtype:8s} {cell.program:16s} H={cell.head_dim:<3d} "
+    print(f"{cell.generation:4s} {cell.dtype:8s} {cell.program:16s} H={cell.heads:<7s} "
           f"{cell.mask:9s} {r.seconds:6.1f} s  {state}  {r.passes}", flush=True)
   print(summary(results))
   if args.json:

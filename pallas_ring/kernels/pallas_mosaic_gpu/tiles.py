@@ -55,8 +55,9 @@ class Variants:
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
   # (above, their registers do not fit beside its float32 result: after them).
   dq_with_dkv_up_to: int = 64
-  # A 16-bit bias or dense-mask term reaches each consumer through a shared-memory tile that the
-  # producer fills by TMA a step ahead (``terms.TermStage``), where it fits beside the slots.
+  # A 16-bit tile term (an additive tile or a dense mask) reaches each consumer through a
+  # shared-memory tile that the producer fills by TMA a step ahead (``terms.TermStage``), where
+  # it fits beside the slots.
   # False: each consumer loads it from global memory after its tile's q.k^T (as a float32 term
   # always is).
   stage_bias: bool = True
@@ -91,7 +92,7 @@ def unsupported(call: backend.Call) -> Optional[str]:
 
 def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
   """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile and
-  ``staged`` bytes of staged bias windows (at least 2)."""
+  ``staged`` bytes of staged tile-term windows (at least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
   q_bytes = cfg.block_q * head_dim * itemsize
@@ -107,7 +108,7 @@ def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int
 
 def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
                       cols: int) -> int:
-  """Bytes of the staged bias windows (``terms.TermStage``) of ``readers`` readers of
+  """Bytes of the staged tile-term windows (``terms.TermStage``) of ``readers`` readers of
   ``[rows, cols]``, or 0 where the term is not staged (32-bit, or ``Variants.stage_bias``
   off); callers stage only where it fits."""
   itemsize = jnp.dtype(term_dtype).itemsize
@@ -115,7 +116,7 @@ def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
 
 
 def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> None:
-  """Raises ValueError naming the rule when the forward tiles (beside ``staged`` bytes of bias
+  """Raises ValueError naming the rule when the forward tiles (beside ``staged`` bytes of tile-term
   windows) cannot run."""
   if cfg.block_q % (COMPUTE_WGS * WG_ROWS):
     raise ValueError(

@@ -123,7 +123,10 @@ def _call_spec(p: _Pass, r0: int, r1: int, extra: list):
   aliased to the outputs (the accumulators, or the previous call's outputs, unread)."""
   grid_spec, lists = p.grid_spec(r0, r1)
   if extra:
-    carried = (list(grid_spec.out_specs) if p.acc is not None else
+    # An accumulator block is read once per output block, whose index stays over the inner
+    # grid axis: one buffer, not two.
+    carried = ([pl.BlockSpec(s.block_shape, s.index_map, pipeline_mode=pl.Buffered(1))
+                for s in grid_spec.out_specs] if p.acc is not None else
                [pl.BlockSpec(memory_space=pl.ANY)] * len(extra))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=grid_spec.num_scalar_prefetch, grid=grid_spec.grid,
@@ -185,7 +188,7 @@ MIN_BLOCK_Q = 16
 class _Vmem(NamedTuple):
   """VMEM bytes of one program and the chip's capacity."""
 
-  blocks: int  # pipelined blocks of the inputs and outputs, double-buffered
+  blocks: int  # pipelined blocks of the inputs and outputs (double-buffered unless told)
   scratch: int  # scratch buffers (row statistics, output rows, staged heads)
   body: int  # the body's temporaries (``_body_bytes``)
   capacity: int  # VMEM of the chip being compiled for (``_chip``)
@@ -256,7 +259,8 @@ def _pass_vmem(p: _Pass, capacity: tuple[int, str]) -> _Vmem:
   def window(spec, array):
     if spec.memory_space == pl.ANY or spec.block_shape is None:
       return 0
-    return 2 * _tile_bytes(spec.block_shape, array.dtype)
+    buffers = 2 if spec.pipeline_mode is None else spec.pipeline_mode.buffer_count
+    return buffers * _tile_bytes(spec.block_shape, array.dtype)
 
   blocks = sum(window(s, a) for s, a in list(zip(specs, arrays)) + outs)
   scratch = sum(_tile_bytes(x.shape, x.dtype) for x in grid_spec.scratch_shapes)
