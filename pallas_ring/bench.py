@@ -12,6 +12,7 @@ TFLOP/s on visible (query, key) pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os

@@ -125,3 +125,23 @@ def test_plot_groups_each_case_and_pass(tmp_path, monkeypatch):
   assert (tmp_path / "p.png").stat().st_size > 0
   assert seen == {"ticks": ["dense, fwd", "dense, fwd+bwd", "causal, fwd"],
                   "legend": ["ours", "cuDNN"], "bars": 6}
+
+
+def test_main_writes_the_rows_as_json_and_a_table(tmp_path, monkeypatch, capsys):
+  """``bench.main`` (``python -m pallas_ring bench``) after its measurements: the rows go to
+  ``OUT/NAME.json`` and a markdown table (the GPU and its timings faked)."""
+  import argparse
+  import json
+  from pallas_ring import bench
+  from pallas_ring.timing import Row
+  rows = [Row("causal T=8k", "cudnn", "fwd", 1.5, 600.0),
+          Row("causal T=8k", "ours", "fwd", 1.25, 720.0, "1.2x")]
+  monkeypatch.setattr(bench.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(bench, "model_shapes", lambda log: rows)
+  monkeypatch.setattr(bench, "plot", lambda *a: None)
+  args = argparse.Namespace(out=str(tmp_path), device_time=False, long_context=0, ring=False,
+                            extras=False, models=True, decode=False)
+  bench.main(args)
+  saved = json.loads((tmp_path / "models.json").read_text())
+  assert [r["ms"] for r in saved["rows"]] == [1.5, 1.25]
+  assert "| causal T=8k | ours | fwd | 1.250 | 720.0 | 1.2x |" in capsys.readouterr().out
