@@ -12,8 +12,9 @@ once from (mask, shapes, tiles). An entry point (``flash_attention``, one ring c
 * Otherwise the plan is built on device from the call's ``TokenInfo`` (with known positions as
   numpy constants, so only the segment part runs).
 
-A planner is hashable by its static fields: it travels as a jit static argument, so jit's cache
-is its cache, and a new configuration builds new plans.
+A planner is hashable by its static fields and immutable: it travels as a jit static argument,
+and the plans it builds ahead are kept in a module-level cache keyed by it (equal planners share
+them); a new configuration builds new plans.
 """
 
 from __future__ import annotations

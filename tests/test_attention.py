@@ -104,7 +104,9 @@ def test_backward_jaxpr_has_no_t_by_s_array():
 class FlashCases:
   """Every backend against the dense reference: forward, lse, gradients (``conformance``)."""
 
-  @pytest.mark.ci_cases("causal_mha_f32", "full_mqa_f16", "chunked_sinks", "prefix_or_wide_window", "documents_causal_bf16", "dense_and_causal", "custom_positions_sinks_softcap")
+  @pytest.mark.ci_cases("causal_mha_f32", "full_mqa_f16", "chunked_sinks", "prefix_or_wide_window",
+                        "documents_causal_bf16", "dense_and_causal",
+                        "custom_positions_sinks_softcap")
   @pytest.mark.parametrize("name", list(CASES))
   def test_conformance(self, name):
     backend = self.backend

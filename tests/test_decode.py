@@ -40,7 +40,8 @@ def _reference(q, k, v, lengths, mask, q_positions=None, **kw):
                              kv_segment_ids=kv_seg, **kw)
 
 
-@pytest.mark.ci_cases("greedy_gqa_causal-xla", "speculative_mqa_window-pallas_triton", "chunk_mha_full_sinks_softcap-pallas_tpu")
+@pytest.mark.ci_cases("greedy_gqa_causal-xla", "speculative_mqa_window-pallas_triton",
+                      "chunk_mha_full_sinks_softcap-pallas_tpu")
 @pytest.mark.parametrize("backend, interpret", BACKENDS, ids=[b for b, _ in BACKENDS])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_the_reference(case, backend, interpret):

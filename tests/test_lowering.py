@@ -46,7 +46,8 @@ def _structs(t, sharding=None):
           s((2, t, 2, 128), jnp.bfloat16), s((2, t), jnp.int32), s((1, 1, t, t), jnp.bool_))
 
 
-@pytest.mark.ci_cases("causal_gqa_softcap-v5e:2x2", "chunked_documents-v6e:2x2", "window_dense-v5e:2x2")
+@pytest.mark.ci_cases("causal_gqa_softcap-v5e:2x2", "chunked_documents-v6e:2x2",
+                      "window_dense-v5e:2x2")
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 @pytest.mark.parametrize("case", list(CASES))

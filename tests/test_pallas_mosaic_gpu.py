@@ -74,7 +74,8 @@ def _kernels_of_gradients(text):
   return text.count(MOSAIC) == 3 and TRITON not in text
 
 
-@pytest.mark.ci_cases("causal_gqa", "full_odd_lengths", "window_mqa", "chunked", "prefix_lm", "documents")
+@pytest.mark.ci_cases("causal_gqa", "full_odd_lengths", "window_mqa", "chunked", "prefix_lm",
+                      "documents")
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_configuration_lowers_for_cuda(name):
   """Forward: one Mosaic GPU kernel; gradients: it plus the two backward kernels."""

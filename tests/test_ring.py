@@ -55,7 +55,8 @@ def _check(mesh, cfg, mask, q, k, v, seg, sinks=None, softcap=None, interpret=No
     assert rel_err(a, b_) < tol, (name, rel_err(a, b_))
 
 
-@pytest.mark.ci_cases("contiguous-causal-ring", "zigzag-documents-ring", "striped-window-ring", "zigzag-full-all_gather")
+@pytest.mark.ci_cases("contiguous-causal-ring", "zigzag-documents-ring", "striped-window-ring",
+                      "zigzag-full-all_gather")
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
@@ -196,7 +197,9 @@ def test_empty_steps_and_shards_are_zero_not_nan():
   assert np.all(np.asarray(g) == 0)
 
 
-@pytest.mark.ci_cases("pallas_tpu-tpu-tpu_custom_call-2", "pallas_triton-cuda-__gpu$xla.gpu.triton-2", "pallas_mosaic_gpu-cuda-@mosaic_gpu-2")
+@pytest.mark.ci_cases("pallas_tpu-tpu-tpu_custom_call-2",
+                      "pallas_triton-cuda-__gpu$xla.gpu.triton-2",
+                      "pallas_mosaic_gpu-cuda-@mosaic_gpu-2")
 @pytest.mark.xdist_group("libtpu")
 @pytest.mark.parametrize("ring", [2, 4])
 @pytest.mark.parametrize("backend,platform,marker", [

@@ -201,7 +201,10 @@ MATRIX = [(m, lay, mask, (8, 2, 1)[i % 3], i % 2 == 0) for i, (m, lay, mask) in 
     (m, lay, mask) for m in MESHES for lay in layouts.LAYOUTS for mask in MASK_CLASSES)]
 
 
-@pytest.mark.ci_cases("ulysses_8-contiguous-causal-k8-docs", "ulysses_4-zigzag-window-k1-plain", "ulysses_dp2x4-striped-prefix-k2-docs", "ulysses_ring_2x4-zigzag-full-k2-plain", "ulysses_ring_4x2-striped-window-k8-plain")
+@pytest.mark.ci_cases("ulysses_8-contiguous-causal-k8-docs", "ulysses_4-zigzag-window-k1-plain",
+                      "ulysses_dp2x4-striped-prefix-k2-docs",
+                      "ulysses_ring_2x4-zigzag-full-k2-plain",
+                      "ulysses_ring_4x2-striped-window-k8-plain")
 @pytest.mark.parametrize("mesh_name, layout, mask_name, kv_heads, docs", MATRIX,
                          ids=[f"{m}-{lay}-{mask}-k{kh}-{'docs' if d else 'plain'}"
                               for m, lay, mask, kh, d in MATRIX])

@@ -38,8 +38,9 @@ def _value_bitcast(interpret) -> bool:
 
 @functools.cache
 def _interprets_ref_bitcast(params) -> bool:
-  """Whether JAX's TPU interpreter with ``params`` runs the in-place views' ref bitcast (JAX
-  0.10.2's does not: "'BitcastTransform' object has no attribute 'indices'"): a probe kernel
+  """Whether JAX's TPU interpreter with ``params`` runs the in-place views' ref bitcast (those
+  of JAX 0.10.2 and 0.11.2 do not: "'BitcastTransform' object has no attribute 'indices'"; the
+  compile matrix lowers it through Mosaic for every generation): a probe kernel
   that reads and writes a bfloat16 block through ``ref.bitcast(jnp.uint32)`` runs once per
   ``params``, in a thread of its own (outside any trace being built), and must give the bits."""
 
