@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import rel_err

@@ -89,7 +89,8 @@ def _program(cell: Cell):
     sd = lambda shape, d=dt: jax.ShapeDtypeStruct(shape, d, sharding=NamedSharding(mesh, P()))
     lengths = np.array([4096, 1500], np.int32) if docs else None
     fn = lambda q, k, v: decode_attention(q, k, v, kv_lengths=lengths)
-    return fn, (sd((2, 1, HEADS, h)), sd((2, SEQ_LEN, HEADS, h)), sd((2, SEQ_LEN, HEADS, hv))), mesh
+    return fn, (sd((2, 1, HEADS, h)), sd((2, SEQ_LEN, HEADS, h)),
+                sd((2, SEQ_LEN, HEADS, hv))), mesh
   seg = lambda t: jnp.asarray(np.arange(t)[None] // 1000, jnp.int32) if docs else None
   if cell.program == "ring":
     mesh = _mesh(topology, 4, "sp")
@@ -100,7 +101,8 @@ def _program(cell: Cell):
                                            segment_ids=seg(t))
     return grad(fn), (sd((1, t, HEADS, h)), sd((1, t, HEADS, h)), sd((1, t, HEADS, hv))), mesh
   mesh = _mesh(topology, 1, "x")
-  sd = lambda d: jax.ShapeDtypeStruct((1, SEQ_LEN, HEADS, d), dt, sharding=NamedSharding(mesh, P()))
+  sd = lambda d: jax.ShapeDtypeStruct((1, SEQ_LEN, HEADS, d), dt,
+                                      sharding=NamedSharding(mesh, P()))
   fn = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal(), segment_ids=seg(SEQ_LEN))
   return (fn if cell.program == "forward" else grad(fn)), (sd(h), sd(h), sd(hv)), mesh
 
