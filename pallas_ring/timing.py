@@ -90,7 +90,7 @@ def balanced_orders(n: int) -> list:
   return orders if n % 2 == 0 or n == 1 else orders + [o[::-1] for o in orders]
 
 
-def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dict:
+def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S, batches=None) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
   repetitions interleaved across the calls, so that clock and thermal drift during a run
   (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
@@ -99,12 +99,14 @@ def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S) -> dic
   another (on an H100 two builds of one kernel timed first and second of four in every
   repetition read 3.54 and 3.77 ms). Identical builds still differed by up to 6% within one
   run in these orders, so that is the noise of a single run. Each sample is a batch of at least
-  ``iters`` calls lasting at least ``min_batch_s`` (0: exactly ``iters``; ``_batch``)."""
+  ``iters`` calls lasting at least ``min_batch_s`` (0: exactly ``iters``; ``_batch``), or
+  ``batches[name]`` calls where given (1: lone calls, timed beside sustained batches in the same
+  trace: on several GPUs the first call after a profiler trace stops can fail, jax#40260)."""
   batch = {}
   for name, (fn, args) in calls.items():
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    batch[name] = _batch(fn, args, iters, min_batch_s)
+    batch[name] = (batches or {}).get(name) or _batch(fn, args, iters, min_batch_s)
   names = list(calls)
   orders = balanced_orders(len(names))
   samples = []  # (implementation, seconds per call by the host's clock)
