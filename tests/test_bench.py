@@ -64,6 +64,22 @@ def test_short_calls_are_timed_in_longer_batches():
   assert secs >= 1e-3
 
 
+def test_given_batch_sizes_time_lone_calls_beside_sustained_batches():
+  counts = {"lone": 0, "batch": 0}
+
+  def f(name):
+    def call(x):
+      counts[name] += 1
+      time.sleep(1e-3)
+      return x
+    return call
+
+  calls = {name: (f(name), (jnp.ones(3),)) for name in counts}
+  bench.interleaved_samples(calls, iters=3, reps=2, batches={"lone": 1})
+  assert counts["lone"] == 2 + 2 * 1  # two warm-ups, then 2 repetitions of one call
+  assert counts["batch"] >= 2 + 3 + 2 * 3  # warm-ups, the sizing batch, 2 batches of >= 3
+
+
 def _write_trace(path, events):
   import gzip
   import json
