@@ -48,12 +48,25 @@ def quantize_fp8(x, dtype=jnp.float8_e4m3fn):
   if np.ndim(x) != 4:
     raise ValueError(f"`x` must have rank 4 ([batch, seq, heads, head_dim]), got shape "
                      f"{tuple(np.shape(x))}.")
-  xf = jnp.asarray(x, jnp.float32)
+  descale = descale_of(x, dtype)
+  return quantize_with(x, descale, dtype), descale
+
+
+def descale_of(x, dtype, headroom: float = 1.0):
+  """float32 ``[..., heads]``: the descale that maps ``headroom`` times the absolute maximum of
+  each batch row and head of ``x [..., L, heads, H]`` to ``dtype``'s largest finite value (1
+  for an all-zero head)."""
+  amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=(-3, -1))  # [..., heads]
+  return jnp.where(amax > 0, amax * headroom / float(jnp.finfo(dtype).max), 1.0).astype(
+      jnp.float32)
+
+
+def quantize_with(x, descale, dtype):
+  """``x [..., L, heads, H]`` divided by ``descale [..., heads]`` in ``dtype`` (FP8), values
+  beyond the dtype's range saturated."""
   top = float(jnp.finfo(dtype).max)
-  amax = jnp.max(jnp.abs(xf), axis=(1, 3))  # [B, heads]
-  descale = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
-  x8 = jnp.clip(xf / descale[:, None, :, None], -top, top).astype(dtype)
-  return x8, descale
+  xf = jnp.asarray(x, jnp.float32) / descale[..., None, :, None]
+  return jnp.clip(xf, -top, top).astype(dtype)
 
 
 def _descale_per_head(name: str, descale, x, b: int, kv_heads: int):
@@ -198,4 +211,4 @@ def with_fp8(fn):
   return wrapped
 
 
-__all__ = ["quantize_fp8", "widen", "fold", "cast_output", "with_fp8", "is_fp8", "FP8_DTYPES"]
+__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "fold", "cast_output", "with_fp8", "is_fp8", "FP8_DTYPES"]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pallas_ring import fp8
 from pallas_ring import masks as masks_lib
 from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
@@ -37,15 +38,17 @@ Array = Any
 
 def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
             q_positions=None, kv_positions=None, single_device=False, bias=None, dropout=None,
-            cache_index=None):
+            cache_index=None, descales=None):
   """Dispatches ``[..., T, N, H]`` q/k/v to the ring (mesh), to flash_attention, or (decoding
   against a cache whose slots up to ``cache_index`` are filled) to decode_attention.
 
   ``dense_mask`` / ``bias`` are ``[..., N, T, S]`` (Flax's layout); ``dropout`` holds the
-  ``dropout_rate`` / ``dropout_rng`` / ``dropout_broadcast`` keywords (or None).
+  ``dropout_rate`` / ``dropout_rng`` / ``dropout_broadcast`` keywords (or None); ``descales``
+  the ``k_descale`` / ``v_descale`` keywords of an FP8 cache (``[..., N]`` each, or None).
   """
   batch_shape = q.shape[:-3]
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[len(batch_shape):])
+  descales = {name: d.reshape(-1, d.shape[-1]) for name, d in (descales or {}).items()}
   flat_bnts = lambda x: x if x is None or x.ndim <= 4 else x.reshape((-1,) + x.shape[-3:])
   q, k, v = flat(q), flat(k), flat(v)
   if segment_ids is not None:
@@ -61,7 +64,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
     # (Flax's dense mask here is the cache's own, slots <= cache_index: kv_lengths says it.)
     lengths = jnp.broadcast_to(cache_index + 1, q.shape[:1]).astype(jnp.int32)
     out = decode_attention(q, k, v, mask=mask, kv_lengths=lengths, config=config,
-                           mesh=None if config is None else mesh)
+                           mesh=None if config is None else mesh, **descales)
     return out.reshape(batch_shape + out.shape[1:])
   run_mesh = None if single_device else active_mesh(mesh, config)
   cfg = config or SequenceParallelConfig()
@@ -71,7 +74,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
                                      run_mesh.shape[cfg.axis_name], name="mask"))
     out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,
                             mask=mask, segment_ids=segment_ids, positions=q_positions,
-                            dense_mask=dense_mask, bias=bias, **dropout)
+                            dense_mask=dense_mask, bias=bias, **dropout, **descales)
   else:
     if kv_positions is None and q.shape[1] == k.shape[1]:
       kv_positions = q_positions
@@ -82,7 +85,8 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
                                    for x in (q, k, v, dense_mask, bias))
     out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=q_positions,
                           kv_positions=kv_positions, dense_mask=dense_mask, bias=bias,
-                          block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout)
+                          block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout,
+                          **descales)
     if cache_mesh is not None:  # batch rows back where the other decode steps leave them
       out = constrain(out, cache_mesh, P(batch_spec(config), None, None, None))
   out = validation.poison(out, *misuse)
@@ -102,8 +106,9 @@ class _Tokens(NamedTuple):
   # Decoding: the slot of the query token (Flax's cache_index before the call). Slots up to it
   # are visible: decode_attention runs, on the cache sharded along its slots under a mesh.
   cache_index: Optional[Array] = None
-  # Decoding a chunk of T > 1 tokens: ``append(key, value) -> (cached_key, cached_value, last
-  # slot)`` writes the chunk's projected K/V ``[..., T, K, H]`` into the module's cache.
+  # Decoding: ``append(key, value) -> (cached_key, cached_value, last slot, descales)`` writes
+  # the call's projected K/V ``[..., T, K, H]`` into the module's cache (``descales``: the
+  # ``k_descale`` / ``v_descale`` keywords of an FP8 cache, else empty).
   append: Optional[Callable] = None
 
 
@@ -135,18 +140,20 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
         "attn_weights_value_einsum, einsum_dot_general; e.g. AQT quantisation) cannot apply. "
         "Leave them unset, or use the stock attention_fn.")
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
-  index = t.cache_index
+  index, descales = t.cache_index, None
   if t.append is not None:  # the call's K/V into the cache; its queries attend the cache
-    key, value, last = t.append(key, value)
+    key, value, last, descales = t.append(key, value)
     index = None if index is None else last  # (None: a dense mask of the caller's decides)
-  # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype.
-  dtype = dtype or jnp.result_type(query, key, value)
-  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype
+  # (an FP8 cache stays FP8: the kernels widen it with its descales).
+  wide = [x for x in (query, key, value) if not fp8.is_fp8(x)]
+  dtype = dtype or jnp.result_type(*wide)
+  query, key, value = (x if fp8.is_fp8(x) else x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
                 kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
-                dropout=dropout, cache_index=index)
+                dropout=dropout, cache_index=index, descales=descales)
   return out.astype(dtype)
 
 
@@ -234,7 +241,10 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   ``cache_index`` and attends them causally to the cache (a prompt prefilled in one call, run
   over the cache's shards under a mesh); the stock module accepts one token at a time. Under a
   mesh (Auto or Explicit axes, e.g. ``jax.make_mesh``'s) the cache stays sharded along its slots
-  and each device writes its own slots.
+  and each device writes its own slots. ``cache_dtype=jnp.float8_e4m3fn`` keeps the cache in
+  FP8 (half of bf16's bytes, read as such by decode kernels that take FP8), quantized as it is
+  written with one descale per batch row and head that the first write fixes: prefill the
+  prompt in one call so that its scale sees the prompt.
 
   The call's dense ``mask`` (bool, or float 0/1 as Flax builds it) is in the tokens' order:
   under a zigzag or striped ring, layout order. Causal attention on a ring wants the ``mask``
@@ -249,12 +259,22 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     mesh: mesh for the ring; None uses the mesh active through ``jax.set_mesh``. A mesh without
       ``config.axis_name`` raises; with no mesh at all, single-device ``flash_attention`` runs.
     attention_fn: None (pallas_ring attention) or any Flax ``attention_fn``, used as Flax does.
+    cache_dtype: dtype of the decode cache's K/V (None: the projected keys', as Flax).
+    cache_headroom: for an FP8 cache, the largest value it holds over the first write's
+      absolute maximum (per batch row and head); larger later values saturate.
   """
 
   config: Optional[SequenceParallelConfig] = None
   mask: Optional[masks_lib.MaskSpec] = None
   mesh: Any = None
   attention_fn: Optional[Callable[..., Array]] = None
+  # dtype of cached_key / cached_value: None keeps the projected keys' dtype (Flax's); a float
+  # dtype casts; float8_e4m3fn / float8_e5m2 store FP8 with float32 descales per batch row and
+  # head (cache variables cached_key_descale / cached_value_descale [..., N]) fixed by the
+  # first write
+  cache_dtype: Any = None
+  # FP8 cache: the largest value held is the first write's absolute maximum times this
+  cache_headroom: float = 4.0
 
   def __post_init__(self):
     if self.attention_fn is None:
@@ -289,6 +309,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
                        "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
                        "attention_fn=None for pallas_ring attention.")
     q_pos, kv_pos, index, append, spec = positions, None, None, None, self.mask
+    if self.decode and self.cache_dtype is not None:
+      self._check_cache_dtype()
     decoding = self.decode and self.has_variable("cache", "cache_index")
     chunk = decoding and inputs_q.shape[-2] > 1
     # Decoding with pallas_ring attention, the cache is written here (``_append``), not in Flax's
@@ -331,16 +353,46 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       if own_write:
         object.__setattr__(self, "decode", True)
       _CALL.reset(reset)
+    if self.decode and not decoding and self.cache_dtype is not None:
+      self._retype_cache()
     if self.decode:
       self._shard_cache()
     return out
 
+  def _check_cache_dtype(self):
+    dtype = jnp.dtype(self.cache_dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"RingAttention.cache_dtype={self.cache_dtype!r} is not a float dtype; "
+                       "use None (the keys' dtype), jnp.bfloat16, or jnp.float8_e4m3fn / "
+                       "jnp.float8_e5m2 for an FP8 cache.")
+    if self.attention_fn is not _ring_attention_fn:
+      raise ValueError("RingAttention.cache_dtype needs attention_fn=None: a custom attention_fn "
+                       "runs Flax's own cache write, which keeps the keys' dtype. Drop one.")
+    if not 1.0 <= self.cache_headroom < float("inf"):
+      raise ValueError(f"RingAttention.cache_headroom={self.cache_headroom!r} must be a finite "
+                       "number >= 1 (the FP8 cache's range over its first write's maximum).")
+
+  def _retype_cache(self):
+    """The cache Flax's decode branch has just made (zeros), in ``cache_dtype``, with the FP8
+    descales."""
+    dtype = jnp.dtype(self.cache_dtype)
+    for name in ("cached_key", "cached_value"):
+      if not self.is_mutable_collection("cache") or not self.has_variable("cache", name):
+        return
+      x = self.get_variable("cache", name)  # [..., S, N, H]
+      self.put_variable("cache", name, x.astype(dtype))
+      if dtype in fp8.FP8_DTYPES:
+        self.put_variable("cache", f"{name}_descale", jnp.ones(x.shape[:-3] + x.shape[-2:-1],
+                                                               jnp.float32))
+
   def _append(self, key, value):
     """Writes a chunk's projected ``key, value [..., T, K, H]`` into the cache at
-    ``cache_index`` (as Flax writes one token) and advances the index by T.
+    ``cache_index`` (as Flax writes one token) and advances the index by T; an FP8 cache's first
+    write (at slot 0) sets its descales.
 
     Returns:
-      ``(cached_key, cached_value, last)``: the updated caches and the chunk's last slot.
+      ``(cached_key, cached_value, last, descales)``: the updated caches, the chunk's last slot
+      and the FP8 cache's ``k_descale`` / ``v_descale`` keywords (``[..., N]``; else empty).
     """
     cached = [self.get_variable("cache", n) for n in ("cached_key", "cached_value")]
     index = self.get_variable("cache", "cache_index")
@@ -351,12 +403,20 @@ class RingAttention(nn.MultiHeadDotProductAttention):
           f"call's keys are {key.shape}; a decode-mode call must match the cache's batch and "
           f"heads with at most S={shape[-3]} tokens.")
     mesh = active_mesh(self.mesh, self.config)
-    new = [_write_cache(c, x.astype(c.dtype), index, mesh, self.config)
-           for c, x in zip(cached, (key, value))]
+    chunks, descales = [], {}
+    for x, c, name, word in zip((key, value), cached, ("cached_key", "cached_value"),
+                                ("k_descale", "v_descale")):
+      if fp8.is_fp8(c):  # quantized with the descales that the first write (slot 0) sets
+        d = jnp.where(index == 0, fp8.descale_of(x, c.dtype, self.cache_headroom),
+                      self.get_variable("cache", f"{name}_descale"))
+        self.put_variable("cache", f"{name}_descale", d)
+        x, descales[word] = fp8.quantize_with(x, d, c.dtype), d
+      chunks.append(x.astype(c.dtype))
+    new = [_write_cache(c, x, index, mesh, self.config) for c, x in zip(cached, chunks)]
     self.put_variable("cache", "cached_key", new[0])
     self.put_variable("cache", "cached_value", new[1])
     self.put_variable("cache", "cache_index", index + t)
-    return new[0], new[1], index + t - 1
+    return new[0], new[1], index + t - 1, descales
 
   def _shard_cache(self):
     """Under a mesh holding ``config.axis_name``: the cache ``[..., S, N, H]`` sharded along its

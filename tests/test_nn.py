@@ -317,6 +317,57 @@ def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
     assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_ring_attention_keeps_an_fp8_decode_cache(sharded):
+  """cache_dtype=float8_e4m3fn: the cache is FP8 with a float32 descale per batch row and head,
+  fixed by the first write (the prompt: its absolute maximum times cache_headroom maps to the
+  dtype's largest value); dequantized it holds the projected keys and values within FP8
+  rounding, and every step's output is within FP8 error of the default cache's (a prompt, then
+  single tokens and a chunk; under a mesh the cache stays sharded along its slots)."""
+  x = _x(17, t=16)
+  kw = {}
+  if sharded:
+    kw = dict(config=SequenceParallelConfig(axis_name="sp", backend="xla"),
+              mesh=jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,)))
+  wide = RingAttention(num_heads=N, decode=True, **kw)
+  f8 = RingAttention(num_heads=N, decode=True, cache_dtype=jnp.float8_e4m3fn, **kw)
+  params = wide.init(jax.random.key(0), x)["params"]
+  cache_w, cache_f = (m.init(jax.random.key(0), x)["cache"] for m in (wide, f8))
+  assert cache_f["cached_key"].dtype == jnp.float8_e4m3fn
+  assert cache_f["cached_value"].shape == cache_w["cached_value"].shape
+  assert cache_f["cached_key_descale"].shape == (B, N)
+  step = lambda m: jax.jit(lambda c, xt: m.apply({"params": params, "cache": c}, xt,
+                                                 mutable=["cache"]))
+  step_w, step_f = step(wide), step(f8)
+  for lo, hi in ((0, 9), (9, 10), (10, 13), (13, 16)):
+    out_w, v = step_w(cache_w, x[:, lo:hi])
+    cache_w = v["cache"]
+    out_f, v = step_f(cache_f, x[:, lo:hi])
+    cache_f = v["cache"]
+    assert 1e-4 < rel_err(out_f, out_w) < 0.05, (lo, hi)  # quantized, within FP8 error
+    if lo == 0:
+      descale = cache_f["cached_key_descale"]
+      amax = jnp.max(jnp.abs(cache_w["cached_key"][:, :9]), axis=(1, 3))  # the prompt's [B, N]
+      np.testing.assert_allclose(descale, amax * 4.0 / 448.0, rtol=1e-6)
+    if sharded:
+      assert tuple(cache_f["cached_key"].sharding.spec)[1] == "sp"
+  assert np.array_equal(cache_f["cached_key_descale"], descale)  # fixed by the first write
+  for name in ("cached_key", "cached_value"):
+    got = cache_f[name].astype(jnp.float32) * cache_f[f"{name}_descale"][:, None, :, None]
+    assert rel_err(got, cache_w[name]) < 0.04, name
+
+
+def test_ring_attention_cache_dtype_errors_name_the_fix():
+  x = _x(18, t=8)
+  bad = ((dict(cache_dtype=jnp.int8), "not a float dtype"),
+         (dict(cache_dtype=jnp.float8_e4m3fn, attention_fn=make_attention_fn()),
+          "needs attention_fn=None"),
+         (dict(cache_dtype=jnp.float8_e4m3fn, cache_headroom=0.5), "finite number >= 1"))
+  for fields, match in bad:
+    with pytest.raises(ValueError, match=match):
+      RingAttention(num_heads=N, decode=True, **fields).init(jax.random.key(0), x)
+
+
 def test_ring_attention_decode_chunk_errors_name_the_fix():
   x = _x(14, t=8)
   ours = RingAttention(num_heads=N, decode=True)
