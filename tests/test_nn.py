@@ -317,6 +317,7 @@ def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
     assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_ring_attention_keeps_an_fp8_decode_cache(sharded):
   """cache_dtype=float8_e4m3fn: the cache is FP8 with a float32 descale per batch row and head,
