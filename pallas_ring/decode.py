@@ -152,7 +152,8 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, terms, *,
                         total=total)
     if out is not None:
       return out
-  k, v = _widened(k, v, q.dtype)  # (the forward kernels take 16/32-bit K/V)
+  if not impl.forward_reads_fp8_kv:
+    k, v = _widened(k, v, q.dtype)
   pack = not terms
   rows, heads = (t * (n // kh), kh) if pack else (t, n)
   tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)

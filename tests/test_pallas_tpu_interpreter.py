@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import rel_err
 from pallas_ring import (BlockSizes, SequenceParallelConfig, decode_attention, flash_attention,
-                         layouts, masks, reference, sharded_attention)
+                         layouts, masks, quantize_fp8, reference, sharded_attention)
 
 PARAMS = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                out_of_bounds_reads="raise", num_cores_or_threads=2)
@@ -110,15 +110,23 @@ def test_flash_attention_forward_and_backward(case, races):
   _check(ours, ref, (q, k, v), do, 2e-3 if dt == jnp.float32 else 2e-2)
 
 
-def test_decode(races):
+@pytest.mark.ci_cases("float32")
+@pytest.mark.parametrize("cache", ["float32", "float8_e4m3fn"])
+def test_decode(races, cache):
   """A few query tokens against a cache with ragged lengths (the forward kernel over chunks of
-  the cache)."""
+  the cache; an FP8 cache reaches the kernel as FP8, which widens its tiles)."""
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.float32)
   k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 64)), jnp.float32) for _ in range(2))
   lengths = jnp.asarray([128, 70], jnp.int32)
+  scales = {}
+  if cache != "float32":
+    (k, kd), (v, vd) = quantize_fp8(k, cache), quantize_fp8(v, cache)
+    scales = dict(k_descale=kd, v_descale=vd)
   got = decode_attention(q, k, v, kv_lengths=lengths, backend="pallas_tpu", interpret=PARAMS,
-                         block_sizes=BlockSizes(block_kv=128, kv_splits=1))
+                         block_sizes=BlockSizes(block_kv=128, kv_splits=1), **scales)
+  if scales:  # the reference on the dequantized cache
+    k, v = (x.astype(jnp.float32) * d[:, None, :, None] for x, d in ((k, kd), (v, vd)))
   q_pos = lengths[:, None] - 2 + jnp.arange(2)
   seg_kv = (jnp.arange(128)[None] >= lengths[:, None]).astype(jnp.int32)
   want = reference.attention(q, k, v, mask=masks.Causal(), q_positions=q_pos,

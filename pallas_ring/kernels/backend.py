@@ -146,6 +146,9 @@ class Backend:
   # Whether ``decode`` reads an FP8 (float8_e4m3fn / e5m2) cache itself, widening each tile as it
   # loads it (``fp8.fold`` has taken the descales out); else the cache is widened in XLA first.
   decode_reads_fp8: ClassVar[bool] = False
+  # Whether ``forward`` takes FP8 K/V (with 16/32-bit q), widening each tile as it loads it:
+  # ``decode_attention``'s chunked path then hands it the FP8 cache unwidened.
+  forward_reads_fp8_kv: ClassVar[bool] = False
 
   def __repr__(self) -> str:
     return f"<backend {self.name}>"

@@ -50,6 +50,7 @@ class TpuBackend(backend.Backend):
   name = "pallas_tpu"
   platform = "tpu"
   variants_cls = Variants
+  forward_reads_fp8_kv = True  # (an FP8 cache's tiles: lane views, widened after the load)
 
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
     kind = device_kind.lower()

@@ -42,8 +42,8 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
     q = heads.q.staged(q_ref, h, q_sc)()  # (once per head, not per key chunk)
     k_at, v_at = heads.kv.staged(k_ref, c, k_sc), heads.kv.staged(v_ref, c, v_sc)
 
-    def chunk(keys, offset):
-      s = _capped_logits(cfg, q, k_at(keys))
+    def chunk(keys, offset):  # (FP8 K/V tiles are widened to q's dtype as they load)
+      s = _capped_logits(cfg, q, k_at(keys).astype(q.dtype))
       s, keep = _tile(cfg, info, h, s, k_block * cfg.block_kv + offset, keys, masked)
       m_prev = m_sc[h]  # [bq, 128]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -53,7 +53,7 @@ def _fwd_kernel(idx_ref, cls_ref, cnt_ref, *refs, cfg, lists, heads, n_aliased, 
       alpha = jnp.exp(m_prev - m_new)
       l_sc[h] = alpha * l_sc[h] + jnp.sum(p, axis=1, keepdims=True)
       pv = p if keep is None else jnp.where(keep, p, 0.0)
-      v = v_at(keys)
+      v = v_at(keys).astype(q.dtype)
       pv = jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
       acc_sc[h] = alpha[:, :1] * acc_sc[h] + pv
       m_sc[h] = m_new

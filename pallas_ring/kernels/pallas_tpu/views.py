@@ -85,9 +85,9 @@ class _View(NamedTuple):
 
   @staticmethod
   def of(heads: int, head_dim: int, dtype, interpret) -> "_View":
-    in_place = heads % HEAD_BLOCK == 0 and jnp.dtype(dtype).itemsize in (2, 4)
+    in_place = heads % HEAD_BLOCK == 0 and jnp.dtype(dtype).itemsize in (1, 2, 4)
     return _View(in_place, HEAD_BLOCK if in_place else heads, head_dim,
-                 in_place and jnp.dtype(dtype).itemsize == 2 and _value_bitcast(interpret))
+                 in_place and jnp.dtype(dtype).itemsize < 4 and _value_bitcast(interpret))
 
   def array(self, x):
     """The operand as the kernels take it."""
@@ -124,11 +124,13 @@ class _View(NamedTuple):
     """Head ``c`` (traced) of a block: ``(rows, H)`` (its ``rows``, a slice, when given)."""
     if not self.in_place:
       return ref[rows, self._lanes(c)]
-    if ref.dtype.itemsize == 4:
+    size = ref.dtype.itemsize
+    if size == 4:
       return ref[0, rows, c, :]
-    words = self._words(ref)[0, rows, lax.shift_right_logical(c, 1), :]
-    half = lax.shift_right_logical(words, (c & 1).astype(jnp.uint32) * 16)
-    return lax.bitcast_convert_type(half.astype(jnp.uint16), ref.dtype)
+    per = 4 // size  # heads per 32-bit word: 2 (16-bit), 4 (8-bit, an FP8 cache)
+    words = self._words(ref)[0, rows, lax.div(c, jnp.asarray(per, c.dtype)), :]
+    part = lax.shift_right_logical(words, (c % per).astype(jnp.uint32) * (8 * size))
+    return lax.bitcast_convert_type(part.astype(jnp.dtype(f"uint{8 * size}")), ref.dtype)
 
   def staged(self, ref, c, scratch):
     """A reader ``rows -> (rows, H)`` of head ``c`` (traced) of a block. In place, the head is
@@ -142,7 +144,7 @@ class _View(NamedTuple):
 
     def step(r, carry):
       rows = pl.ds(pl.multiple_of(r * group, group), group)
-      scratch[rows, :] = self.get(ref, c, rows)
+      scratch[rows, :] = self.get(ref, c, rows).astype(scratch.dtype)  # (FP8: widened here)
       return carry
 
     lax.fori_loop(jnp.int32(0), jnp.int32(n // group), step, 0)
