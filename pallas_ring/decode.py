@@ -286,7 +286,8 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
       An FP8 cache stays FP8 in memory: k's descale is folded into q and v's into the output
-      (``fp8.fold``), and the GPU decode kernel widens each tile as it reads it.
+      (``fp8.fold``), and the GPU decode kernel and the TPU kernels widen each tile as they read
+      it (the XLA backend widens the cache first).
 
   Returns:
     ``[B, T, N, Hv]`` in ``out_dtype`` (and lse): ``flash_attention`` of the same positions with the

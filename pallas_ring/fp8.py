@@ -7,8 +7,9 @@ is accepted too, as ``quantize_fp8(q)`` makes it). ``with_fp8`` adds ``q_descale
 ``v_descale`` and ``out_dtype`` to an entry point: it checks them, widens the FP8 operands to the
 16-bit compute dtype (the kernels' contract: softmax and accumulation in float32) and casts the
 output. ``decode_attention`` instead ``fold``s the descales into q and the output, so that a
-backend whose decode kernel reads an FP8 cache (``Backend.decode_reads_fp8``) reads one byte
-per element; the other kernels widen FP8 operands in XLA before they run.
+backend whose decode kernels read an FP8 cache (``Backend.decode_reads_fp8``: the GPU decode
+kernel; ``Backend.forward_reads_fp8_kv``: the TPU forward kernel over cache chunks) reads one
+byte per element; elsewhere the cache is widened in XLA before the kernels run.
 """
 
 from __future__ import annotations

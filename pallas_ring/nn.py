@@ -3,10 +3,10 @@
 ``RingAttention`` *is* a ``flax.linen.MultiHeadDotProductAttention`` (a subclass): every field and
 call argument keeps Flax's meaning and the parameter tree is the stock one for every field
 combination (``normalize_qk``, ``use_bias``, ``qkv_features``, ``out_features``, ``decode`` with
-its cache, custom ``dot_general``s, ...), so checkpoints load unchanged. Only its default
-``attention_fn`` differs: pallas_ring attention, run as a ring (``shard_map``, ``ppermute`` in a
-scan) when a mesh holding ``config.axis_name`` is given or active (``jax.set_mesh``), and as
-``flash_attention`` when no mesh is present.
+its cache, custom ``dot_general``s, ...; an FP8 ``cache_dtype`` adds the cache's descales), so
+checkpoints load unchanged. Only its default ``attention_fn`` differs: pallas_ring attention,
+run as a ring (``shard_map``, ``ppermute`` in a scan) when a mesh holding ``config.axis_name`` is
+given or active (``jax.set_mesh``), and as ``flash_attention`` when no mesh is present.
 
 Rows with no visible key return 0 here, where Flax's ``dot_product_attention`` (and
 ``jax.nn.dot_product_attention``) return the mean of V.
@@ -83,6 +83,7 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
       # gathered cache (replicated: flash_attention takes no sharded operands under Explicit axes)
       q, k, v, dense_mask, bias = (constrain(x, cache_mesh, P())
                                    for x in (q, k, v, dense_mask, bias))
+      descales = {name: constrain(d, cache_mesh, P()) for name, d in descales.items()}
     out = flash_attention(q, k, v, mask=mask, segment_ids=segment_ids, q_positions=q_positions,
                           kv_positions=kv_positions, dense_mask=dense_mask, bias=bias,
                           block_sizes=cfg.block_sizes, backend=cfg.backend, **dropout,
@@ -146,9 +147,12 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
     index = None if index is None else last  # (None: a dense mask of the caller's decides)
   # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype
   # (an FP8 cache stays FP8: the kernels widen it with its descales).
-  wide = [x for x in (query, key, value) if not fp8.is_fp8(x)]
-  dtype = dtype or jnp.result_type(*wide)
-  query, key, value = (x if fp8.is_fp8(x) else x.astype(dtype) for x in (query, key, value))
+  if descales:
+    dtype = dtype or query.dtype
+    query = query.astype(dtype)
+  else:
+    dtype = dtype or jnp.result_type(query, key, value)
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
@@ -244,7 +248,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   and each device writes its own slots. ``cache_dtype=jnp.float8_e4m3fn`` keeps the cache in
   FP8 (half of bf16's bytes, read as such by decode kernels that take FP8), quantized as it is
   written with one descale per batch row and head that the first write fixes: prefill the
-  prompt in one call so that its scale sees the prompt.
+  prompt in one call so that its scale sees the prompt (later chunks and tokens beyond
+  ``cache_headroom`` times its maximum saturate).
 
   The call's dense ``mask`` (bool, or float 0/1 as Flax builds it) is in the tokens' order:
   under a zigzag or striped ring, layout order. Causal attention on a ring wants the ``mask``
@@ -261,7 +266,10 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     attention_fn: None (pallas_ring attention) or any Flax ``attention_fn``, used as Flax does.
     cache_dtype: dtype of the decode cache's K/V (None: the projected keys', as Flax).
     cache_headroom: for an FP8 cache, the largest value it holds over the first write's
-      absolute maximum (per batch row and head); larger later values saturate.
+      absolute maximum (per batch row and head); larger later values saturate. The descales
+      live in the cache (``cached_key_descale`` / ``cached_value_descale``, ``[..., N]``): a
+      zero one is set by the next write, so zeroing them rescales, and calibrated ones can be
+      written there instead.
   """
 
   config: Optional[SequenceParallelConfig] = None
@@ -270,8 +278,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
   attention_fn: Optional[Callable[..., Array]] = None
   # dtype of cached_key / cached_value: None keeps the projected keys' dtype (Flax's); a float
   # dtype casts; float8_e4m3fn / float8_e5m2 store FP8 with float32 descales per batch row and
-  # head (cache variables cached_key_descale / cached_value_descale [..., N]) fixed by the
-  # first write
+  # head (cache variables cached_key_descale / cached_value_descale [..., N]) set by the first
+  # write where they are 0 (unset), then kept
   cache_dtype: Any = None
   # FP8 cache: the largest value held is the first write's absolute maximum times this
   cache_headroom: float = 4.0
@@ -360,14 +368,22 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     return out
 
   def _check_cache_dtype(self):
-    dtype = jnp.dtype(self.cache_dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
+    fix = ("use None (the keys' dtype), a 16/32-bit float such as jnp.bfloat16, or "
+           "jnp.float8_e4m3fn / jnp.float8_e5m2 for an FP8 cache")
+    try:
+      dtype = jnp.dtype(self.cache_dtype)
+    except TypeError:
+      dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"RingAttention.cache_dtype={self.cache_dtype!r} is not a float dtype; "
-                       "use None (the keys' dtype), jnp.bfloat16, or jnp.float8_e4m3fn / "
-                       "jnp.float8_e5m2 for an FP8 cache.")
+                       f"{fix}.")
+    if dtype.itemsize == 1 and dtype not in fp8.FP8_DTYPES:
+      raise ValueError(f"RingAttention.cache_dtype={dtype} is an 8-bit float the attention "
+                       f"kernels do not take with descales; {fix}.")
     if self.attention_fn is not _ring_attention_fn:
       raise ValueError("RingAttention.cache_dtype needs attention_fn=None: a custom attention_fn "
-                       "runs Flax's own cache write, which keeps the keys' dtype. Drop one.")
+                       "runs Flax's own cache write, which keeps the keys' dtype. Set "
+                       "cache_dtype=None or attention_fn=None.")
     if not 1.0 <= self.cache_headroom < float("inf"):
       raise ValueError(f"RingAttention.cache_headroom={self.cache_headroom!r} must be a finite "
                        "number >= 1 (the FP8 cache's range over its first write's maximum).")
@@ -381,9 +397,9 @@ class RingAttention(nn.MultiHeadDotProductAttention):
         return
       x = self.get_variable("cache", name)  # [..., S, N, H]
       self.put_variable("cache", name, x.astype(dtype))
-      if dtype in fp8.FP8_DTYPES:
-        self.put_variable("cache", f"{name}_descale", jnp.ones(x.shape[:-3] + x.shape[-2:-1],
-                                                               jnp.float32))
+      if dtype in fp8.FP8_DTYPES:  # (0: unset, the next write sets it)
+        self.put_variable("cache", f"{name}_descale", jnp.zeros(x.shape[:-3] + x.shape[-2:-1],
+                                                                jnp.float32))
 
   def _append(self, key, value):
     """Writes a chunk's projected ``key, value [..., T, K, H]`` into the cache at
@@ -406,9 +422,19 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     chunks, descales = [], {}
     for x, c, name, word in zip((key, value), cached, ("cached_key", "cached_value"),
                                 ("k_descale", "v_descale")):
-      if fp8.is_fp8(c):  # quantized with the descales that the first write (slot 0) sets
-        d = jnp.where(index == 0, fp8.descale_of(x, c.dtype, self.cache_headroom),
-                      self.get_variable("cache", f"{name}_descale"))
+      stored = self.get_variable("cache", f"{name}_descale")
+      if (self.cache_dtype is not None and c.dtype != jnp.dtype(self.cache_dtype)) or (
+          fp8.is_fp8(c) and stored is None):
+        raise ValueError(
+            f"RingAttention.cache_dtype={self.cache_dtype!r}, but the cache's {name} is "
+            f"{c.dtype}{' without its descales' if fp8.is_fp8(c) else ''}: it was made by "
+            "another module. Initialise the cache with this module (module.init).")
+      if fp8.is_fp8(c):  # the descales a write sets where they are unset (0), then kept
+        fresh = fp8.descale_of(x, c.dtype, self.cache_headroom)
+        if mesh is not None:  # (batch rows where the cache's are, for Explicit axes too)
+          spec = _descale_spec(stored.ndim, self.config)
+          stored, fresh = constrain(stored, mesh, spec), constrain(fresh, mesh, spec)
+        d = jnp.where(stored > 0, stored, fresh)
         self.put_variable("cache", f"{name}_descale", d)
         x, descales[word] = fp8.quantize_with(x, d, c.dtype), d
       chunks.append(x.astype(c.dtype))
@@ -425,10 +451,13 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     mesh = active_mesh(self.mesh, self.config)
     if mesh is None or not self.is_mutable_collection("cache"):
       return
-    batch = batch_spec(self.config)
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
       self.put_variable("cache", name, constrain(x, mesh, _cache_spec(x.ndim, self.config)))
+      if self.has_variable("cache", f"{name}_descale"):
+        d = self.get_variable("cache", f"{name}_descale")
+        self.put_variable("cache", f"{name}_descale",
+                          constrain(d, mesh, _descale_spec(d.ndim, self.config)))
 
 
 def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):
@@ -436,6 +465,11 @@ def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):
   over ``config.batch_axes``, slots over ``config.axis_name`` (``slots=False``: replicated)."""
   return P(batch_spec(config), *([None] * (ndim - 4)), config.axis_name if slots else None,
            None, None)
+
+
+def _descale_spec(ndim: int, config: SequenceParallelConfig):
+  """The PartitionSpec of an FP8 cache's descales ``[B, ..., N]``: batch rows as the cache's."""
+  return P(batch_spec(config), *([None] * (ndim - 1)))
 
 
 def _write_cache(cache, chunk, index, mesh, config):

@@ -282,8 +282,11 @@ def test_ring_attention_decode_appends_a_chunk_in_one_call(sharded):
     assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
 
 
+@pytest.mark.ci_cases("mesh-None", "set_mesh-float8_e4m3fn")
+@pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn],
+                         ids=lambda d: jnp.dtype(d).name if d else "None")
 @pytest.mark.parametrize("via", ["mesh", "set_mesh"])
-def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
+def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via, cache_dtype):
   """On the mesh the README builds (``jax.make_mesh``: Explicit axes, batch over "dp", slots over
   "sp"), decode=True prefills in one call and then decodes token by token (with and without a
   dense mask), given as ``mesh=`` or active through ``jax.set_mesh``: outputs and cache equal
@@ -295,8 +298,8 @@ def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
   stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
   init = stock.init(jax.random.key(0), x)
   params, cache_s = init["params"], init["cache"]
-  ours = RingAttention(num_heads=N, decode=True, config=cfg, **({"mesh": mesh} if via == "mesh"
-                                                                 else {}))
+  ours = RingAttention(num_heads=N, decode=True, config=cfg, cache_dtype=cache_dtype,
+                       **({"mesh": mesh} if via == "mesh" else {}))
   step = jax.jit(lambda c, xt, m: ours.apply({"params": params, "cache": c}, xt, mask=m,
                                              mutable=["cache"]))
   ones = jnp.ones((B, 1, 1, 16), bool)
@@ -311,10 +314,14 @@ def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via):
       cache_o = v["cache"]
       assert tuple(cache_o["cached_key"].sharding.spec)[:2] == ("dp", "sp"), (lo, hi)
   ref, cache_s = _stock_token_by_token(stock, params, cache_s, x)
-  assert rel_err(jnp.concatenate(outs, axis=1), ref) < 1e-5
+  tol = 1e-5 if cache_dtype is None else 0.05  # (FP8: quantized, see the test above)
+  assert rel_err(jnp.concatenate(outs, axis=1), ref) < tol
   assert int(cache_o["cache_index"]) == 16
   for name in ("cached_key", "cached_value"):
-    assert rel_err(cache_o[name], cache_s[name]) < 1e-6, name
+    got = cache_o[name].astype(jnp.float32)
+    if cache_dtype is not None:
+      got = got * cache_o[f"{name}_descale"][:, None, :, None]
+    assert rel_err(got, cache_s[name]) < (1e-6 if cache_dtype is None else 0.04), name
 
 
 @pytest.mark.ci_cases(every=True)
@@ -363,10 +370,17 @@ def test_ring_attention_cache_dtype_errors_name_the_fix():
   bad = ((dict(cache_dtype=jnp.int8), "not a float dtype"),
          (dict(cache_dtype=jnp.float8_e4m3fn, attention_fn=make_attention_fn()),
           "needs attention_fn=None"),
-         (dict(cache_dtype=jnp.float8_e4m3fn, cache_headroom=0.5), "finite number >= 1"))
+         (dict(cache_dtype=jnp.float8_e4m3fn, cache_headroom=0.5), "finite number >= 1"),
+         (dict(cache_dtype=jnp.float8_e4m3fnuz), "8-bit float the attention kernels do not"),
+         (dict(cache_dtype="int4-ish"), "not a float dtype"))
   for fields, match in bad:
     with pytest.raises(ValueError, match=match):
       RingAttention(num_heads=N, decode=True, **fields).init(jax.random.key(0), x)
+  # A cache made by another module (no FP8, no descales) is refused, not silently used.
+  f8 = RingAttention(num_heads=N, decode=True, cache_dtype=jnp.float8_e4m3fn)
+  v = RingAttention(num_heads=N, decode=True).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="cached_key is float32: it was made by another module"):
+    f8.apply(v, x[:, :1], mutable=["cache"])
 
 
 def test_ring_attention_decode_chunk_errors_name_the_fix():

@@ -110,14 +110,16 @@ def test_flash_attention_forward_and_backward(case, races):
   _check(ours, ref, (q, k, v), do, 2e-3 if dt == jnp.float32 else 2e-2)
 
 
-@pytest.mark.ci_cases("float32")
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("cache", ["float32", "float8_e4m3fn"])
 def test_decode(races, cache):
   """A few query tokens against a cache with ragged lengths (the forward kernel over chunks of
-  the cache; an FP8 cache reaches the kernel as FP8, which widens its tiles)."""
+  the cache). An FP8 cache of 8 kv heads reaches the kernel as FP8 in place (4 heads a 32-bit
+  word), and the kernel widens each head's tile."""
   rng = np.random.default_rng(3)
-  q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.float32)
-  k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 64)), jnp.float32) for _ in range(2))
+  kh = 2 if cache == "float32" else 8
+  q = jnp.asarray(rng.standard_normal((2, 2, 2 * kh, 64)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, 128, kh, 64)), jnp.float32) for _ in range(2))
   lengths = jnp.asarray([128, 70], jnp.int32)
   scales = {}
   if cache != "float32":

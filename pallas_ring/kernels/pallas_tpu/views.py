@@ -28,7 +28,7 @@ def _plain(interpret) -> bool:
 
 
 def _value_bitcast(interpret) -> bool:
-  """Whether 16-bit in-place blocks are bitcast as values rather than as refs: in plain
+  """Whether 8/16-bit in-place blocks are bitcast as values rather than as refs: in plain
   interpret mode, and in JAX's TPU interpreter where it cannot read through a ref bitcast
   (``_interprets_ref_bitcast``)."""
   if not interpret:
@@ -69,11 +69,11 @@ class _View(NamedTuple):
   instead of unrolling them: unrolled, compile time grew with the heads; BENCHMARKS.md, "Compile
   time against splash attention").
 
-  In place (``heads % 8 == 0`` and a 16- or 32-bit dtype): ``(rows, 8, H)`` blocks of the array
-  as it is; head ``c`` is a sublane-strided row set. Mosaic cannot index the packed rows of a
-  16-bit block by a traced head, so 16-bit blocks are read as ``uint32`` words holding heads
+  In place (``heads % 8 == 0`` and an 8-, 16- or 32-bit dtype): ``(rows, 8, H)`` blocks of the
+  array as it is; head ``c`` is a sublane-strided row set. Mosaic cannot index the packed rows
+  of a 16-bit block by a traced head, so 16-bit blocks are read as ``uint32`` words holding heads
   ``(2c, 2c + 1)`` (low, high half; Pallas TPU's bitcast of the second-minor axis) and the half is
-  picked by a shift. Otherwise the operand is viewed as ``[B, L, heads * H]`` with
+  picked by a shift; 8-bit blocks (an FP8 cache, read only) hold 4 heads a word. Otherwise the operand is viewed as ``[B, L, heads * H]`` with
   ``(rows, block_heads * H)`` lane blocks: XLA relayouts the array once (its TPU tiling is
   ``(heads, H)``), and head ``c`` is a 128-aligned lane slice.
   """
@@ -114,8 +114,8 @@ class _View(NamedTuple):
     return pl.ds(pl.multiple_of(c * self.head_dim, LANES), self.head_dim)
 
   def _words(self, ref):
-    """A 16-bit in-place ``(1, rows, heads, H)`` block as ``uint32 (1, rows, heads / 2, H)``
-    words (a value in plain interpret mode, a ref otherwise)."""
+    """An 8/16-bit in-place ``(1, rows, heads, H)`` block as ``uint32 (1, rows, heads / per,
+    H)`` words, ``per`` heads a word (a value in plain interpret mode, a ref otherwise)."""
     if self.value_bitcast:
       return pltpu.bitcast(ref[...], jnp.uint32)
     return ref.bitcast(jnp.uint32)
@@ -128,8 +128,9 @@ class _View(NamedTuple):
     if size == 4:
       return ref[0, rows, c, :]
     per = 4 // size  # heads per 32-bit word: 2 (16-bit), 4 (8-bit, an FP8 cache)
-    words = self._words(ref)[0, rows, lax.div(c, jnp.asarray(per, c.dtype)), :]
-    part = lax.shift_right_logical(words, (c % per).astype(jnp.uint32) * (8 * size))
+    per_ = jnp.asarray(per, c.dtype)
+    words = self._words(ref)[0, rows, lax.div(c, per_), :]
+    part = lax.shift_right_logical(words, lax.rem(c, per_).astype(jnp.uint32) * (8 * size))
     return lax.bitcast_convert_type(part.astype(jnp.dtype(f"uint{8 * size}")), ref.dtype)
 
   def staged(self, ref, c, scratch):
@@ -153,6 +154,8 @@ class _View(NamedTuple):
   def put_all(self, ref, scratch, scale=None, add=None):
     """Writes float32 head-major ``scratch [heads, rows, H]`` (times ``scale``, plus the same
     block of ``add``, an accumulator ref, when given) into a block."""
+
+    assert ref.dtype.itemsize in (2, 4) or not self.in_place, ref.dtype  # (no 8-bit output)
 
     def value(c):
       x = scratch[c] if scale is None else scratch[c] * scale
