@@ -212,4 +212,5 @@ def with_fp8(fn):
   return wrapped
 
 
-__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "fold", "cast_output", "with_fp8", "is_fp8", "FP8_DTYPES"]
+__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "fold", "cast_output",
+           "with_fp8", "is_fp8", "FP8_DTYPES"]

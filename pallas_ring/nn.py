@@ -403,8 +403,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
 
   def _append(self, key, value):
     """Writes a chunk's projected ``key, value [..., T, K, H]`` into the cache at
-    ``cache_index`` (as Flax writes one token) and advances the index by T; an FP8 cache's first
-    write (at slot 0) sets its descales.
+    ``cache_index`` (as Flax writes one token) and advances the index by T; an FP8 cache's
+    descales are set by the first write that finds them unset (0).
 
     Returns:
       ``(cached_key, cached_value, last, descales)``: the updated caches, the chunk's last slot

@@ -50,7 +50,7 @@ class TpuBackend(backend.Backend):
   name = "pallas_tpu"
   platform = "tpu"
   variants_cls = Variants
-  forward_reads_fp8_kv = True  # (an FP8 cache's tiles: lane views, widened after the load)
+  forward_reads_fp8_kv = True  # (an FP8 cache's blocks in place, widened as they are staged)
 
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
     kind = device_kind.lower()

@@ -73,9 +73,10 @@ class _View(NamedTuple):
   array as it is; head ``c`` is a sublane-strided row set. Mosaic cannot index the packed rows
   of a 16-bit block by a traced head, so 16-bit blocks are read as ``uint32`` words holding heads
   ``(2c, 2c + 1)`` (low, high half; Pallas TPU's bitcast of the second-minor axis) and the half is
-  picked by a shift; 8-bit blocks (an FP8 cache, read only) hold 4 heads a word. Otherwise the operand is viewed as ``[B, L, heads * H]`` with
-  ``(rows, block_heads * H)`` lane blocks: XLA relayouts the array once (its TPU tiling is
-  ``(heads, H)``), and head ``c`` is a 128-aligned lane slice.
+  picked by a shift; 8-bit blocks (an FP8 cache, read only) hold 4 heads a word. Otherwise the
+  operand is viewed as ``[B, L, heads * H]`` with ``(rows, block_heads * H)`` lane blocks: XLA
+  relayouts the array once (its TPU tiling is ``(heads, H)``), and head ``c`` is a 128-aligned
+  lane slice.
   """
 
   in_place: bool
@@ -127,10 +128,9 @@ class _View(NamedTuple):
     size = ref.dtype.itemsize
     if size == 4:
       return ref[0, rows, c, :]
-    per = 4 // size  # heads per 32-bit word: 2 (16-bit), 4 (8-bit, an FP8 cache)
-    per_ = jnp.asarray(per, c.dtype)
-    words = self._words(ref)[0, rows, lax.div(c, per_), :]
-    part = lax.shift_right_logical(words, lax.rem(c, per_).astype(jnp.uint32) * (8 * size))
+    per = jnp.asarray(4 // size, c.dtype)  # heads a 32-bit word: 2 (16-bit), 4 (8-bit: FP8)
+    words = self._words(ref)[0, rows, lax.div(c, per), :]
+    part = lax.shift_right_logical(words, lax.rem(c, per).astype(jnp.uint32) * (8 * size))
     return lax.bitcast_convert_type(part.astype(jnp.dtype(f"uint{8 * size}")), ref.dtype)
 
   def staged(self, ref, c, scratch):
