@@ -365,6 +365,22 @@ def test_ring_attention_keeps_an_fp8_decode_cache(sharded):
     assert rel_err(got, cache_w[name]) < 0.04, name
 
 
+def test_ring_attention_keeps_a_bfloat16_cache_for_a_float32_model():
+  x = _x(19, t=8)
+  wide = RingAttention(num_heads=N, decode=True)
+  narrow = RingAttention(num_heads=N, decode=True, cache_dtype=jnp.bfloat16)
+  params = wide.init(jax.random.key(0), x)["params"]
+  cache_w, cache_n = (m.init(jax.random.key(0), x)["cache"] for m in (wide, narrow))
+  assert cache_n["cached_value"].dtype == jnp.bfloat16 and "cached_key_descale" not in cache_n
+  for lo, hi in ((0, 5), (5, 6)):
+    out_w, v = wide.apply({"params": params, "cache": cache_w}, x[:, lo:hi], mutable=["cache"])
+    cache_w = v["cache"]
+    out_n, v = narrow.apply({"params": params, "cache": cache_n}, x[:, lo:hi],
+                            mutable=["cache"])
+    cache_n = v["cache"]
+    assert out_n.dtype == jnp.float32 and 1e-5 < rel_err(out_n, out_w) < 2e-2, (lo, hi)
+
+
 def test_ring_attention_cache_dtype_errors_name_the_fix():
   x = _x(18, t=8)
   bad = ((dict(cache_dtype=jnp.int8), "not a float dtype"),
