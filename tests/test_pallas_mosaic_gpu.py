@@ -158,6 +158,21 @@ def test_dkv_head_splits_rule_fills_the_gpu_with_few_kv_heads():
     Variants(dkv_head_splits=0)
 
 
+def test_register_split_is_a_checked_variant():
+  """The setmaxnreg split is ``Variants(consumer_regs, producer_regs)``: it reaches every kernel's
+  lowering (the PTX asks for it), and one that cannot fit the register file is refused."""
+  sd = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  grad = lambda v: jax.grad(lambda *a: jnp.sum(flash_attention(
+      *a, mask=masks.Causal(), backend="pallas_mosaic_gpu", interpret=False,
+      block_sizes=BlockSizes(variants=v)).astype(jnp.float32)), argnums=(0, 1, 2))
+  text = lambda v: jax.jit(grad(v)).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+  assert text(Variants()) != text(Variants(consumer_regs=224, producer_regs=56))
+  with pytest.raises(ValueError, match=r"consumer_regs=240, producer_regs=40\) is invalid"):
+    Variants(consumer_regs=240)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    Variants(producer_regs=20)
+
+
 @pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])
 def test_lowers_under_x64(name):
   """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels (H=256: the wide

@@ -46,6 +46,7 @@ class BwdGeometry:
   fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
+  regs: tuple = (232, 40)  # registers per thread: consumer, producer (``Variants``)
 
   rows = BWD_ROWS  # owned rows per warpgroup
 

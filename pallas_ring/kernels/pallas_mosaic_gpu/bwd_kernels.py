@@ -107,7 +107,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
-                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to)
+                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to,
+                     regs=(variants.consumer_regs, variants.producer_regs))
 
 
 def _infos(c: _Call, ops: common.Operands, cfg, dkv: bool) -> tuple:

@@ -29,7 +29,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermRefs, TermStage, broadcast, copy_tile_term, logit_slope, position_slope, position_term,
     term_window)
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import BWD_BLOCK, COMPUTE_WGS, PRODUCER_REGS
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import BWD_BLOCK, COMPUTE_WGS
 
 
 class DkvRefs(NamedTuple):
@@ -207,7 +207,7 @@ def _producer(c: DkvCta):
   """The producer warpgroup: streams the walked q, lse, (token info, row keys,) dO and delta
   tiles, and the staged tile term's windows, into the slot ring."""
   g, r, batch = c.g, c.r, c.batch
-  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+  plgpu.set_max_registers(g.regs[1], action="decrease")
 
   def body(h, start, masked, n):
     slot = slot_of(n, g.slots)

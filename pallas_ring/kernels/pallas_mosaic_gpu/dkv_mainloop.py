@@ -26,7 +26,6 @@ from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import add_dq, stage_ds
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, load_ref, meet, pingpong, slot_of)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import CONSUMER_REGS
 
 if TYPE_CHECKING:
   from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import DkvCta, OwnedKeys
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 def consumer(c: DkvCta) -> None:
   """A consumer of head dims up to 128: its own 64 keys' p, ds, dK and dV."""
   g, cfg, r = c.g, c.cfg, c.r
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(g.regs[0], action="increase")
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys()
   acc = zeros((g.rows, g.head_dim))
@@ -76,7 +75,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
 def p_and_dv(c: DkvCta) -> None:
   """Wide, warpgroup 0: ``p^T = exp(K q^T - lse)`` to warpgroup 1, ``dV += p^T dO``."""
   g, cfg, r = c.g, c.cfg, c.r
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(g.regs[0], action="increase")
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys(v=False)
 
@@ -111,7 +110,7 @@ def ds_and_dk(c: DkvCta) -> None:
   """Wide, warpgroup 1: ``dp^T = V dO^T``; ``ds^T`` from warpgroup 0's ``p^T``;
   ``dK += ds^T q``."""
   g, cfg, r = c.g, c.cfg, c.r
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(g.regs[0], action="increase")
   own, _ = c.own_keys(k=False)
 
   def body(h, start, masked, carry):

@@ -24,7 +24,6 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermRefs, TermStage, broadcast, copy_tile_term, kept_delta, logit_slope, open_stage,
     position_slope, position_term, term_window)
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import CONSUMER_REGS, PRODUCER_REGS
 
 
 class DqRefs(NamedTuple):
@@ -143,7 +142,7 @@ def dq_kernel(*refs, cfg, g: BwdGeometry):
 def _consumer(c: DqCta):
   """A consumer warpgroup: dQ of its 64 owned rows."""
   g, cfg, r = c.g, c.cfg, c.r
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(g.regs[0], action="increase")
   open_stage(g.terms, r.stage, c.wg)
   rows = _open_rows(c)
   _, dq = walk(g, c.plan_row, functools.partial(_step, c, rows),
@@ -234,7 +233,7 @@ def _producer(c: DqCta):
   """The producer warpgroup: streams the walked K/V tiles (with the keys' token info and the
   staged tile term's windows) into the slot ring."""
   g, r = c.g, c.r
-  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+  plgpu.set_max_registers(g.regs[1], action="decrease")
 
   def body(h, start, masked, n):
     slot = slot_of(n, g.slots)

@@ -29,7 +29,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermStage, copy_tile_term, key_info, ops_call, open_stage, stage_scratch, staged_bytes,
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    COMPUTE_WGS, CONSUMER_REGS, PRODUCER_REGS, SMEM_BYTES, Variants, check_tiles, fwd_smem,
+    COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, fwd_smem,
     item_order, overlaps, persistent_ctas, slots, unsupported)
 
 
@@ -58,7 +58,7 @@ def _fwd_kernel(*refs, cfg, g: FwdGeometry):
 
 def _consumer(cfg, g: FwdGeometry, r: FwdRefs, wg):
   """A consumer warpgroup: its rows of each of the CTA's work items (main loop, epilogue)."""
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(g.regs[0], action="increase")
   q_smem, lse_smem, qinfo_smem = r.q_smem.at[wg], r.lse_smem.at[wg], r.qinfo_smem.at[wg]
   rkey_smem = r.rkey_smem.at[wg]
   open_stage(g.terms, r.stage, wg)
@@ -85,7 +85,7 @@ def _consumer(cfg, g: FwdGeometry, r: FwdRefs, wg):
 def _producer(g: FwdGeometry, r: FwdRefs):
   """The producer warpgroup: streams each work item's K/V tiles (and their token info, and the
   staged tile term's windows) into the slot ring."""
-  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+  plgpu.set_max_registers(g.regs[1], action="decrease")
 
   def item(i, base):
     """Streams item ``i``'s K/V tiles into the slot ring, which runs on from ``base``."""
@@ -171,7 +171,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   q_blocks=tp // cfg.block_q, heads=n, batch=b,
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
                   merge=acc is not None, overlap=overlap,
-                  order=item_order(k.shape[1], variants), terms=terms)
+                  order=item_order(k.shape[1], variants), terms=terms,
+                  regs=(variants.consumer_regs, variants.producer_regs))
   smem = functools.partial(swizzled_smem, q.dtype)
   scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),

@@ -31,6 +31,7 @@ class FwdGeometry:
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
   order: str = "heads"  # work items' launch order (``item_order``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
+  regs: tuple = (232, 40)  # registers per thread: consumer, producer (``Variants``)
 
   @property
   def key_rows(self) -> int:

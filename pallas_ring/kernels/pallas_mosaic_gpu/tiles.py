@@ -20,9 +20,7 @@ WG_ROWS = 64
 SMEM_BYTES = 227 * 1024 - 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
 COMPUTE_WGS = 2
-# Registers per thread after setmaxnreg: 2 consumer warpgroups and the producer must fit the
-# 64K-register file ((2 x 232 + 40) x 128 threads); asking for more never returns (240 hung).
-CONSUMER_REGS, PRODUCER_REGS = 232, 40
+REGISTER_FILE = 65536  # 32-bit registers per SM, which every warpgroup's threads share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +63,20 @@ class Variants:
   # where the token info's batch axes fit the mask's (``terms.Terms.dense_vis``): partial tiles
   # then add the term and compute no visibility. False: they compute it from the token info.
   dense_visibility: bool = True
+  # Registers per thread after setmaxnreg (``plgpu.set_max_registers``) of each consumer
+  # warpgroup and of the producer: (COMPUTE_WGS x consumer + producer) x 128 threads must fit
+  # the register file; asking for more never returns (240 per consumer hung).
+  consumer_regs: int = 232
+  producer_regs: int = 40
 
   def __post_init__(self):
+    regs = (self.consumer_regs, self.producer_regs)
+    if (any(r % 8 or not 24 <= r <= 256 for r in regs)
+        or (COMPUTE_WGS * regs[0] + regs[1]) * 128 > REGISTER_FILE):
+      raise ValueError(f"Variants(consumer_regs={regs[0]}, producer_regs={regs[1]}) is invalid: "
+                       "each must be a multiple of 8 in [24, 256], and (2 x consumer_regs + "
+                       f"producer_regs) x 128 threads at most the {REGISTER_FILE} registers of "
+                       "an SM, e.g. 232 and 40.")
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
       raise ValueError(f"Variants.dkv_head_splits={self.dkv_head_splits} is invalid: use a "
                        "divisor of the query heads per kv head, or None (the rule).")
