@@ -2,18 +2,19 @@
 
 Each strategy's time for one layer's forward on one device is modelled from two rates:
 
-* compute: ``4 * (T / R) * T * f * N * H`` flops (QK^T and PV) at ``FLOPS_PER_S``, where ``f``
+* compute: ``4 * (T / R) * T * f * N * H`` flops (QK^T and PV) at ``flops_per_s``, where ``f``
   is the share of (query, key) pairs the mask leaves visible (``visible_fraction``);
 * communication: the bytes each device sends (``aot.bytes_moved``'s formulas, the ring's hops
   from ``reach.ring_reach``, each hop the share of a shard its halo sends, ``halo.share``) at
-  ``BYTES_PER_S``.
+  ``bytes_per_s``.
 
 The ring overlaps its sends with the kernels, so it costs ``max(compute, comm)`` plus a fixed
-``STEP_S`` per hop (a kernel launch and a collective's latency); all_gather and Ulysses send
+``step_s`` per hop (a kernel launch and a collective's latency); all_gather and Ulysses send
 before they compute: ``comm + compute``. Ulysses needs N divisible by the axis size. The
-cheapest wins; ties go to the ring. The constants are stated, not measured on this machine:
-they are an H100's order of magnitude (bf16 attention at ~400 TFLOP/s, ~100 GB/s of NVLink per
-direction per device, ~20 us per ring step); the choice depends on their ratios only.
+cheapest wins; ties go to the ring. The rates are a ``CostModel``; its defaults are stated, not
+measured on this machine: an H100's order of magnitude (bf16 attention at ~400 TFLOP/s, ~100
+GB/s of NVLink per direction per device, ~20 us per ring step); the choice depends on their
+ratios only (``tools/reach_timing.py --parts strategies`` measures the first two).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from pallas_ring import masks as masks_lib
 from pallas_ring import reach as reach_lib
 from pallas_ring import ulysses
 
-FLOPS_PER_S = 400e12  # attention kernel throughput per device
-BYTES_PER_S = 100e9  # collective bandwidth per device, one direction
-STEP_S = 20e-6  # fixed cost of one ring step (launch, collective latency)
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """The rates ``choose`` models each strategy's time with."""
+
+  flops_per_s: float = 400e12  # attention kernel throughput per device
+  bytes_per_s: float = 100e9  # collective bandwidth per device, one direction
+  step_s: float = 20e-6  # fixed cost of one ring step (launch, collective latency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +63,8 @@ def visible_fraction(spec: masks_lib.MaskSpec, seq_len: int) -> float:
 def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
            head_dim: int, ring_size: int, layout: str, itemsize: int,
            derived_positions: bool = True, ulysses_heads: Optional[int] = None,
-           variants: halo_lib.RingVariants = halo_lib.RingVariants()) -> Choice:
+           variants: halo_lib.RingVariants = halo_lib.RingVariants(),
+           model: CostModel = CostModel()) -> Choice:
   """The strategy of least modelled time (module docstring) for one call.
 
   Args:
@@ -68,11 +75,12 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     derived_positions: False when the caller gives positions (the ring then goes all the way).
     ulysses_heads: the query heads Ulysses would split (None: ``heads``).
     variants: the ring's variants (``RingVariants(halo=False)``: whole shards every hop).
+    model: the rates (``CostModel``).
   """
   r, t = ring_size, seq_len
   reach = (reach_lib.ring_reach(spec, t, layout, r) if derived_positions and r > 1
            else (r - 1, 0))
-  compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / FLOPS_PER_S
+  compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / model.flops_per_s
   kv_shard = 2 * (t / r) * kv_heads * head_dim * itemsize  # one device's K and V
   hops = sum(reach)
   # Each hop of a chain sends its halo's share of a shard (``halo.share``; 1 without a halo).
@@ -80,8 +88,8 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
   sent = sum(n * (halo_lib.share(spec, t, layout, r, (d, n), variants) if derived_positions
                   else 1.0) for d, n in chains) * kv_shard
   seconds = {
-      "ring": max(compute, sent / BYTES_PER_S) + hops * STEP_S,
-      "all_gather": (r - 1) * kv_shard / BYTES_PER_S + compute,
+      "ring": max(compute, sent / model.bytes_per_s) + hops * model.step_s,
+      "all_gather": (r - 1) * kv_shard / model.bytes_per_s + compute,
   }
   n = heads if ulysses_heads is None else ulysses_heads
   try:
@@ -89,11 +97,11 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     kv = kv_heads * ulysses.kv_repeats(kv_heads, r)
     # q, k, v out and o back: (R-1)/R of the device's (T/R) tokens each
     sent = (r - 1) / r * (t / r) * head_dim * itemsize * (2 * n + 2 * kv)
-    seconds["ulysses"] = sent / BYTES_PER_S + compute
+    seconds["ulysses"] = sent / model.bytes_per_s + compute
   except ValueError:
     pass
   order = sorted(seconds.items(), key=lambda kv_: (kv_[1], kv_[0] != "ring"))
   return Choice(order[0][0], tuple(order), reach)
 
 
-__all__ = ["Choice", "choose", "visible_fraction", "FLOPS_PER_S", "BYTES_PER_S", "STEP_S"]
+__all__ = ["Choice", "CostModel", "choose", "visible_fraction"]

@@ -59,3 +59,12 @@ def test_auto_runs_its_choice_and_matches_the_reference():
   ran = "ulysses" if "all_to_all" in text else "all_gather" if "all_gather" in text else "ring"
   assert ran == choice.strategy
   assert rel_err(jax.jit(f)(q, k, v), reference.attention(q, k, v, mask=mask)[0]) < 2e-5
+
+
+def test_the_cost_model_rates_decide():
+  """A causal 32k-per-device ring hides its sends at the default rates; with a link 100x slower
+  the model exposes them and another strategy wins."""
+  kw = dict(MHA, seq_len=8 * 32768, layout="zigzag")
+  assert auto.choose(masks.Causal(), **kw).strategy == "ring"
+  slow = auto.choose(masks.Causal(), model=auto.CostModel(bytes_per_s=1e9), **kw)
+  assert slow.strategy != "ring", slow.describe()
