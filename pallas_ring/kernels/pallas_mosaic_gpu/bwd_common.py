@@ -19,7 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import meet
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import Terms, keep, kept, logits, with_terms
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import BWD_BLOCK, BWD_ROWS, COMPUTE_WGS
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, Variants
 
 
 def owned_tiles(wide: bool) -> int:
@@ -46,7 +46,7 @@ class BwdGeometry:
   fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
-  regs: tuple = (232, 40)  # registers per thread: consumer, producer (``Variants``)
+  regs: tuple = Variants().regs  # registers per thread: consumer, producer
 
   rows = BWD_ROWS  # owned rows per warpgroup
 

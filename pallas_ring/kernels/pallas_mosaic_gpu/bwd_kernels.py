@@ -108,7 +108,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to,
-                     regs=(variants.consumer_regs, variants.producer_regs))
+                     regs=variants.regs)
 
 
 def _infos(c: _Call, ops: common.Operands, cfg, dkv: bool) -> tuple:

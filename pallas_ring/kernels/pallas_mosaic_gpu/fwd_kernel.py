@@ -172,7 +172,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
                   merge=acc is not None, overlap=overlap,
                   order=item_order(k.shape[1], variants), terms=terms,
-                  regs=(variants.consumer_regs, variants.producer_regs))
+                  regs=variants.regs)
   smem = functools.partial(swizzled_smem, q.dtype)
   scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),

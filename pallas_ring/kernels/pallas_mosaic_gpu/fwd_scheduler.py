@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import head_view
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import Terms
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class FwdGeometry:
   overlap: bool = False  # each tile's softmax overlaps the previous tile's p.v (``overlaps``)
   order: str = "heads"  # work items' launch order (``item_order``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
-  regs: tuple = (232, 40)  # registers per thread: consumer, producer (``Variants``)
+  regs: tuple = Variants().regs  # registers per thread: consumer, producer
 
   @property
   def key_rows(self) -> int:

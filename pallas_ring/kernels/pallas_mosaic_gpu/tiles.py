@@ -69,8 +69,13 @@ class Variants:
   consumer_regs: int = 232
   producer_regs: int = 40
 
+  @property
+  def regs(self) -> tuple[int, int]:
+    """``(consumer_regs, producer_regs)``, as the kernels' geometries carry them."""
+    return (self.consumer_regs, self.producer_regs)
+
   def __post_init__(self):
-    regs = (self.consumer_regs, self.producer_regs)
+    regs = self.regs
     if (any(r % 8 or not 24 <= r <= 256 for r in regs)
         or (COMPUTE_WGS * regs[0] + regs[1]) * 128 > REGISTER_FILE):
       raise ValueError(f"Variants(consumer_regs={regs[0]}, producer_regs={regs[1]}) is invalid: "
