@@ -8,13 +8,18 @@ Each strategy's time for one layer's forward on one device is modelled from two 
   from ``reach.ring_reach``, each hop the share of a shard its halo sends, ``halo.share``) at
   ``bytes_per_s``.
 
-The ring overlaps its sends with the kernels, so it costs ``max(compute, comm)`` plus a fixed
-``step_s`` per hop (a kernel launch and a collective's latency); all_gather and Ulysses send
-before they compute: ``comm + compute``. Ulysses needs N divisible by the axis size. The
-cheapest wins; ties go to the ring. The rates are a ``CostModel``; its defaults are stated, not
-measured on this machine: an H100's order of magnitude (bf16 attention at ~400 TFLOP/s, ~100
-GB/s of NVLink per direction per device, ~20 us per ring step); the choice depends on their
-ratios only (``tools/reach_timing.py --parts strategies`` measures the first two).
+The ring overlaps its sends with the kernels, so it costs ``max(compute * ring_slowdown, comm)``
+plus a fixed ``step_s`` per hop (a kernel launch and a collective's latency): its kernels, one
+per step beside NCCL's, run a little slower than one call over the whole sequence. all_gather and
+Ulysses send before they compute: ``comm + compute``. With segment ids (packed documents) the
+strategies that split the queries by tokens (ring, all_gather) pay ``packed_imbalance``: the
+busiest device's share of the work, which a lock-step ring waits for at every step; Ulysses
+splits heads and attends every document on every device, balanced whatever the packing.
+Ulysses needs N divisible by the axis size. The cheapest wins; ties go to the ring.
+
+The rates are a ``CostModel``; its defaults are fitted to H100 measurements (BENCHMARKS.md,
+"Choosing a strategy"; ``tools/reach_timing.py --parts strategies,pack``). The choice depends on
+their ratios only.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from pallas_ring import ulysses
 class CostModel:
   """The rates ``choose`` models each strategy's time with."""
 
-  flops_per_s: float = 400e12  # attention kernel throughput per device
-  bytes_per_s: float = 100e9  # collective bandwidth per device, one direction
+  flops_per_s: float = 600e12  # attention kernel throughput per device (bf16 causal forward)
+  bytes_per_s: float = 280e9  # collective bandwidth per device, one direction (a ppermute)
   step_s: float = 20e-6  # fixed cost of one ring step (launch, collective latency)
+  ring_slowdown: float = 1.035  # the ring's per-step kernels against one whole-sequence call
+  packed_imbalance: float = 1.4  # ring / all_gather work factor with segment ids (packed docs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +71,7 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
            head_dim: int, ring_size: int, layout: str, itemsize: int,
            derived_positions: bool = True, ulysses_heads: Optional[int] = None,
            variants: halo_lib.RingVariants = halo_lib.RingVariants(),
-           model: CostModel = CostModel()) -> Choice:
+           segmented: bool = False, model: CostModel = CostModel()) -> Choice:
   """The strategy of least modelled time (module docstring) for one call.
 
   Args:
@@ -75,12 +82,15 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     derived_positions: False when the caller gives positions (the ring then goes all the way).
     ulysses_heads: the query heads Ulysses would split (None: ``heads``).
     variants: the ring's variants (``RingVariants(halo=False)``: whole shards every hop).
+    segmented: whether the call has segment ids (packed documents, whose work per token shard
+      is uneven).
     model: the rates (``CostModel``).
   """
   r, t = ring_size, seq_len
   reach = (reach_lib.ring_reach(spec, t, layout, r) if derived_positions and r > 1
            else (r - 1, 0))
   compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / model.flops_per_s
+  by_tokens = compute * (model.packed_imbalance if segmented else 1.0)  # ring, all_gather
   kv_shard = 2 * (t / r) * kv_heads * head_dim * itemsize  # one device's K and V
   hops = sum(reach)
   # Each hop of a chain sends its halo's share of a shard (``halo.share``; 1 without a halo).
@@ -88,8 +98,9 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
   sent = sum(n * (halo_lib.share(spec, t, layout, r, (d, n), variants) if derived_positions
                   else 1.0) for d, n in chains) * kv_shard
   seconds = {
-      "ring": max(compute, sent / model.bytes_per_s) + hops * model.step_s,
-      "all_gather": (r - 1) * kv_shard / model.bytes_per_s + compute,
+      "ring": max(by_tokens * model.ring_slowdown, sent / model.bytes_per_s)
+              + hops * model.step_s,
+      "all_gather": (r - 1) * kv_shard / model.bytes_per_s + by_tokens,
   }
   n = heads if ulysses_heads is None else ulysses_heads
   try:

@@ -148,7 +148,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   r = mesh.shape[config.axis_name]
   b, t, n, _ = q.shape
   if config.strategy == "auto":
-    config = config.replace(strategy=auto_choice(q, k, mesh, config, checked, positions).strategy)
+    choice = auto_choice(q, k, mesh, config, checked, positions, cu_seqlens)
+    config = config.replace(strategy=choice.strategy)
   if k.shape[1] != t:
     raise ValueError(f"sharded_attention is self-attention over one sharded sequence: q has "
                      f"T={t} tokens (shape {tuple(q.shape)}) but k/v have {k.shape[1]} (shape "
@@ -239,7 +240,8 @@ def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str 
   return None
 
 
-def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=None):
+def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=None,
+                cu_seqlens=None):
   """What ``strategy="auto"`` runs for this call (``auto.choose``'s cost model), per device's
   head group (``head_axis`` divides the heads)."""
   hs = 1 if config.head_axis is None else mesh.shape[config.head_axis]
@@ -248,6 +250,7 @@ def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=N
                      ring_size=mesh.shape[config.axis_name], layout=config.layout,
                      itemsize=jnp.dtype(k.dtype).itemsize,
                      derived_positions=positions is None and checked.arrays.q_positions is None,
+                     segmented=checked.arrays.segment_ids is not None or cu_seqlens is not None,
                      variants=config.ring_variants or RingVariants())
 
 
