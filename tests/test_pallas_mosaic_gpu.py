@@ -35,7 +35,7 @@ CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap)
     "h256": (masks.Causal(), 256, 256, 2, 1, 256, jnp.bfloat16, False, None),
     # the wide backward kernels (head dims above 128): masked tiles, GQA, soft-cap, padding
     "h256_documents_gqa_softcap": (masks.Causal(), 384, 384, 4, 2, 256, jnp.bfloat16, True, 30.0),
-    "h192_padded_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
+    "h192_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
     "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
     "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
     # DeepSeek-style MLA: q/k head dim 192, v head dim 128 (HV)
@@ -91,6 +91,15 @@ def test_every_configuration_lowers_for_cuda(name):
   assert _kernels_of_gradients(text)
 
 
+def test_head_dims_pad_to_a_multiple_of_64_only():
+  """H=192 (and MLA's 192/128, v padded to 192) runs 192-wide kernels, not 256-wide ones."""
+  assert [tiles.padded_head_dim(h) for h in (32, 64, 96, 128, 192, 256)] == [
+      64, 64, 128, 128, 192, 256]
+  args, (qs, ks), kw = _structs("mla_192_128_documents")
+  text = _lower(_attention(kw), *args, qs, ks)
+  assert "x192xbf16" in text and "x256xbf16" not in text
+
+
 def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
   """The score terms of ``terms`` for a case: ALiBi slopes for its heads, dropout at ``rate``,
   and (random, seeded) a per-head bias (float32, or ``bias``'s dtype where it is one) and a
@@ -112,7 +121,7 @@ STAGED = "copy_tile_term.<locals>.copy"  # (a source name in a forward kernel st
 
 @pytest.mark.ci_cases("False-False-causal_gqa", "True-True-softcap_h64")
 @pytest.mark.parametrize("name", ["causal_gqa", "h256_documents_gqa_softcap", "softcap_h64",
-                                  "full_odd_lengths"])
+                                  "full_odd_lengths", "h192_fp16"])
 @pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True),
                                          (jnp.bfloat16, False)])
 def test_score_terms_lower_for_cuda(name, bias, dense):
@@ -385,7 +394,7 @@ def test_ring_accumulators_merge_inside_the_kernels(name):
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "h256_documents_gqa_softcap",
-                                  "full_odd_lengths"])
+                                  "full_odd_lengths", "mla_192_128_documents"])
 def test_native_ring_accumulators_match_merging_after_the_kernels(name):
   """The kernels' merge and dq sum equal ``common.merge`` and an add after them
   (``conftest.check_ring_step``)."""
@@ -594,7 +603,7 @@ def test_fused_backward_adds_the_rings_running_dq():
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
-                                  "h256_documents_gqa_softcap", "h192_padded_fp16",
+                                  "h256_documents_gqa_softcap", "h192_fp16",
                                   "mla_192_128_documents"])
 def test_native_gradients_match_and_are_bitwise_reproducible(name):
   """Both Mosaic GPU passes at default tiles: gradients against the float32 xla backend, and the
@@ -624,7 +633,7 @@ def test_native_gradients_match_and_are_bitwise_reproducible(name):
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
-                                  "h256_documents_gqa_softcap", "h192_padded_fp16", "window_mqa"])
+                                  "h256_documents_gqa_softcap", "h192_fp16", "window_mqa"])
 @pytest.mark.parametrize("bias, dense", [(False, False), (True, True), (False, True),
                                          (jnp.bfloat16, False)])
 def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense):
