@@ -1,6 +1,7 @@
 """``strategy="auto"``: ring, all_gather or ulysses chosen per call by a simple cost model.
 
-Each strategy's time for one layer's forward on one device is modelled from two rates:
+Each strategy's time for one layer's forward on one device is modelled from two rates and two
+factors:
 
 * compute: ``4 * (T / R) * T * f * N * H`` flops (QK^T and PV) at ``flops_per_s``, where ``f``
   is the share of (query, key) pairs the mask leaves visible (``visible_fraction``);
@@ -11,15 +12,18 @@ Each strategy's time for one layer's forward on one device is modelled from two 
 The ring overlaps its sends with the kernels, so it costs ``max(compute * ring_slowdown, comm)``
 plus a fixed ``step_s`` per hop (a kernel launch and a collective's latency): its kernels, one
 per step beside NCCL's, run a little slower than one call over the whole sequence. all_gather and
-Ulysses send before they compute: ``comm + compute``. With segment ids (packed documents) the
-strategies that split the queries by tokens (ring, all_gather) pay ``packed_imbalance``: the
-busiest device's share of the work, which a lock-step ring waits for at every step; Ulysses
-splits heads and attends every document on every device, balanced whatever the packing.
-Ulysses needs N divisible by the axis size. The cheapest wins; ties go to the ring.
+Ulysses send before they compute: ``comm + compute``. With segment ids or ``cu_seqlens``
+(packed documents) and a ring that takes hops, the strategies that split the queries by tokens
+(ring, all_gather) pay ``packed_imbalance``, an empirical factor for what a pack costs them: the
+busiest device's work, which a lock-step ring waits for at every step, and the ring's sends of
+whole shards that hold little visible work. Ulysses splits heads and attends every document on
+every device, balanced whatever the packing. (Segment ids that only mark padding pay it too.)
+Ulysses needs N divisible by the axis size. The cheapest wins; ties go to the ring, then
+Ulysses.
 
-The rates are a ``CostModel``; its defaults are fitted to H100 measurements (BENCHMARKS.md,
-"Choosing a strategy"; ``tools/reach_timing.py --parts strategies,pack``). The choice depends on
-their ratios only.
+The ``CostModel`` defaults are fitted to H100 measurements (BENCHMARKS.md, "Choosing a
+strategy"; ``tools/reach_timing.py --parts strategies,pack``); ``step_s`` is stated, not
+fitted. The choice depends on the rates' ratio and the factors only.
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ from pallas_ring import ulysses
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  """The rates ``choose`` models each strategy's time with."""
+  """The rates and factors ``choose`` models each strategy's time with."""
 
   flops_per_s: float = 600e12  # attention kernel throughput per device (bf16 causal forward)
   bytes_per_s: float = 280e9  # collective bandwidth per device, one direction (a ppermute)
   step_s: float = 20e-6  # fixed cost of one ring step (launch, collective latency)
   ring_slowdown: float = 1.035  # the ring's per-step kernels against one whole-sequence call
-  packed_imbalance: float = 1.4  # ring / all_gather work factor with segment ids (packed docs)
+  packed_imbalance: float = 1.4  # ring / all_gather factor on packed documents (with hops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +86,17 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     derived_positions: False when the caller gives positions (the ring then goes all the way).
     ulysses_heads: the query heads Ulysses would split (None: ``heads``).
     variants: the ring's variants (``RingVariants(halo=False)``: whole shards every hop).
-    segmented: whether the call has segment ids (packed documents, whose work per token shard
-      is uneven).
+    segmented: whether the call has segment ids or ``cu_seqlens`` (packed documents, whose
+      work per token shard is uneven).
     model: the rates (``CostModel``).
   """
   r, t = ring_size, seq_len
   reach = (reach_lib.ring_reach(spec, t, layout, r) if derived_positions and r > 1
            else (r - 1, 0))
   compute = 4 * (t / r) * t * visible_fraction(spec, t) * heads * head_dim / model.flops_per_s
-  by_tokens = compute * (model.packed_imbalance if segmented else 1.0)  # ring, all_gather
   kv_shard = 2 * (t / r) * kv_heads * head_dim * itemsize  # one device's K and V
   hops = sum(reach)
+  by_tokens = compute * (model.packed_imbalance if segmented and hops else 1.0)  # ring, gather
   # Each hop of a chain sends its halo's share of a shard (``halo.share``; 1 without a halo).
   chains = [(d, n) for d, n in ((1, reach[0]), (-1, reach[1])) if n]
   sent = sum(n * (halo_lib.share(spec, t, layout, r, (d, n), variants) if derived_positions
@@ -111,7 +115,8 @@ def choose(spec: masks_lib.MaskSpec, *, seq_len: int, heads: int, kv_heads: int,
     seconds["ulysses"] = sent / model.bytes_per_s + compute
   except ValueError:
     pass
-  order = sorted(seconds.items(), key=lambda kv_: (kv_[1], kv_[0] != "ring"))
+  preference = ("ring", "ulysses", "all_gather")  # (ties)
+  order = sorted(seconds.items(), key=lambda kv_: (kv_[1], preference.index(kv_[0])))
   return Choice(order[0][0], tuple(order), reach)
 
 

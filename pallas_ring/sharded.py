@@ -243,7 +243,7 @@ def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str 
 def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=None,
                 cu_seqlens=None):
   """What ``strategy="auto"`` runs for this call (``auto.choose``'s cost model), per device's
-  head group (``head_axis`` divides the heads)."""
+  head group (``head_axis`` divides the heads); segment ids or ``cu_seqlens`` mark a pack."""
   hs = 1 if config.head_axis is None else mesh.shape[config.head_axis]
   return auto.choose(checked.settings.mask, seq_len=q.shape[1], heads=q.shape[2] // hs,
                      kv_heads=max(1, k.shape[2] // hs), head_dim=q.shape[3],

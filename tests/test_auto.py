@@ -27,7 +27,8 @@ MHA4 = dict(MHA, ring_size=4)  # the 4-GPU cases the defaults are fitted to (BEN
 def test_auto_choices(mask, per_device, layout, kw, expected):
   choice = auto.choose(mask, seq_len=kw["ring_size"] * per_device, layout=layout, **kw)
   assert choice.strategy == expected, choice.describe()
-  assert expected in choice.describe() and len(choice.seconds) == (3 if kw["heads"] == 16 else 2)
+  assert f"chose {expected!r}" in choice.describe()
+  assert len(choice.seconds) == (3 if kw["heads"] == 16 else 2)
 
 
 def test_caller_positions_keep_the_whole_ring_in_the_model():
@@ -73,15 +74,20 @@ def test_the_cost_model_rates_decide():
   assert slow.strategy != "ring", slow.describe()
 
 
-@pytest.mark.parametrize("segmented", [False, True])
-def test_segment_ids_reach_the_model(segmented):
-  """sharded_attention tells the model about segment ids: a causal 32k-per-device call on 4
-  devices runs the ring, the same call with segment ids (a pack) runs Ulysses (traced only)."""
+@pytest.mark.parametrize("packed", [None, "segment_ids", "cu_seqlens"])
+def test_packs_reach_the_model(packed):
+  """sharded_attention tells the model about packs: a causal 32k-per-device call on 4 devices
+  runs the ring, the same call with segment ids or cu_seqlens runs Ulysses (traced only)."""
   mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", strategy="auto", backend="xla")
-  qkv = [jax.ShapeDtypeStruct((1, 4 * 32768, 16, 128), jnp.bfloat16)] * 3
-  seg = jax.ShapeDtypeStruct((1, 4 * 32768), jnp.int32) if segmented else None
-  f = lambda q, k, v, s: sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
-                                           segment_ids=s)
-  text = str(jax.make_jaxpr(f)(*qkv, seg))
-  assert ("all_to_all" in text) == segmented and ("ppermute" in text) != segmented
+  cfg = SequenceParallelConfig(axis_name="sp", strategy="auto", backend="xla")
+  t = 4 * 32768
+  qkv = [jax.ShapeDtypeStruct((1, t, 16, 128), jnp.bfloat16)] * 3
+  kw = {}
+  if packed == "segment_ids":
+    kw["segment_ids"] = jnp.zeros((1, t), jnp.int32)
+  elif packed == "cu_seqlens":
+    kw["cu_seqlens"] = jnp.asarray([0, t // 3, t], jnp.int32)
+  f = lambda q, k, v: sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                        **kw)
+  text = str(jax.make_jaxpr(f)(*qkv))
+  assert ("all_to_all" in text) == bool(packed) and ("ppermute" in text) != bool(packed)

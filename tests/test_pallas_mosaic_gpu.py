@@ -93,8 +93,10 @@ def test_every_configuration_lowers_for_cuda(name):
 
 def test_head_dims_pad_to_a_multiple_of_64_only():
   """H=192 (and MLA's 192/128, v padded to 192) runs 192-wide kernels, not 256-wide ones."""
-  assert [tiles.padded_head_dim(h) for h in (32, 64, 96, 128, 192, 256)] == [
-      64, 64, 128, 128, 192, 256]
+  assert [tiles.padded_head_dim(h) for h in (32, 64, 96, 128, 160, 192, 200, 256)] == [
+      64, 64, 128, 128, 192, 192, 256, 256]
+  call = lambda h: kernels.backend.Call(dtype=jnp.bfloat16, head_dim=h)
+  assert tiles.unsupported(call(192)) is None and "320" in tiles.unsupported(call(320))
   args, (qs, ks), kw = _structs("mla_192_128_documents")
   text = _lower(_attention(kw), *args, qs, ks)
   assert "x192xbf16" in text and "x256xbf16" not in text
@@ -339,10 +341,12 @@ def test_dq_kernel_computes_a_row_term(head_dim, dlse, in_dq):
              if "stablehlo.reduce" in line) != in_dq
 
 
-def test_backward_tiles_other_than_128_run_the_triton_backward():
+@pytest.mark.parametrize("name", ["causal_gqa", "h192_fp16"])
+def test_backward_tiles_other_than_128_run_the_triton_backward(name):
   """The Mosaic GPU backward owns 128 rows per CTA on both sides; other user-given backward
-  tiles are served by the Triton backward on the same plan (and say so in the tile rule)."""
-  args, _, kw = _structs("causal_gqa")
+  tiles are served by the Triton backward on the same plan (and say so in the tile rule), at
+  Triton's head dim (192: 256)."""
+  args, _, kw = _structs(name)
   f = lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False,
                                       block_sizes=BlockSizes(block_q_bwd=64), **kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))

@@ -60,7 +60,7 @@ CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap), as tests/tes
     "softcap_h64": (masks.Causal(), 256, 256, 2, 2, 64, jnp.bfloat16, False, 30.0),
     "h256": (masks.Causal(), 256, 256, 2, 1, 256, jnp.bfloat16, False, None),
     "h256_documents_gqa_softcap": (masks.Causal(), 384, 384, 4, 2, 256, jnp.bfloat16, True, 30.0),
-    "h192_padded_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
+    "h192_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
     "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
     "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
     "mla_192_128_documents": (masks.Causal(), 384, 384, 4, 4, 192, jnp.bfloat16, True, None),

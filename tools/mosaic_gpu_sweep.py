@@ -72,7 +72,7 @@ CASES = [  # name, T, S, N, K, H, mask, segments, softcap, dtype
     ("h64", 1024, 1024, 4, 4, 64, masks.Causal(), False, None, jnp.bfloat16),
     ("h256", 1024, 1024, 4, 4, 256, masks.Causal(), False, None, jnp.bfloat16),
     ("h96-odd", 700, 700, 4, 2, 96, masks.Full(), True, None, jnp.float16),
-    # wide backward kernels (H=256): masked tiles, GQA, soft-cap; padding 192 -> 256
+    # wide backward kernels (H > 128): masked tiles, GQA, soft-cap; H=192 unpadded
     ("h256-docs-gqa", 2048, 2048, 4, 2, 256, masks.Causal(), True, 20.0, jnp.bfloat16),
     ("h192-odd-fp16", 700, 700, 4, 4, 192, masks.Full(), False, None, jnp.float16),
     ("one-token", 1, 1, 2, 2, 128, masks.Causal(), False, None, jnp.bfloat16),

@@ -9,9 +9,10 @@
   (``RingVariants(gather_halos=False)``) and whole shards (``RingVariants(halo=False)``), against
   one device's own tokens' local work (``flash_attention`` on ``--tokens`` tokens; target:
   ring / local <= 1.3);
-* ``pack``: a long-tail pack of 12 documents (causal) in zigzag order against
-  ``layouts.balance``, Ulysses and ``"auto"`` (target: zigzag / balanced >= 1.15 on 2 GPUs, >= 1.3 on 4), beside the
-  work model's bound (the lock-step sum of each step's busiest device);
+* ``pack``: a long-tail pack of 12 documents (causal): the ring in zigzag order against the
+  ring on ``layouts.balance``, Ulysses and ``"auto"`` (target: zigzag / each >= 1.15 on 2 GPUs,
+  >= 1.3 on 4), beside the work model's bound (the lock-step sum of each step's busiest
+  device);
 * ``strategies``: ``sharded_attention`` with each fixed strategy and ``"auto"`` for window,
   chunked, causal and dense masks, zigzag (target: auto within 5% of the best), and the
   rates ``auto.CostModel`` is fitted from (the local kernel's TFLOP/s, a ``ppermute``'s GB/s).
@@ -123,8 +124,8 @@ def _lockstep_work(seg, pos, r: int) -> np.ndarray:
 
 
 def _pack(mesh, qkv):
-  """``(calls, segment ids [1, T], placement)`` of the long-tail pack: zigzag order and
-  ``layouts.balance``."""
+  """``(calls, segment ids [1, T], placement)`` of the long-tail pack: the ring in zigzag order
+  and on ``layouts.balance``, Ulysses and ``"auto"`` (both in the packed order)."""
   r, t = mesh.size, qkv[0].shape[1]
   lengths = np.round(np.asarray(LONG_TAIL) * t / sum(LONG_TAIL)).astype(int)
   lengths[0] += t - lengths.sum()
@@ -146,7 +147,7 @@ def _pack(mesh, qkv):
 
 
 def pack(a, mesh, qkv, time, targets):
-  """The long-tail pack: zigzag order against ``layouts.balance``."""
+  """The long-tail pack: the zigzag ring against the balanced ring, Ulysses and auto."""
   r, t = mesh.size, qkv[0].shape[1]
   calls, seg, placement = _pack(mesh, qkv)
   zig = np.asarray(layouts.global_order(t, "zigzag", r))
@@ -163,6 +164,11 @@ def pack(a, mesh, qkv, time, targets):
         f"{bound['zigzag'] / bound['balanced']:.2f}")
   for name, ms in got.items():
     print(f"  {name:9s} {_fmt(ms)}")
+  from pallas_ring import auto
+  (_, _, n, h), item = qkv[0].shape, jnp.dtype(qkv[0].dtype).itemsize
+  print("  " + auto.choose(masks.Causal(), seq_len=t, heads=n, kv_heads=n, head_dim=h,
+                           ring_size=r, layout="contiguous", itemsize=item,
+                           segmented=True).describe())
   goal = 1.15 if r <= 2 else 1.3
   for name in got:
     if name != "zigzag":
@@ -255,9 +261,11 @@ def _args():
   p.add_argument("--clock", choices=("device", "wall"), default=None,
                  help="default: device on GPUs, wall on CPU")
   a = p.parse_args()
-  unknown = set(a.variants.split(",")) - {"default", "stepped", "whole"}
-  if unknown:
-    p.error(f"--variants: unknown {sorted(unknown)}; use default, stepped, whole")
+  for flag, value, known in (("--variants", a.variants, ("default", "stepped", "whole")),
+                             ("--masks", a.masks, ("window", "chunked", "causal", "full"))):
+    unknown = set(value.split(",")) - set(known)
+    if unknown:
+      p.error(f"{flag}: unknown {sorted(unknown)}; use {', '.join(known)}")
   a.cpu = jax.devices()[0].platform == "cpu"
   a.heads = a.heads or (2 if a.cpu else 16)
   a.head_dim = a.head_dim or (32 if a.cpu else 128)

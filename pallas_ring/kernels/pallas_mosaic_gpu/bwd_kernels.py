@@ -218,6 +218,22 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
+def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc):
+  """The ``pallas_triton`` backward (imported here: Hopper needs no Triton) at Triton's head
+  dim (a power of two: H=192 runs at 256, the zero columns sliced off the gradients);
+  ``cfg.num_stages`` means the forward's K/V slots here, so Triton gets its own default."""
+  triton = kernels.get("pallas_triton")
+  hp = q.shape[-1]
+  wide = triton.padded_head_dim(hp)
+  delta = common.delta_array(delta, do)  # (over this head dim's columns)
+  pad = lambda x: x if x is None or wide == hp else jnp.pad(
+      x, ((0, 0),) * (x.ndim - 1) + ((0, wide - hp),))
+  grads = triton.backward(*map(pad, (q, k, v, do)), lse, delta, ops, plan,
+                          dataclasses.replace(cfg, num_stages=None), pad(dq_acc), parts)
+  grads = tuple(None if x is None else x[..., :hp] for x in grads)
+  return common.accumulated(None, grads, dkv_acc)
+
+
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
@@ -225,14 +241,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   starts dQ from it; ``dkv_acc`` is added after the dK/dV kernel).
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
-  ``pallas_triton`` backward on the same plan instead (``cfg.num_stages`` means the forward's
-  K/V slots here, so Triton gets its own default).
+  ``pallas_triton`` backward on the same plan instead (``_triton_backward``).
   """
   b, tp, n, hp = q.shape
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
-    return kernels.get("pallas_triton").backward(  # (imported here: Hopper needs no Triton)
-        q, k, v, do, lse, delta, ops, plan, dataclasses.replace(cfg, num_stages=None), dq_acc,
-        parts, dkv_acc)
+    return _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc)
   want_dq, want_dkv = common.wants(parts)
   why = unsupported(ops_call(q, ops))
   variants = cfg.variants or Variants()
