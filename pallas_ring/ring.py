@@ -39,7 +39,8 @@ trip per step, so empty steps run the kernel, which skips their tiles itself; an
 collective in flight, so each step's sends are packed into one byte buffer.
 
 ``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
-reduce-scatters dK/dV.
+reduce-scatters dK/dV; where the positions are the layout's own and the mask reaches only slices
+of other shards, it gathers only those, as the ring does.
 
 Internal API (no underscore; ``tools/ring_step_cost.py`` times a ring step through it):
 ``RingStatic`` (the static description of a ring call), ``pair_forward`` / ``pair_backward`` (one
@@ -516,7 +517,8 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   derived = positions is None
   if derived:
     positions = layout_pos
-    local = not operands.spanning(arrays.terms, operands.KEYS) and strategy == "ring"
+    # (both strategies: the slices a local mask reaches are all either would gather)
+    local = not operands.spanning(arrays.terms, operands.KEYS)
     mask = checked.settings.mask
     if local and reach_lib.ring_reach(mask, t * r, layout, r) == (0, 0):
       # The mask reaches no other shard (e.g. chunks inside shards): flash attention on this

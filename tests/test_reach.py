@@ -87,8 +87,8 @@ def _mesh():
   return jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
 
 
-def _check_against_reference(mask, layout, seg=None, tol=2e-5):
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
+def _check_against_reference(mask, layout, seg=None, tol=2e-5, strategy="ring"):
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla", strategy=strategy,
                                block_sizes={"block_q": 4, "block_kv": 4, "block_q_bwd": 4,
                                             "block_kv_bwd": 4})
   q, k, v = _problem(7)
@@ -132,14 +132,15 @@ def test_reach_ring_matches_the_reference(mask_name, layout):
   _check_against_reference(REACH_MASKS[mask_name], layout)
 
 
-def test_reach_ring_with_documents():
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_reach_ring_with_documents(strategy):
   seg = jnp.asarray(np.sort(np.random.default_rng(2).integers(0, 6, (1, 8 * C))), jnp.int32)
-  _check_against_reference(masks.SlidingWindow(C + 3, 1), "zigzag", seg=seg)
+  _check_against_reference(masks.SlidingWindow(C + 3, 1), "zigzag", seg=seg, strategy=strategy)
 
 
-def _bytes(layout, mask, c=64):
+def _bytes(layout, mask, c=64, strategy="ring"):
   mesh = _mesh()
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla")
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla", strategy=strategy)
   q = jax.ShapeDtypeStruct((1, 8 * c, 2, 32), jnp.float32)
   f = lambda q_, k_, v_: sharded_attention(q_, k_, v_, mesh=mesh, config=cfg, mask=mask)
   grad = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))
@@ -159,3 +160,6 @@ def test_window_ring_sends_at_most_a_third_of_the_causal_ring(layout):
   if layout == "contiguous":
     assert window[0] == shard  # the previous shard's last 32 K and V tokens (halo_gather)
     assert _bytes(layout, masks.ChunkedCausal(64)) == (0, 0)
+    # all_gather gathers only the slices the mask reaches, too (a causal mask: every shard)
+    assert _bytes(layout, masks.SlidingWindow(32), strategy="all_gather") == window
+    assert _bytes(layout, masks.Causal(), strategy="all_gather")[0] > window[0]
