@@ -47,25 +47,10 @@ from pallas_ring import BlockSizes, flash_attention, masks  # noqa: E402
 from pallas_ring.decode import decode_attention  # noqa: E402
 from pallas_ring.kernels.pallas_mosaic_gpu import Variants  # noqa: E402
 from conftest import ring_step  # noqa: E402  (tests/conftest.py)
+# name: (mask, T, S, N, K, H, dtype, segments, softcap), and v's head dim where it is not H
+from test_pallas_mosaic_gpu import CASES, HV  # noqa: E402
 
 BACKEND = "pallas_mosaic_gpu"
-CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap), as tests/test_pallas_mosaic_gpu
-    "causal_gqa": (masks.Causal(), 512, 512, 4, 2, 128, jnp.bfloat16, False, None),
-    "full_odd_lengths": (masks.Full(), 300, 200, 4, 4, 128, jnp.bfloat16, False, None),
-    "window_mqa": (masks.Causal() & masks.SlidingWindow(100), 384, 384, 4, 1, 128, jnp.bfloat16,
-                   False, None),
-    "chunked": (masks.ChunkedCausal(128), 256, 256, 2, 2, 128, jnp.bfloat16, False, None),
-    "prefix_lm": (masks.PrefixLM(50), 256, 256, 2, 2, 128, jnp.float16, False, None),
-    "documents": (masks.Causal(), 256, 256, 2, 2, 128, jnp.bfloat16, True, None),
-    "softcap_h64": (masks.Causal(), 256, 256, 2, 2, 64, jnp.bfloat16, False, 30.0),
-    "h256": (masks.Causal(), 256, 256, 2, 1, 256, jnp.bfloat16, False, None),
-    "h256_documents_gqa_softcap": (masks.Causal(), 384, 384, 4, 2, 256, jnp.bfloat16, True, 30.0),
-    "h192_fp16": (masks.Full(), 200, 150, 2, 2, 192, jnp.float16, False, None),
-    "h96_padded_fp16": (masks.Full(), 130, 130, 2, 2, 96, jnp.float16, True, None),
-    "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
-    "mla_192_128_documents": (masks.Causal(), 384, 384, 4, 4, 192, jnp.bfloat16, True, None),
-}
-HV = {"mla_192_128_documents": 128}  # v's head dim where it is not H
 
 
 def _structs(name):
