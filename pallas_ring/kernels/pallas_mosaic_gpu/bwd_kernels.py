@@ -217,7 +217,6 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
   return (dq_out[0] if fused else None), dk, dv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc):
   """The ``pallas_triton`` backward (imported here: Hopper needs no Triton) at Triton's head
   dim (a power of two: H=192 runs at 256, the zero columns sliced off the gradients);
@@ -234,6 +233,7 @@ def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv
   return common.accumulated(None, grads, dkv_acc)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
