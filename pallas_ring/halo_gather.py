@@ -7,9 +7,9 @@ their global positions (and segment ids) and runs ``flash_attention`` on that: n
 per-step kernels and no float32 accumulators. Autodiff sends the slices' dK/dV back (the
 transposes of the ``ppermute``\\ s and slices).
 
-It serves ``ring.run`` (ring and all_gather strategies) where the positions are the layout's, no
-operand spans the keys (``operands.KEYS``: its columns would have to be gathered too) and the slices are
-small (``RingVariants.gather_halos``, ``pieces``); elsewhere the ring runs as before.
+It serves ``ring.run`` (ring and all_gather strategies) where the positions are the layout's,
+no operand spans the keys (``operands.KEYS``: its columns would have to be gathered too) and the
+slices are small (``RingVariants.gather_halos``, ``pieces``); elsewhere the ring runs as before.
 """
 
 from __future__ import annotations
