@@ -343,8 +343,9 @@ def decode_sharded(caches=None, log=print):
     ref = one(q, k, v).astype(jnp.float32)
     got = jax.device_put(many(qr, ks, vs), dev0).astype(jnp.float32)
     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-    ratios = lambda res, name, secs: ("" if name == "one GPU" else
-                                      f", {res['one GPU'] / secs:.2f}x one GPU, rel. err. {err:.1e}")
+    ratios = lambda res, name, secs: (
+        "" if name == "one GPU" else
+        f", {res['one GPU'] / secs:.2f}x one GPU, rel. err. {err:.1e}")
     rows += _decode_rows(case, calls, 2 * b * s * kh * h * 2, ratios, log)
   return rows
 

@@ -2,8 +2,8 @@
 variants (``RingVariants``) and the sequence-parallel config (``SequenceParallelConfig``).
 
 All are frozen dataclasses (hashable, usable as jit static arguments); the configs have
-``from_dict`` and ``from_yaml``. Unknown keys and invalid values raise ``ValueError`` naming the field, the value,
-the rule and the fix.
+``from_dict`` and ``from_yaml``. Unknown keys and invalid values raise ``ValueError`` naming the
+field, the value, the rule and the fix.
 """
 
 from __future__ import annotations

@@ -199,5 +199,5 @@ def share(spec: masks_lib.MaskSpec, seq_len: int, layout: str, ring_size: int,
   return 1.0 if part >= variants.halo_max_share else part
 
 
-__all__ = ["RingVariants", "Halo", "SlicePlanner", "halo_runs", "run_length", "run_index", "take", "put",
-           "make", "share"]
+__all__ = ["RingVariants", "Halo", "SlicePlanner", "halo_runs", "run_length", "run_index", "take",
+           "put", "make", "share"]

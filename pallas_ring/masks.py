@@ -7,8 +7,8 @@ evaluated two ways:
   partially visible blocks and by the dense reference.
 * ``block_test(qb, kb)``: on per-block summaries (min / max position of a query block and of a key
   block), returns ``(any_visible, all_visible)``. The test is *sound*: it never says "no pair is
-  visible" when one is, nor "every pair is visible" when one is masked. For the primitive specs it is
-  exact when the positions inside each block are contiguous.
+  visible" when one is, nor "every pair is visible" when one is masked. For the primitive specs it
+  is exact when the positions inside each block are contiguous.
 
 Specs combine with ``&`` and ``|``. ``bool(spec)`` raises, which catches ``spec_a and spec_b``.
 Document masking is not a spec: ``segment_ids`` are ANDed in by the block plan and the kernels.
