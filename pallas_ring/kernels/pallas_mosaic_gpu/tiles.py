@@ -92,7 +92,7 @@ class Variants:
 
 def padded_head_dim(head_dim: int) -> int:
   """The head dim the kernels see: a multiple of 64 (one 128-byte swizzle of 16-bit columns)."""
-  return max(64, -(-head_dim // 64) * 64)
+  return max(64, backend.round_up(head_dim, 64))
 
 
 def unsupported(call: backend.Call) -> Optional[str]:
