@@ -74,11 +74,13 @@ def test_the_cost_model_rates_decide():
   assert slow.strategy != "ring", slow.describe()
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("packed", [None, "segment_ids", "cu_seqlens"])
-def test_packs_reach_the_model(packed):
+def test_packs_reach_the_model(packed, axis_type):
   """sharded_attention tells the model about packs: a causal 32k-per-device call on 4 devices
-  runs the ring, the same call with segment ids or cu_seqlens runs Ulysses (traced only)."""
-  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  runs the ring, the same call with segment ids or cu_seqlens runs Ulysses (traced only), on
+  Auto and on Explicit (jax.make_mesh's default) axes."""
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(axis_type,), devices=jax.devices()[:4])
   cfg = SequenceParallelConfig(axis_name="sp", strategy="auto", backend="xla")
   t = 4 * 32768
   qkv = [jax.ShapeDtypeStruct((1, t, 16, 128), jnp.bfloat16)] * 3
@@ -89,5 +91,6 @@ def test_packs_reach_the_model(packed):
     kw["cu_seqlens"] = jnp.asarray([0, t // 3, t], jnp.int32)
   f = lambda q, k, v: sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
                                         **kw)
-  text = str(jax.make_jaxpr(f)(*qkv))
+  with jax.set_mesh(mesh):
+    text = str(jax.make_jaxpr(f)(*qkv))
   assert ("all_to_all" in text) == bool(packed) and ("ppermute" in text) != bool(packed)
