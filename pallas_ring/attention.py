@@ -164,6 +164,7 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = tuning.padded_head_dim(backend, h)
+  hvp = kernels.get(backend).padded_value_dim(hv, hp)
   cfg = pair.kernel_config(tiles, mask=st.mask, scale=st.scale, softcap=st.softcap, q_len=t,
                            kv_len=s, out_dtype=q.dtype, interpret=interpret,
                            dropout_rate=st.dropout_rate)
@@ -177,8 +178,8 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
                              offsets, b, n, broadcast=st.dropout_broadcast)
   pad = pair.pad_tokens
-  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hp), terms.get("sinks"), ops,
-                        cfg, planner, backend)
+  out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hvp), terms.get("sinks"),
+                        ops, cfg, planner, backend)
   out = out[:, :t, :, :hv]
   if st.return_lse:
     return out, lse[:, :, :t]

@@ -40,8 +40,10 @@ CASES = {  # name: (mask, T, S, N, K, H, dtype, segments, softcap)
     "one_token": (masks.Causal(), 1, 1, 2, 2, 128, jnp.bfloat16, False, None),
     # DeepSeek-style MLA: q/k head dim 192, v head dim 128 (HV)
     "mla_192_128_documents": (masks.Causal(), 384, 384, 4, 4, 192, jnp.bfloat16, True, None),
+    # a narrower v at head dims <= 128 (one owned K/V pair per dK/dV consumer, the fused variant)
+    "hv64_documents_fp16": (masks.Causal(), 256, 256, 4, 2, 128, jnp.float16, True, None),
 }
-HV = {"mla_192_128_documents": 128}  # v's head dim where it is not H
+HV = {"mla_192_128_documents": 128, "hv64_documents_fp16": 64}  # v's head dim where not H
 
 
 def _structs(name):
@@ -92,14 +94,21 @@ def test_every_configuration_lowers_for_cuda(name):
 
 
 def test_head_dims_pad_to_a_multiple_of_64_only():
-  """H=192 (and MLA's 192/128, v padded to 192) runs 192-wide kernels, not 256-wide ones."""
+  """H=192 runs 192-wide kernels, not 256-wide ones; MLA's v (and o, dO, dV) stays 128 wide in
+  every kernel, not zero-padded to 192."""
   assert [tiles.padded_head_dim(h) for h in (32, 64, 96, 128, 160, 192, 200, 256)] == [
       64, 64, 128, 128, 192, 192, 256, 256]
   call = lambda h: kernels.backend.Call(dtype=jnp.bfloat16, head_dim=h)
   assert tiles.unsupported(call(192)) is None and "320" in tiles.unsupported(call(320))
   args, (qs, ks), kw = _structs("mla_192_128_documents")
-  text = _lower(_attention(kw), *args, qs, ks)
-  assert "x192xbf16" in text and "x256xbf16" not in text
+  f = _attention(kw)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  for fn, outs in ((f, "(tensor<2x384x4x128xbf16>, tensor<2x4x384xf32>)"),
+                   (grad, "(tensor<2x384x4x192xbf16>, tensor<2x384x4x128xbf16>)")):
+    text = _lower(fn, *args, qs, ks)
+    assert "x192xbf16" in text and "x256xbf16" not in text and "stablehlo.pad" not in text
+    kernel = [line for line in text.splitlines() if MOSAIC in line][-1]  # (dK/dV last)
+    assert "tensor<2x384x4x128xbf16>" in kernel and kernel.endswith(outs)
 
 
 def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
@@ -279,7 +288,7 @@ def test_forward_is_persistent_for_narrow_sliding_windows(monkeypatch):
 def test_work_items_cover_every_q_block_once_in_either_order():
   """``work_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
   K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
-  g = fwd_scheduler.FwdGeometry(bq=64, bk=128, slots=2, group=1, head_dim=128,
+  g = fwd_scheduler.FwdGeometry(bq=64, bk=128, slots=2, group=1, head_dim=128, value_dim=128,
                                 dtype=jnp.bfloat16, info_rows=1, q_blocks=5, heads=3, batch=2,
                                 ctas=30)
   every = {(b, h, q) for b in range(2) for h in range(3) for q in range(5)}
@@ -506,16 +515,27 @@ def test_dense_term_carries_the_visibility_where_it_fits(mask):
   assert not terms.terms_of(ops, off).dense_vis
 
 
-def test_interpret_on_cpu_emulates_the_plan_walk():
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("h, hv", [(64, 64), (128, 64)])
+def test_interpret_on_cpu_emulates_the_plan_walk(h, hv):
   """On CPU the Mosaic GPU kernel cannot run (its interpreter lacks FA3 primitives): the call
-  interprets the Triton kernels over the same tiles and plan, and is correct."""
+  interprets the Triton kernels over the same tiles and plan, and is correct, output and
+  gradients; a narrower v (which the Mosaic GPU kernels take as it is) widened for them."""
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.standard_normal((1, 200, 4, 64)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((1, 200, 2, 64)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((1, 200, 2, 64)), jnp.bfloat16)
-  out = flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_mosaic_gpu")
-  ref = reference.attention(q, k, v, mask=masks.Causal())[0]
-  assert rel_err(out, ref) < 2e-2
+  q = jnp.asarray(rng.standard_normal((1, 200, 4, h)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((1, 200, 2, h)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((1, 200, 2, hv)), jnp.bfloat16)
+  do = jnp.asarray(rng.standard_normal((1, 200, 4, hv)), jnp.float32)
+
+  def run(backend, *args):
+    f = lambda *a: flash_attention(*a, mask=masks.Causal(), backend=backend).astype(jnp.float32)
+    out, vjp = jax.vjp(f, *args)
+    return (out, *vjp(do))
+
+  got = run("pallas_mosaic_gpu", q, k, v)
+  ref = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+  for a, r in zip(got, ref):
+    assert a.shape == r.shape and rel_err(a, r) < 2e-2
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
@@ -568,7 +588,8 @@ REDUCE_ADD = "cp.reduce.async.bulk.tensor"  # a TMA reduce-add (the fused backwa
 
 @pytest.mark.parametrize("name, terms", [("causal_gqa", False), ("softcap_h64", False),
                                          ("window_mqa", False), ("documents", True),
-                                         ("full_odd_lengths", True), ("h256", False)])
+                                         ("full_odd_lengths", True), ("h256", False),
+                                         ("hv64_documents_fp16", False)])
 def test_fused_backward_lowers_as_one_kernel(name, terms):
   """``Variants(deterministic=False)``: gradients run the forward and one fused backward kernel
   that reduce-adds dQ (no dQ kernel, no Triton; with every score term, and with the dK/dV split
@@ -608,7 +629,7 @@ def test_fused_backward_adds_the_rings_running_dq():
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 @pytest.mark.parametrize("name", ["causal_gqa", "documents", "softcap_h64", "full_odd_lengths",
                                   "h256_documents_gqa_softcap", "h192_fp16",
-                                  "mla_192_128_documents"])
+                                  "mla_192_128_documents", "hv64_documents_fp16"])
 def test_native_gradients_match_and_are_bitwise_reproducible(name):
   """Both Mosaic GPU passes at default tiles: gradients against the float32 xla backend, and the
   same bits on a second run (no cross-CTA accumulation)."""
@@ -707,6 +728,7 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
 @pytest.mark.parametrize("name, terms", [("causal_gqa", False), ("documents", False),
                                          ("softcap_h64", False), ("full_odd_lengths", False),
                                          ("window_mqa", False), ("h96_padded_fp16", False),
+                                         ("hv64_documents_fp16", False),
                                          ("causal_gqa", True),
                                          ("softcap_h64", True)])
 def test_native_fused_backward_matches(name, terms):
@@ -714,10 +736,11 @@ def test_native_fused_backward_matches(name, terms):
   the deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with
   ALiBi, dropout, a bias and a dense mask where ``terms``."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
+  hv = HV.get(name, h)
   rng = np.random.default_rng(8)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), dt)
-             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, h)))
-  do = jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+             for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, hv)))
+  do = jnp.asarray(rng.standard_normal((2, t, n, hv)), jnp.float32)
   kw = dict(mask=mask, softcap=cap, **(_terms(name, rate=0.3, bias=True, dense=True)
                                         if terms else {}))
   if segs:

@@ -115,6 +115,13 @@ class Backend:
     """The head dim this backend's kernels see (inputs are zero-padded to it)."""
     return head_dim
 
+  def padded_value_dim(self, value_dim: int, head_dim: int) -> int:
+    """The v head dim its ``flash_attention`` kernels see, given v's ``value_dim`` and the
+    padded ``head_dim`` they run q/k at: that (v zero-padded to it) unless the kernels take a
+    narrower v (``kernels.common``)."""
+    del value_dim
+    return head_dim
+
   def tuning_candidates(self, head_dim: int, interpret: bool) -> dict[str, list[dict]]:
     """Tile candidates per pass (``"fwd"``, ``"bwd"``) for ``python -m pallas_ring tune``."""
     del head_dim

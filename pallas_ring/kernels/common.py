@@ -8,7 +8,9 @@ Each module in ``pallas_ring.kernels`` provides::
 
 over one (q shard, kv shard) pair, with sequences already padded to block multiples:
 
-* ``q``  ``[B, Tp, N, H]``, ``k, v`` ``[B, Sp, K, H]`` (``N % K == 0``; K/V are never repeated)
+* ``q``  ``[B, Tp, N, H]``, ``k, v`` ``[B, Sp, K, H]`` (``N % K == 0``; K/V are never repeated).
+  A lowering whose ``Backend.padded_value_dim`` says so also takes a narrower ``v [B, Sp, K,
+  Hv]`` (MLA); ``o``, ``do`` and ``dv`` then have ``Hv`` columns where ``H`` is written below
 * ``ops``: ``Operands`` (token info of both sides, the optional dense mask, additive bias, ALiBi
   slopes and dropout keys)
 * ``plan``: the ``BlockPlan`` for this pass's tile sizes (see ``block_sparse``)
@@ -400,6 +402,14 @@ def row_delta(o, do, dlse=None):
   if dlse is None:
     return delta
   return delta - dlse.astype(acc)
+
+
+def widen(x, width: int):
+  """``x`` zero-padded along its last axis to ``width`` columns (None stays None): a narrower
+  v (or o, do) for a lowering that takes one head dim."""
+  if x is None or x.shape[-1] == width:
+    return x
+  return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
 
 
 def delta_array(delta, do):

@@ -117,6 +117,9 @@ class MosaicGpuBackend(backend.Backend):
   def padded_head_dim(self, head_dim):
     return padded_head_dim(head_dim)
 
+  def padded_value_dim(self, value_dim, head_dim):
+    return min(padded_head_dim(value_dim), head_dim)  # (MLA: v at 128 beside q/k at 192)
+
   def tuning_candidates(self, head_dim, interpret):
     # Forward tiles and K/V slots; the backward's are fixed.
     fwd = [dict(block_q=128, block_kv=k, num_stages=s)

@@ -33,7 +33,8 @@ class BwdGeometry:
 
   slots: int  # walked-tile shared-memory slots
   group: int  # query heads per kv head
-  head_dim: int
+  head_dim: int  # H: q's and k's (padded)
+  value_dim: int  # Hv: v's and dO's (padded), at most H
   dtype: object  # the inputs' 16-bit dtype
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   blocks: int  # CTAs along the owned sequence
@@ -194,13 +195,13 @@ def signed_grad_logits(ps, dp, delta):
   return jnp.where(ps >= 0.0, ps * (dp - delta), ps * delta)
 
 
-def finish(done, stage, *results):
-  """Epilogue: writes a consumer's ``(dst, value)`` results, ``[rows, H]`` float32 tiles, to
-  global memory through its staging tile ``stage``, once the consumers have met at ``done``
-  (None: the only consumer): the staging tiles alias the walked slots."""
+def finish(done, *results):
+  """Epilogue: writes a consumer's ``(stage, dst, value)`` results, float32 tiles, to global
+  memory through their staging tiles, once the consumers have met at ``done`` (None: the only
+  consumer): the staging tiles alias the walked slots."""
   if done is not None:
     meet(done)
-  for dst, value in results:
+  for stage, dst, value in results:
     stage[...] = value.astype(stage.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage, dst)

@@ -54,7 +54,8 @@ class _Call(NamedTuple):
 
   heads: int  # N
   kv_heads: int  # K
-  head_dim: int  # H, padded
+  head_dim: int  # H: q's and k's, padded
+  value_dim: int  # Hv: v's and dO's, padded (at most H)
   dtype: Any  # the inputs' 16-bit dtype
   out_dtype: Any  # ``cfg.out_dtype``
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
@@ -75,9 +76,9 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   (the output staging tiles, of dtype ``staged``, default ``c.out_dtype``, alias the slots)
   and, where ``stage`` and room allow, a staged tile term's windows (one per owner); ``fused``:
   the fused dK/dV kernel's."""
-  hp, dt, rows, variants = c.head_dim, c.dtype, BWD_ROWS, c.variants
+  hp, hv, dt, rows, variants = c.head_dim, c.value_dim, c.dtype, BWD_ROWS, c.variants
   staged = c.out_dtype if staged is None else staged
-  tile_bytes = rows * hp * dt.itemsize  # one owned [64, H] tile
+  pair_bytes = rows * (hp + hv) * dt.itemsize  # an owned [64, H] tile and its [64, Hv] one
   wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
   owners = owned_tiles(wide)
   if walk is None:
@@ -86,7 +87,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
   # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
-  owned = owners * (2 * tile_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
+  owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
   # Fused: ds^T and the dQ staging tiles (float32) of each owner.
@@ -94,8 +95,9 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
                 if stage else 0)
   owned += term_bytes
+  # one [64, H] tile per owner (dK/dV: per consumer; dV's [64, Hv] ones alias them)
   staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
-  per_slot = walk * (2 * hp * dt.itemsize + 4 * (2 + c.info_rows + c.drop))
+  per_slot = walk * ((hp + hv) * dt.itemsize + 4 * (2 + c.info_rows + c.drop))
   room = SMEM_BYTES - owned
   n_slots = min(4, room // per_slot)
   if n_slots < 2 and walk > rows:  # shorter walked tiles
@@ -103,7 +105,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   if n_slots < 2 and term_bytes:  # the tile term from global memory
     return _geometry(c, dkv, seq, heads, walk, staged, fused, False)
   assert n_slots >= 2 and staging <= room, (hp, c.out_dtype)  # (holds for every served head dim)
-  return BwdGeometry(slots=n_slots, group=c.heads // c.kv_heads, head_dim=hp, dtype=dt,
+  return BwdGeometry(slots=n_slots, group=c.heads // c.kv_heads, head_dim=hp, value_dim=hv,
+                     dtype=dt,
                      info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
@@ -128,9 +131,10 @@ def _stage_of(c: _Call, g: BwdGeometry):
 
 def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, args, *, cfg, g):
   """Runs a backward kernel: ``consumers`` warpgroups and the producer over ``grid``, with
-  ``scratch = (owned, walked, out staging, barriers)`` (the staging aliases the walked slots)."""
+  ``scratch = (owned, walked, out staging tiles, barriers)`` (each staging tile aliases the
+  walked slots and the others)."""
   owned, walked, out, bars = scratch
-  shared = plgpu.RefUnion(walked, out)
+  shared = plgpu.RefUnion(walked, *out)
 
   def entry(*refs):
     pl.run_scoped(lambda own, sh, b: kernel(*refs, own, *sh, b, cfg=cfg, g=g),
@@ -151,7 +155,7 @@ def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc):
   (H100, 16 causal documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's
   separate pass)."""
   b, tp, n, hp = q.shape
-  rows, f32, i32, out_dt = BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
+  hv, rows, f32, i32, out_dt = c.value_dim, BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
   smem = functools.partial(swizzled_smem, c.dtype)
   from_o = isinstance(delta, common.RowTerm)
   row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
@@ -161,11 +165,11 @@ def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc):
   sl, w, owners = g.slots, g.walk, g.owners
   out = _bwd_call(
       dq_kernel, owners,
-      ((smem(owners, rows, hp), smem(owners, rows, hp), plgpu.SMEM((owners, rows), f32),
+      ((smem(owners, rows, hp), smem(owners, rows, hv), plgpu.SMEM((owners, rows), f32),
         plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, c.info_rows, rows), i32),
         plgpu.SMEM((owners, rows if c.drop else 8), i32), _stage_of(c, g)),  # (row keys)
-       (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, g.key_rows, w), i32)),
-       swizzled_smem(out_dt, owners, rows, hp),
+       (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, g.key_rows, w), i32)),
+       (swizzled_smem(out_dt, owners, rows, hp),),
        (_barriers(4 + len(row_in) + c.drop, owners), _barriers(2, sl), _barriers(1, sl),
         _barriers(owners, sl), _barriers(owners, 1) if owners > 1 else None)),
       (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
@@ -181,7 +185,7 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
   """The dK/dV kernel (``fused``: adding to dQ too): ``(dq or None, dk, dv)``. Its owned tiles
   are K/V, the walked ones q, dO, lse, delta (and q token info)."""
   b, _, _, hp = q.shape
-  sp, kh = k.shape[1], k.shape[2]
+  sp, kh, hv = k.shape[1], k.shape[2], c.value_dim
   rows, f32, i32, out_dt = BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
   smem = functools.partial(swizzled_smem, c.dtype)
   group = c.heads // kh
@@ -197,18 +201,20 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
   if fused:  # a ds^T tile and a dQ staging tile per consumer; dQ's start
     dq_smem = (smem(two, rows, w), swizzled_smem(f32, two, w, hp))
     dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
-  dkv_shape = jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, hp), out_dt)
+  dkv_shape = lambda h: jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, h), out_dt)
+  # dK/dV staging: a tile per consumer, and for a narrower dV others aliasing them
+  staging = tuple(swizzled_smem(out_dt, two, rows, h) for h in ((hp, hv) if hv != hp else (hp,)))
   *dq_out, dk, dv = _bwd_call(
       dkv_kernel, two,
-      ((smem(*own, rows, hp), smem(*own, rows, hp), plgpu.SMEM((*own, g.key_rows, rows), i32),
+      ((smem(*own, rows, hp), smem(*own, rows, hv), plgpu.SMEM((*own, g.key_rows, rows), i32),
         smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
-       (smem(sl, w, hp), smem(sl, w, hp), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
+       (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32)),
-       swizzled_smem(out_dt, two, rows, hp),
+       staging,
        (_barriers(3, two), _barriers(3 + c.drop, sl), _barriers(2, sl), _barriers(two, sl),
         _barriers(two, 1), _barriers(1, 2) if wide else None,
         _barriers(1, 2) if wide else None)),
-      (dkv_shape, dkv_shape), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
+      (dkv_shape(hp), dkv_shape(hv)), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *_infos(c, ops, cfg, True), q, k, v, do, lse2,
        delta, *dq_in), cfg=cfg, g=g)
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
@@ -219,24 +225,25 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
 
 def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc):
   """The ``pallas_triton`` backward (imported here: Hopper needs no Triton) at Triton's head
-  dim (a power of two: H=192 runs at 256, the zero columns sliced off the gradients);
-  ``cfg.num_stages`` means the forward's K/V slots here, so Triton gets its own default."""
+  dim (a power of two: H=192 runs at 256; a narrower v and dO are padded to it too), the zero
+  columns sliced off the gradients; ``cfg.num_stages`` means the forward's K/V slots here, so
+  Triton gets its own default."""
   triton = kernels.get("pallas_triton")
-  hp = q.shape[-1]
+  hp, hv = q.shape[-1], v.shape[-1]
   wide = triton.padded_head_dim(hp)
-  delta = common.delta_array(delta, do)  # (over this head dim's columns)
-  pad = lambda x: x if x is None or wide == hp else jnp.pad(
-      x, ((0, 0),) * (x.ndim - 1) + ((0, wide - hp),))
-  grads = triton.backward(*map(pad, (q, k, v, do)), lse, delta, ops, plan,
-                          dataclasses.replace(cfg, num_stages=None), pad(dq_acc), parts)
-  grads = tuple(None if x is None else x[..., :hp] for x in grads)
-  return common.accumulated(None, grads, dkv_acc)
+  delta = common.delta_array(delta, do)  # (over the output's columns)
+  pad = functools.partial(common.widen, width=wide)
+  dq, dk, dv = triton.backward(*map(pad, (q, k, v, do)), lse, delta, ops, plan,
+                               dataclasses.replace(cfg, num_stages=None), pad(dq_acc), parts)
+  cut = lambda x, h: None if x is None else x[..., :h]
+  return common.accumulated(None, (cut(dq, hp), cut(dk, hp), cut(dv, hv)), dkv_acc)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "parts"))
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH, dkv_acc=None):
-  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype`` (the dQ kernel adds
+  """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``; v (dO, dv) may be
+  narrower than q, as in ``forward`` (the dQ kernel adds
   ``dq_acc``, the ring's running dq, to its rows before writing them, and the fused kernel
   starts dQ from it; ``dkv_acc`` is added after the dK/dV kernel).
 
@@ -251,7 +258,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   variants = cfg.variants or Variants()
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
-  c = _Call(heads=n, kv_heads=k.shape[2], head_dim=hp, dtype=q.dtype,
+  c = _Call(heads=n, kv_heads=k.shape[2], head_dim=hp, value_dim=v.shape[-1], dtype=q.dtype,
             out_dtype=jnp.dtype(cfg.out_dtype),
             info_rows=1 if ops.q_info.segment_ids is None else 2, terms=terms_of(ops, cfg),
             term_dtype=tile_term_dtype(ops), variants=variants)

@@ -41,26 +41,27 @@ class DkvRefs(NamedTuple):
   terms: TermRefs  # (its tile term transposed: [Bt, Nt, Sp, Tp])
   q: Any  # [B, Tp, N, H]
   k: Any  # [B, Sp, K, H]
-  v: Any  # [B, Sp, K, H]
-  do: Any  # [B, Tp, N, H]
+  v: Any  # [B, Sp, K, Hv]
+  do: Any  # [B, Tp, N, Hv]
   lse: Any  # [B, N, Tp] float32, base 2
   delta: Any  # [B, N, Tp] float32
   dq: Optional[Any]  # fused: the float32 dQ [B, Tp, N, H], a mutable input
   dk: Any  # [B, Sp, K, H], or float32 partials [splits, B, Sp, K, H]
-  dv: Any  # as dk
+  dv: Any  # as dk, at Hv
   k_own: Any  # [COMPUTE_WGS, 64, H] ([64, H] when wide)
-  v_own: Any  # as k_own
+  v_own: Any  # as k_own, at Hv
   kinfo_own: Any  # [COMPUTE_WGS, key_rows, 64] int32 ([key_rows, 64] when wide)
   p_smem: Any  # wide: [2, 64, walk], the p^T buffers; else None
   dq_smem: Any  # fused: (ds^T tiles [2, 64, walk], dQ staging [2, walk, H] float32); else None
   stage: Optional[TermStage]  # a staged tile term's windows (read by warpgroup 0 alone when wide)
   q_smem: Any  # [slots, walk, H]
-  do_smem: Any  # [slots, walk, H]
+  do_smem: Any  # [slots, walk, Hv]
   lse_smem: Any  # [slots, walk] float32
   delta_smem: Any  # [slots, walk] float32
   qinfo_smem: Any  # [slots, info_rows, walk] int32
   rkey_smem: Any  # [slots, walk] int32: dropout's row keys (8 columns without dropout)
-  out: Any  # [2, 64, H]: dK/dV staging (aliases the walked slots)
+  out_k: Any  # [2, 64, H]: dK staging (aliases the walked slots)
+  out_v: Any  # [2, 64, Hv]: dV staging (``out_k``, or aliasing it where Hv < H)
   own_bar: Any  # per consumer: its owned tiles landed
   q_bar: Any  # per slot: q, lse (token info, row keys) landed
   do_bar: Any  # per slot: dO, delta landed
@@ -77,11 +78,11 @@ def _refs(refs, g: BwdGeometry) -> DkvRefs:
   extra, refs = g.terms.refs(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   dq_ref = refs.pop(0) if g.fused_dq else None
-  dk_ref, dv_ref, owned, walked, out2, bars = refs
+  dk_ref, dv_ref, owned, walked, *out, bars = refs
   *owned, stage = owned
   return DkvRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *owned,
-                 TermStage(*stage) if g.terms.staged else None, *walked, out2, *bars)
+                 TermStage(*stage) if g.terms.staged else None, *walked, out[0], out[-1], *bars)
 
 
 class OwnedKeys(NamedTuple):

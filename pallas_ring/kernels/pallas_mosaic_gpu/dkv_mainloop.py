@@ -37,12 +37,14 @@ def consumer(c: DkvCta) -> None:
   plgpu.set_max_registers(g.regs[0], action="increase")
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys()
-  acc = zeros((g.rows, g.head_dim))
+  dk, dv = zeros((g.rows, g.head_dim)), zeros((g.rows, g.value_dim))
   meet_other = functools.partial(meet, r.sched)
-  dk, dv = pingpong(lambda: c.walk(functools.partial(_step, c, keys), acc, acc), meet_other,
+  dk, dv = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv), meet_other,
                     meet_other)
-  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)),
-         (c.out_at(r.dv, own), dv * cfg.keep_scale))
+  finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
+  # (a narrower dV's staging aliases both consumers' dK staging: they meet again first)
+  finish(r.sched if g.value_dim != g.head_dim else None,
+         (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
 
 
 def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
@@ -102,8 +104,10 @@ def p_and_dv(c: DkvCta) -> None:
     plgpu.barrier_arrive(r.free.at[slot])
     return n + 1, dv
 
-  (dv,) = c.walk(body, zeros((g.rows, g.head_dim)))
-  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dv, own), dv * cfg.keep_scale))
+  (dv,) = c.walk(body, zeros((g.rows, g.value_dim)))
+  if g.value_dim != g.head_dim:  # (a narrower dV's staging aliases dK's: once that is written)
+    meet(r.sched)
+  finish(r.sched, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
 
 
 def ds_and_dk(c: DkvCta) -> None:
@@ -130,4 +134,6 @@ def ds_and_dk(c: DkvCta) -> None:
     return n + 1, dk
 
   (dk,) = c.walk(body, zeros((g.rows, g.head_dim)))
-  finish(r.sched, r.out.at[c.wg], (c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
+  finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
+  if g.value_dim != g.head_dim:  # dK is written: warpgroup 0 may stage dV (``p_and_dv``)
+    meet(r.sched)

@@ -35,23 +35,23 @@ class DqRefs(NamedTuple):
   terms: TermRefs
   q: Any  # [B, Tp, N, H]
   k: Any  # [B, Sp, K, H]
-  v: Any  # [B, Sp, K, H]
-  do: Any  # [B, Tp, N, H]
+  v: Any  # [B, Sp, K, Hv]
+  do: Any  # [B, Tp, N, Hv]
   lse: Any  # [B, N, Tp] float32, base 2
-  o: Optional[Any]  # ``g.delta_from_o``: [B, Tp, N, H]
+  o: Optional[Any]  # ``g.delta_from_o``: [B, Tp, N, Hv]
   row_in: Optional[Any]  # [B, N, Tp] float32: delta, or (``g.delta_from_o``) dlse; or None
   dq_acc: Optional[Any]  # ``g.add_dq``: the ring's running dq [B, Tp, N, H]
   dq: Any  # [B, Tp, N, H]
   delta_out: Optional[Any]  # ``g.delta_from_o``: [B, N, Tp] float32
   q_own: Any  # [owners, 64, H]
-  do_own: Any  # [owners, 64, H]
+  do_own: Any  # [owners, 64, Hv]
   lse_own: Any  # [owners, 64] float32
   delta_own: Any  # [owners, 64] float32: delta, dlse, or nothing (then computed from o alone)
   qinfo_own: Any  # [owners, info_rows, 64] int32
   rkey_own: Any  # [owners, 64] int32: dropout's row keys (8 columns without dropout)
   stage: Optional[TermStage]  # a staged tile term's windows
   k_smem: Any  # [slots, walk, H]
-  v_smem: Any  # [slots, walk, H]
+  v_smem: Any  # [slots, walk, Hv]
   kinfo_smem: Any  # [slots, key_rows, walk] int32
   out: Any  # [owners, 64, H]: dq staging (aliases the walked slots)
   own_bar: Any  # per owner: its owned tiles landed
@@ -117,7 +117,7 @@ class DqRows(NamedTuple):
   q0: Any  # the first row
   own: tuple  # the rows' index into [B, Tp, N, H]
   q_own: Any  # [64, H] q (shared memory)
-  do_own: Any  # [64, H] dO (shared memory)
+  do_own: Any  # [64, Hv] dO (shared memory)
   q_info: Any  # token info rows broadcast to the walked tile
   lse2: Any  # [64] base 2
   delta: Any  # [64] ``kept_delta``'s
@@ -151,7 +151,7 @@ def _consumer(c: DqCta):
   if r.dq_acc is not None:  # (read once the walk is done: no registers are free before)
     dq = dq + load_ref(r.dq_acc.at[rows.own], plgpu.Layout.WGMMA,
                        optimized=False).astype(jnp.float32)
-  finish(r.done, r.out.at[c.wg], (r.dq.at[rows.own], dq))
+  finish(r.done, (r.out.at[c.wg], r.dq.at[rows.own], dq))
 
 
 def _open_rows(c: DqCta) -> DqRows:

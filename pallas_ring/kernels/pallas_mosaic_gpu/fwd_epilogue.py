@@ -37,11 +37,11 @@ def epilogue(c: Consumer, rows: ItemRows, i, acc, m, l) -> None:
                        optimized=False)
     own_o[...] = earlier * by_row(c_acc) + acc * by_row(inv * c_own)
     own_lse[...] = lse
-  else:  # through the q tile's shared memory, which the next item's q then overwrites
-    c.q_smem[...] = (acc * by_row(inv)).astype(g.dtype)
+  else:  # through the staging tile (the q tile, which the next item's q then overwrites)
+    c.o_smem[...] = (acc * by_row(inv)).astype(g.dtype)
     c.lse_smem[...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(c.q_smem, own_o)
+    plgpu.copy_smem_to_gmem(c.o_smem, own_o)
     plgpu.copy_smem_to_gmem(c.lse_smem, own_lse)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     pl.when(nxt < g.items)(lambda: load_q(c, nxt))

@@ -36,15 +36,17 @@ from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
   """``FwdRefs`` of the kernel's refs: the plan's lists, both sides' token info, ``g.terms``'
   inputs (``TermRefs``), q, k, v, the earlier passes' (o, lse) when merging, o, lse, then the
-  scoped scratch ``(tiles, barriers, a staged tile term's TermStage)``."""
+  scoped scratch ``(tiles, barriers, a staged tile term's TermStage)``; the tiles end with the
+  output's staging where v is narrower than q (else the q tile stages it)."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
   *acc_refs, o_ref, lse_ref, scoped = io
   smem, bars, stage = scoped
+  smem, o_smem = smem[:7], smem[7] if len(smem) > 7 else smem[0]
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free, v_free,
-                 TermStage(*stage) if g.terms.staged else None)
+                 TermStage(*stage) if g.terms.staged else None, o_smem)
 
 
 def _fwd_kernel(*refs, cfg, g: FwdGeometry):
@@ -60,10 +62,10 @@ def _consumer(cfg, g: FwdGeometry, r: FwdRefs, wg):
   """A consumer warpgroup: its rows of each of the CTA's work items (main loop, epilogue)."""
   plgpu.set_max_registers(g.regs[0], action="increase")
   q_smem, lse_smem, qinfo_smem = r.q_smem.at[wg], r.lse_smem.at[wg], r.qinfo_smem.at[wg]
-  rkey_smem = r.rkey_smem.at[wg]
+  o_smem, rkey_smem = r.o_smem.at[wg], r.rkey_smem.at[wg]
   open_stage(g.terms, r.stage, wg)
   m0, l0 = row_vector(common.NEG_INF, g.bq), row_vector(0.0, g.bq)
-  c = Consumer(cfg, g, r, wg, q_smem, lse_smem, qinfo_smem, rkey_smem, m0, l0)
+  c = Consumer(cfg, g, r, wg, q_smem, o_smem, lse_smem, qinfo_smem, rkey_smem, m0, l0)
 
   def item(i, base):
     """This consumer's rows of item ``i``; ``base`` counts the CTA's earlier tiles (the slot
@@ -140,45 +142,46 @@ def _producer(g: FwdGeometry, r: FwdRefs):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
-  """See ``kernels.common``: returns ``(o [B, Tp, N, Hp], lse [B, N, Tp] float32)``.
+  """See ``kernels.common``: returns ``(o [B, Tp, N, Hv], lse [B, N, Tp] float32)``; v's head
+  dim ``Hv`` may be narrower than q's (a multiple of 64: MLA's 128 beside 192).
 
   ``o`` leaves the kernel in the inputs' 16-bit dtype (it is staged through the q tile's shared
-  memory) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
+  memory, or its own tile where Hv < H) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
   merges into it instead: each consumer reads its rows of ``acc`` once it has finished its walk
   and writes the merged float32 rows (measured faster than merging after the kernel for a ring
   step at 8k tokens per H100, though the read after the walk stalls each CTA).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
-    return kernels.get("pallas_triton").forward(  # (imported here: Hopper needs no Triton)
-        q, k, v, ops, plan, dataclasses.replace(cfg, num_stages=None), acc)
+    return _triton_forward(q, k, v, ops, plan, cfg, acc)
   why = unsupported(ops_call(q, ops))
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   terms = terms_of(ops, cfg)
   b, tp, n, hp = q.shape
+  hv = v.shape[-1]
   itemsize = jnp.dtype(q.dtype).itemsize
   variants = cfg.variants or Variants()
   bq, term_dt = cfg.block_q // COMPUTE_WGS, tile_term_dtype(ops)
   staged = staged_bytes(terms, term_dt, variants, COMPUTE_WGS, bq, cfg.block_kv)
-  if fwd_smem(cfg, hp, itemsize, staged) > SMEM_BYTES:
+  if fwd_smem(cfg, hp, itemsize, staged, hv) > SMEM_BYTES:
     staged = 0  # (no room beside two K/V slots: read from global memory)
   terms = dataclasses.replace(terms, staged=staged > 0)
-  check_tiles(cfg, hp, itemsize, staged)
-  overlap = overlaps(cfg.block_kv, hp, ops.q_info.segment_ids is not None, variants)
-  g = FwdGeometry(bq=bq, bk=cfg.block_kv,
-                  slots=slots(cfg, hp, itemsize, staged), group=n // k.shape[2], head_dim=hp,
-                  dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
+  check_tiles(cfg, hp, itemsize, staged, hv)
+  overlap = overlaps(cfg.block_kv, hv, ops.q_info.segment_ids is not None, variants)
+  g = FwdGeometry(bq=bq, bk=cfg.block_kv, slots=slots(cfg, hp, itemsize, staged, hv),
+                  group=n // k.shape[2], head_dim=hp, value_dim=hv, dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
                   q_blocks=tp // cfg.block_q, heads=n, batch=b,
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
                   merge=acc is not None, overlap=overlap,
                   order=item_order(k.shape[1], variants), terms=terms,
                   regs=variants.regs)
   smem = functools.partial(swizzled_smem, q.dtype)
-  scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hp),
+  scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hv),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
              plgpu.SMEM((g.slots, g.key_rows, g.bk), jnp.int32),
-             plgpu.SMEM((COMPUTE_WGS, g.bq if terms.dropout else 8), jnp.int32))  # row keys
+             plgpu.SMEM((COMPUTE_WGS, g.bq if terms.dropout else 8), jnp.int32),  # row keys
+             *([smem(COMPUTE_WGS, g.bq, hv)] if hv != hp else []))  # o staging
   # q and k tiles arrive with their token info: two copies, so two arrivals per phase (q rows:
   # three with dropout's row keys).
   barriers = ((plgpu.Barrier(num_arrivals=2, num_barriers=g.slots),
@@ -190,17 +193,30 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
 
   def entry(*refs):
     pl.run_scoped(
-        lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:9], scoped[9]), cfg=cfg, g=g),
+        lambda *scoped: _fwd_kernel(*refs, (scoped[:-3], scoped[-3:-1], scoped[-1]), cfg=cfg,
+                                    g=g),
         *scratch, *barriers, stage, collective_axes="wg")
 
   o_dtype = jnp.float32 if g.merge else q.dtype
   o, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct(q.shape, o_dtype), jax.ShapeDtypeStruct((b, n, tp),
-                                                                             jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((b, tp, n, hv), o_dtype),
+                jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       grid=(g.ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info), key_info(ops),
     *terms.inputs(ops, cfg), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
                                                                 acc.lse.astype(jnp.float32))))
   return o.astype(cfg.out_dtype), lse
+
+
+def _triton_forward(q, k, v, ops, plan, cfg, acc):
+  """Interpret mode: the ``pallas_triton`` forward (imported here: Hopper needs no Triton) on
+  the same plan, v (and a merged ``acc``) zero-padded to q's head dim and o sliced back;
+  ``cfg.num_stages`` means this kernel's K/V slots, so Triton gets its own default."""
+  hp, hv = q.shape[-1], v.shape[-1]
+  if acc is not None:
+    acc = acc._replace(o=common.widen(acc.o, hp))
+  o, lse = kernels.get("pallas_triton").forward(
+      q, k, common.widen(v, hp), ops, plan, dataclasses.replace(cfg, num_stages=None), acc)
+  return o[..., :hv], lse

@@ -32,13 +32,13 @@ class FwdRefs(NamedTuple):
   terms: TermRefs  # the score terms' inputs
   q: Any  # [B, Tp, N, H]
   k: Any  # [B, Sp, K, H]
-  v: Any  # [B, Sp, K, H]
-  acc: tuple  # merging: the earlier passes' (o [B, Tp, N, H], lse [B, N, Tp]) float32; else ()
-  o: Any  # [B, Tp, N, H]
+  v: Any  # [B, Sp, K, Hv]
+  acc: tuple  # merging: the earlier passes' (o [B, Tp, N, Hv], lse [B, N, Tp]) float32; else ()
+  o: Any  # [B, Tp, N, Hv]
   lse: Any  # [B, N, Tp] float32
-  q_smem: Any  # [COMPUTE_WGS, bq, H]: each consumer's q tile (and its o staging)
+  q_smem: Any  # [COMPUTE_WGS, bq, H]: each consumer's q tile
   k_smem: Any  # [slots, bk, H]
-  v_smem: Any  # [slots, bk, H]
+  v_smem: Any  # [slots, bk, Hv]
   lse_smem: Any  # [COMPUTE_WGS, bq] float32: lse staging
   qinfo_smem: Any  # [COMPUTE_WGS, info_rows, bq] int32
   kinfo_smem: Any  # [slots, key_rows, bk] int32
@@ -49,6 +49,7 @@ class FwdRefs(NamedTuple):
   k_free: Any  # per slot: both consumers are done with K
   v_free: Any  # per slot: both consumers are done with V
   stage: Optional[TermStage]  # a staged tile term's windows
+  o_smem: Any  # [COMPUTE_WGS, bq, Hv]: each consumer's o staging (its q tile when Hv = H)
 
 
 class Consumer(NamedTuple):
@@ -59,6 +60,7 @@ class Consumer(NamedTuple):
   r: FwdRefs
   wg: Any  # this warpgroup's index
   q_smem: Any  # [bq, H]
+  o_smem: Any  # [bq, Hv]: o staging (``q_smem`` when Hv = H)
   lse_smem: Any  # [bq]
   qinfo_smem: Any  # [info_rows, bq]
   rkey_smem: Any  # [bq]
@@ -126,10 +128,10 @@ def open_item(c: Consumer, i, base) -> ItemRows:
 
 def walk(c: Consumer, rows: ItemRows):
   """This consumer's walk over the item's tiles: ``(acc, m, l)``, the unnormalised output
-  ``[bq, H]`` float32 and the rows' base-2 max and sum."""
+  ``[bq, Hv]`` float32 and the rows' base-2 max and sum."""
   if c.g.overlap:
     return pl.run_scoped(functools.partial(_overlapped_walk, c, rows),
-                         plgpu.ACC((c.g.bq, c.g.head_dim), jnp.float32))
+                         plgpu.ACC((c.g.bq, c.g.value_dim), jnp.float32))
   return _serial_walk(c, rows)
 
 
@@ -208,7 +210,7 @@ def _serial_walk(c: Consumer, rows: ItemRows):
   def _():
     plgpu.barrier_wait(c.r.k_bar.at[rows.slot(c.g, 0)])
 
-  acc = plgpu.layout_cast(jnp.zeros((c.g.bq, c.g.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+  acc = plgpu.layout_cast(jnp.zeros((c.g.bq, c.g.value_dim), jnp.float32), plgpu.Layout.WGMMA)
   full = lax.fori_loop(0, rows.n_full, functools.partial(_serial_step, c, rows, masked=False),
                        (acc, c.m0, c.l0))
   return lax.fori_loop(rows.n_full, rows.count,
@@ -239,7 +241,7 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
     plgpu.wgmma_wait(0)
     keep_alive(p16_prev)
     plgpu.barrier_arrive(r.v_free.at[prev])
-    o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (g.bq, g.head_dim), [0])
+    o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (g.bq, g.value_dim), [0])
   return p16, m_new, l
 
 

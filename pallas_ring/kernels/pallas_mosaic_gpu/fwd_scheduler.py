@@ -21,7 +21,8 @@ class FwdGeometry:
   bk: int  # key tile
   slots: int  # K/V shared-memory slots
   group: int  # query heads per kv head
-  head_dim: int
+  head_dim: int  # H: q's and k's (padded)
+  value_dim: int  # Hv: v's and the output's (padded), at most H
   dtype: object
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   q_blocks: int  # q blocks (plan rows) along the sequence

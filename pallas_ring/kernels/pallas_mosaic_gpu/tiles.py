@@ -105,20 +105,32 @@ def unsupported(call: backend.Call) -> Optional[str]:
   return None
 
 
-def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
-  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile and
-  ``staged`` bytes of staged tile-term windows (at least 2)."""
+def _tile_bytes(cfg: common.KernelConfig, head_dim: int, itemsize: int,
+                value_dim: Optional[int]) -> tuple[int, int]:
+  """Bytes of the forward's fixed tiles (q [block_q, H], and with a narrower v the output's
+  staging [block_q, Hv]) and of one K/V slot ([block_kv, H] + [block_kv, Hv])."""
+  hv = head_dim if value_dim is None else value_dim
+  fixed = cfg.block_q * (head_dim + (hv if hv != head_dim else 0)) * itemsize
+  return fixed, cfg.block_kv * (head_dim + hv) * itemsize
+
+
+def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
+          value_dim: Optional[int] = None) -> int:
+  """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile (v's head
+  dim ``value_dim``, default ``head_dim``) and ``staged`` bytes of staged tile-term windows (at
+  least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
-  q_bytes = cfg.block_q * head_dim * itemsize
-  kv_bytes = 2 * cfg.block_kv * head_dim * itemsize
-  return max(2, min(4, (SMEM_BYTES - q_bytes - staged) // kv_bytes))
+  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim)
+  return max(2, min(4, (SMEM_BYTES - fixed - staged) // kv_bytes))
 
 
-def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> int:
-  """Shared memory of the forward's q tile, K/V slots and ``staged`` bytes."""
-  n = slots(cfg, head_dim, itemsize, staged)
-  return (cfg.block_q + 2 * n * cfg.block_kv) * head_dim * itemsize + staged
+def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
+             value_dim: Optional[int] = None) -> int:
+  """Shared memory of the forward's q tile (and output staging), K/V slots and ``staged``
+  bytes."""
+  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim)
+  return fixed + slots(cfg, head_dim, itemsize, staged, value_dim) * kv_bytes + staged
 
 
 def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
@@ -130,7 +142,8 @@ def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
   return readers * rows * cols * itemsize if variants.stage_bias and itemsize == 2 else 0
 
 
-def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0) -> None:
+def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
+                value_dim: Optional[int] = None) -> None:
   """Raises ValueError naming the rule when the forward tiles (beside ``staged`` bytes of tile-term
   windows) cannot run."""
   if cfg.block_q % (COMPUTE_WGS * WG_ROWS):
@@ -141,8 +154,8 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: 
   if cfg.block_kv % 64:
     raise ValueError(f"block_kv={cfg.block_kv} cannot be used by backend 'pallas_mosaic_gpu': "
                      "it must be a multiple of 64.")
-  n = slots(cfg, head_dim, itemsize, staged)
-  need = fwd_smem(cfg, head_dim, itemsize, staged)
+  n = slots(cfg, head_dim, itemsize, staged, value_dim)
+  need = fwd_smem(cfg, head_dim, itemsize, staged, value_dim)
   if n < 2 or need > SMEM_BYTES:
     raise ValueError(
         f"pallas_mosaic_gpu tiles block_q={cfg.block_q}, block_kv={cfg.block_kv} with {n} K/V "
