@@ -1,6 +1,6 @@
 """MLA head dims (q/k 192, v 128) on one GPU: ours against what JAX users run today.
 
-    PYTHONPATH=. python tools/mla_sweep.py [T ...]
+    PYTHONPATH=. python tools/mla_sweep.py [T ...] [FIELD=VALUE ...] [--hv=HV]
 
 ``jax.nn.dot_product_attention`` refuses a v head dim other than q's, so users zero-pad v to 192,
 run cuDNN and slice the output: that is the baseline ("cudnn v padded"). Beside it: ours at
@@ -8,11 +8,15 @@ run cuDNN and slice the output: that is the baseline ("cudnn v padded"). Beside 
 shape: correctness of ours against the float32 xla backend, then forward and forward+backward
 timed interleaved on the device clock (``bench.clock("device")``), as sustained batches and as
 lone synchronized calls. TFLOP/s count the visible pairs' matmul work: forward
-``2 pairs N (H + Hv)``, forward+backward 3.5 times that.
+``2 pairs N (H + Hv)``, forward+backward 3.5 times that. ``FIELD=VALUE`` arguments (Python
+literals) add a row of ours at 192 / 128 with those ``pallas_mosaic_gpu.Variants`` fields;
+``--hv=HV`` runs v at HV instead of 128 (192: plain H=192).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import statistics
 import sys
 
@@ -20,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import bench, masks
+from pallas_ring import BlockSizes, bench, masks
 from pallas_ring.attention import flash_attention
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants
 
 
 def rel(got, ref):
@@ -38,8 +43,11 @@ def _inputs(t, n, h, hv, seed):
   return q, k, v, do
 
 
-def ours(q, k, v):
-  return flash_attention(q, k, v, mask=masks.Causal())
+def ours(q, k, v, variants=None):
+  if variants is None:
+    return flash_attention(q, k, v, mask=masks.Causal())
+  return flash_attention(q, k, v, mask=masks.Causal(), backend="pallas_mosaic_gpu",
+                         block_sizes=BlockSizes(variants=variants))
 
 
 def cudnn_padded(q, k, v):
@@ -53,24 +61,26 @@ def cudnn(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def check(t=2048, n=4):
-  q, k, v, do = _inputs(t, n, 192, 128, seed=1)
+def check(variants, hv, t=2048, n=4):
+  q, k, v, do = _inputs(t, n, 192, hv, seed=1)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   ref = lambda *a: flash_attention(*a, mask=masks.Causal(), backend="xla")
-  out, g = bench.fwd_bwd(ours)(q, k, v, do)
+  out, g = bench.fwd_bwd(functools.partial(ours, variants=variants))(q, k, v, do)
   r_out, r_g = bench.fwd_bwd(ref)(*f32, do.astype(jnp.float32))
   errs = [rel(out, r_out)] + [rel(a, b) for a, b in zip(g, r_g)]
-  print(f"check T={t} 192/128: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} "
+  print(f"check T={t} 192/{hv}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} "
         f"dv {errs[3]:.2e}", flush=True)
   assert all(e < 2e-2 for e in errs), errs
 
 
-def time_shape(t, n=16):
+def time_shape(t, variants, hv, n=16):
   pairs = bench.visible_pairs(t, "causal")
-  mla = _inputs(t, n, 192, 128, seed=2)
+  mla = _inputs(t, n, 192, hv, seed=2)
   std = _inputs(t, n, 128, 128, seed=3)
-  impls = {"ours 192/128": (ours, mla), "cudnn v padded 192/128": (cudnn_padded, mla),
+  impls = {f"ours 192/{hv}": (ours, mla), f"cudnn v padded 192/{hv}": (cudnn_padded, mla),
            "ours 128/128": (ours, std), "cudnn 128/128": (cudnn, std)}
+  if variants is not None:
+    impls[f"ours 192/{hv} variants"] = (functools.partial(ours, variants=variants), mla)
   flops = {name: 2 * pairs * n * (a[0].shape[-1] + a[2].shape[-1]) for name, (_, a) in
            impls.items()}
   for pass_ in ("fwd", "fwd+bwd"):
@@ -83,7 +93,7 @@ def time_shape(t, n=16):
       med = {name: statistics.median(s) for name, s in samples.items()}
       for name, secs in med.items():
         mult = 1.0 if pass_ == "fwd" else 3.5
-        base = med["cudnn v padded 192/128" if "192" in name else "cudnn 128/128"]
+        base = med[f"cudnn v padded 192/{hv}" if "192" in name else "cudnn 128/128"]
         print(f"T={t:6d} {pass_:7s} {mode:5s} {name:24s} {secs * 1e3:8.3f} ms "
               f"{mult * flops[name] / secs / 1e12:6.1f} TFLOP/s  {base / secs:.3f}x its cudnn",
               flush=True)
@@ -91,9 +101,17 @@ def time_shape(t, n=16):
 
 def main(argv):
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-  check()
-  for t in (int(a) for a in argv) if argv else (8192, 16384):
-    time_shape(t)
+  hv = int(dict(a.split("=") for a in argv if a.startswith("--hv=")).get("--hv", 128))
+  argv = [a for a in argv if not a.startswith("--hv=")]
+  fields = dict(a.split("=", 1) for a in argv if "=" in a)
+  variants = (Variants(**{f: ast.literal_eval(x) for f, x in fields.items()}) if fields
+              else None)
+  if variants is not None:
+    print("variants:", variants, flush=True)
+  check(variants, hv)
+  lengths = [int(a) for a in argv if "=" not in a]
+  for t in lengths or (8192, 16384):
+    time_shape(t, variants, hv)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ accumulates across CTAs, so results are bitwise reproducible:
   it has none).
 
 Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
-registers, so both kernels own 64 rows per CTA: dK/dV's two consumers share them and split the
-work (``dkv_mainloop``); dQ's one consumer owns them (two sets of q, dO and K/V slots do not fit
-in shared memory). With ``Variants(deterministic=False)`` at head dims <= 128 one fused kernel
+registers, so the dK/dV kernel owns 64 rows per CTA, which its two consumers share, splitting
+the work (``dkv_mainloop``); above 192 the dQ kernel too, with one consumer (two sets of q, dO
+and K/V slots do not fit in shared memory). With ``Variants(deterministic=False)`` at head dims <= 128 one fused kernel
 runs instead (``dkv_fused``): the dK/dV kernel also adds to dQ. Measured in BENCHMARKS.md.
 
 In every kernel the output staging tiles share memory with the walked slots (plgpu.RefUnion):
