@@ -20,23 +20,21 @@ Where the mask reaches no other shard, ``run`` calls flash attention on the loca
 reaches only small slices, it receives them once and attends to local K/V plus the slices in one
 call (``halo_gather``; ``RingVariants(gather_halos=False)``: the ring steps above).
 
-Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse; keeping
-the forward's stacked K/V instead compiled to 2-4 GiB more per GPU at 1M tokens on 4 and 2
-GPUs, ``tools/ring_memory.py``). A second scan rotates K/V together with the dK/dV accumulators
-(one step behind their shard, so every send overlaps a kernel), reusing the final lse and
-``delta = sum(o * do)``; dQ accumulates locally, and each step adds its dK/dV to those received
-with its shard (inside the kernels on TPU, whose outputs take the received buffers: at 2M tokens
-on a v5e-8 that is 3 GiB per chip less). The local pair runs its dQ first and its dK/dV
-last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead
-of ending the backward exposed.
+Backward: one ``custom_vjp`` around the whole ring (residuals: local q, k, v, o, lse, not the
+forward's stacked K/V: ``tools/ring_memory.py``). A second scan rotates K/V with the dK/dV
+accumulators (one step behind their shard, so every send overlaps a kernel), reusing the final
+lse and ``delta = sum(o * do)``; dQ accumulates locally, and each step adds its dK/dV to those
+received with its shard (inside the kernels on TPU, whose outputs take the received buffers: at
+2M tokens on a v5e-8 that is 3 GiB per chip less). The local pair runs its dQ first and its
+dK/dV last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel
+instead of ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
 the ring's ``plans.Planner`` builds the plans of every (rank, source) pair while tracing and a
 step selects its own; otherwise each step builds its plan on device.
 
-On GPU (Triton backend) two measured costs change the schedule: a ``lax.cond`` costs a host round
-trip per step, so empty steps run the kernel, which skips their tiles itself; and XLA:GPU keeps one
-collective in flight, so each step's sends are packed into one byte buffer.
+On GPU a ``lax.cond`` costs a host round trip per step, so empty steps run the kernel (which
+skips their tiles), and XLA:GPU keeps one collective in flight, so a step's sends are one buffer.
 
 ``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
 reduce-scatters dK/dV; where the positions are the layout's own and the mask reaches only slices
