@@ -163,8 +163,9 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
                          mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
-  hp = tuning.padded_head_dim(backend, h)
-  hvp = kernels.get(backend).padded_value_dim(hv, hp)
+  lowering = kernels.get(backend)
+  hp = lowering.padded_head_dim(h)
+  hvp = lowering.padded_value_dim(hv, hp)
   cfg = pair.kernel_config(tiles, mask=st.mask, scale=st.scale, softcap=st.softcap, q_len=t,
                            kv_len=s, out_dtype=q.dtype, interpret=interpret,
                            dropout_rate=st.dropout_rate)

@@ -54,7 +54,8 @@ def kernel_head_dim(q, v) -> int:
 
   Zero columns change no logit (``q . k``) and give zero output columns (``p @ v``), so a
   separate value head dim (DeepSeek-style MLA: 192 / 128) runs on every backend's kernels; the
-  caller slices the output back to ``Hv`` (and autodiff slices dv)."""
+  caller slices the output back to ``Hv`` (and autodiff slices dv). ``flash_attention`` pads v
+  only to ``Backend.padded_value_dim`` (Mosaic GPU: v's own head dim)."""
   return max(q.shape[-1], v.shape[-1])
 
 

@@ -100,6 +100,11 @@ def test_head_dims_pad_to_a_multiple_of_64_only():
       64, 64, 128, 128, 192, 192, 256, 256]
   call = lambda h: kernels.backend.Call(dtype=jnp.bfloat16, head_dim=h)
   assert tiles.unsupported(call(192)) is None and "320" in tiles.unsupported(call(320))
+  assert [pallas_mosaic_gpu.BACKEND.padded_value_dim(hv, 192) for hv in (32, 100, 128, 256)] == [
+      64, 128, 128, 192]
+  for hv in (96, 256):  # (a direct kernel call with v that is not padded)
+    with pytest.raises(ValueError, match=f"v of head dim {hv}.*multiple of 64 and at most 192"):
+      tiles.check_value_dim(hv, 192)
   args, (qs, ks), kw = _structs("mla_192_128_documents")
   f = _attention(kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -516,24 +521,28 @@ def test_dense_term_carries_the_visibility_where_it_fits(mask):
 
 
 @pytest.mark.ci_cases(every=True)
-@pytest.mark.parametrize("h, hv", [(64, 64), (128, 64)])
-def test_interpret_on_cpu_emulates_the_plan_walk(h, hv):
+@pytest.mark.parametrize("h, hv, bias", [(64, 64, False), (128, 64, True)])
+def test_interpret_on_cpu_emulates_the_plan_walk(h, hv, bias):
   """On CPU the Mosaic GPU kernel cannot run (its interpreter lacks FA3 primitives): the call
   interprets the Triton kernels over the same tiles and plan, and is correct, output and
-  gradients; a narrower v (which the Mosaic GPU kernels take as it is) widened for them."""
+  gradients; a narrower v (which the Mosaic GPU kernels take as it is) widened for them, with a
+  bias, whose gradient reads dO at v's head dim."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, 200, 4, h)), jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((1, 200, 2, h)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((1, 200, 2, hv)), jnp.bfloat16)
   do = jnp.asarray(rng.standard_normal((1, 200, 4, hv)), jnp.float32)
+  b0 = jnp.asarray(rng.standard_normal((1, 4, 200, 200)), jnp.float32) if bias else None
 
   def run(backend, *args):
-    f = lambda *a: flash_attention(*a, mask=masks.Causal(), backend=backend).astype(jnp.float32)
-    out, vjp = jax.vjp(f, *args)
-    return (out, *vjp(do))
+    f = lambda q, k, v, b: flash_attention(q, k, v, bias=b, mask=masks.Causal(),
+                                           backend=backend).astype(jnp.float32)
+    out, vjp = jax.vjp(f, *args, b0)
+    return (out, *(g for g in vjp(do) if g is not None))
 
   got = run("pallas_mosaic_gpu", q, k, v)
   ref = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+  assert len(got) == len(ref) == 4 + bias
   for a, r in zip(got, ref):
     assert a.shape == r.shape and rel_err(a, r) < 2e-2
 

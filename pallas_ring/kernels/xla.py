@@ -278,8 +278,8 @@ def logit_term_grad(q, k, v, do, lse, delta, ops: common.Operands, cfg: common.K
   band = lambda x, i, axis: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis)
 
   def one_band(i):
-    qb, dob = band(q, i, 1), band(do, i, 1)  # [B, bq, N, H]
-    group = lambda x: x.reshape(b, bq, kh, g, h)
+    qb, dob = band(q, i, 1), band(do, i, 1)  # [B, bq, N, H], [B, bq, N, Hv]
+    group = lambda x: x.reshape(b, bq, kh, g, x.shape[-1])
     heads = lambda x: x.reshape(b, n, bq, sp)
     s_cap = jnp.einsum("bqkgh,bskh->bkgqs", group(qb), k, preferred_element_type=acc)
     s_cap = heads(s_cap) * cfg.scale

@@ -52,6 +52,11 @@ class BwdGeometry:
   rows = BWD_ROWS  # owned rows per warpgroup
 
   @property
+  def narrow_v(self) -> bool:
+    """Whether v (dO, dV) is narrower than q and k."""
+    return self.value_dim != self.head_dim
+
+  @property
   def key_rows(self) -> int:
     """Rows of the keys' token info: ``info_rows``, then the dropout column keys."""
     return self.info_rows + self.terms.dropout

@@ -15,11 +15,16 @@ accumulates across CTAs, so results are bitwise reproducible:
 Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
 registers, so the dK/dV kernel owns 64 rows per CTA, which its two consumers share, splitting
 the work (``dkv_mainloop``); above 192 the dQ kernel too, with one consumer (two sets of q, dO
-and K/V slots do not fit in shared memory). With ``Variants(deterministic=False)`` at head dims <= 128 one fused kernel
-runs instead (``dkv_fused``): the dK/dV kernel also adds to dQ. Measured in BENCHMARKS.md.
+and K/V slots do not fit in shared memory). With ``Variants(deterministic=False)`` at head dims
+<= 128 one fused kernel runs instead (``dkv_fused``): the dK/dV kernel also adds to dQ.
+Measured in BENCHMARKS.md.
+
+v, dO and dV may be narrower than q and k (``Hv``, MLA): those tiles and matmuls are ``Hv``
+wide.
 
 In every kernel the output staging tiles share memory with the walked slots (plgpu.RefUnion):
-the consumers meet once both are done with the slots, then write. This leaves room for longer
+the consumers meet once both are done with the slots, then write (a narrower dV's staging also
+aliases dK's: they meet again between the two). This leaves room for longer
 walked tiles (dQ at H=128: 128 keys, wgmmas of N = 128) or more slots. Shared pieces (geometry,
 the walk, tile arithmetic, the epilogue) are ``bwd_common``'s.
 """
@@ -45,8 +50,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import swizzled_smem, token_
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, dkv_head_splits,
-    unsupported)
+    BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
+    dkv_head_splits, unsupported)
 
 
 class _Call(NamedTuple):
@@ -81,9 +86,9 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   pair_bytes = rows * (hp + hv) * dt.itemsize  # an owned [64, H] tile and its [64, Hv] one
   wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
   owners = owned_tiles(wide)
-  if walk is None:
+  if walk is None:  # (dQ above 128: 64-key tiles, its float32 dQ takes 96+ registers)
     walk = (dict(variants.dkv_walk_rows).get(hp, rows) if dkv else
-            rows if wide else variants.dq_walk_rows)
+            rows if hp > 128 else variants.dq_walk_rows)
   # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
   # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
@@ -106,8 +111,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
     return _geometry(c, dkv, seq, heads, walk, staged, fused, False)
   assert n_slots >= 2 and staging <= room, (hp, c.out_dtype)  # (holds for every served head dim)
   return BwdGeometry(slots=n_slots, group=c.heads // c.kv_heads, head_dim=hp, value_dim=hv,
-                     dtype=dt,
-                     info_rows=c.info_rows, blocks=seq // (owners * rows),
+                     dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to,
@@ -254,6 +258,7 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
     return _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc)
   want_dq, want_dkv = common.wants(parts)
+  check_value_dim(v.shape[-1], hp)
   why = unsupported(ops_call(q, ops))
   variants = cfg.variants or Variants()
   if why is not None:

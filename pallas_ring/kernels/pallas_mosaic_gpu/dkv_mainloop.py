@@ -42,9 +42,9 @@ def consumer(c: DkvCta) -> None:
   dk, dv = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv), meet_other,
                     meet_other)
   finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
-  # (a narrower dV's staging aliases both consumers' dK staging: they meet again first)
-  finish(r.sched if g.value_dim != g.head_dim else None,
-         (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
+  if g.narrow_v:  # (a narrower dV's staging aliases both consumers' dK staging)
+    meet(r.sched)
+  finish(None, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
 
 
 def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
@@ -105,7 +105,7 @@ def p_and_dv(c: DkvCta) -> None:
     return n + 1, dv
 
   (dv,) = c.walk(body, zeros((g.rows, g.value_dim)))
-  if g.value_dim != g.head_dim:  # (a narrower dV's staging aliases dK's: once that is written)
+  if g.narrow_v:  # (a narrower dV's staging aliases dK's: once that is written)
     meet(r.sched)
   finish(r.sched, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
 
@@ -135,5 +135,5 @@ def ds_and_dk(c: DkvCta) -> None:
 
   (dk,) = c.walk(body, zeros((g.rows, g.head_dim)))
   finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
-  if g.value_dim != g.head_dim:  # dK is written: warpgroup 0 may stage dV (``p_and_dv``)
+  if g.narrow_v:  # dK is written: warpgroup 0 may stage dV (``p_and_dv``)
     meet(r.sched)

@@ -1,6 +1,7 @@
 """The forward's epilogue: a consumer normalises its rows of a work item and writes them with
-their lse (through its q tile's shared memory), or merges them into the ring's running result
-(``common.Partial``, in global memory); either way the next item's q rows load meanwhile."""
+their lse (through its staging tile: the q tile's shared memory where Hv = H), or merges them
+into the ring's running result (``common.Partial``, in global memory); either way the next
+item's q rows load meanwhile."""
 
 from __future__ import annotations
 

@@ -29,24 +29,24 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermStage, copy_tile_term, key_info, ops_call, open_stage, stage_scratch, staged_bytes,
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, fwd_smem,
+    COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, check_value_dim, fwd_smem,
     item_order, overlaps, persistent_ctas, slots, unsupported)
 
 
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
   """``FwdRefs`` of the kernel's refs: the plan's lists, both sides' token info, ``g.terms``'
   inputs (``TermRefs``), q, k, v, the earlier passes' (o, lse) when merging, o, lse, then the
-  scoped scratch ``(tiles, barriers, a staged tile term's TermStage)``; the tiles end with the
-  output's staging where v is narrower than q (else the q tile stages it)."""
+  scoped scratch ``(tiles, barriers, a staged tile term's TermStage, the output's staging)``
+  (the last ``()`` where the q tile stages it: Hv = H, or merging)."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
   *acc_refs, o_ref, lse_ref, scoped = io
-  smem, bars, stage = scoped
-  smem, o_smem = smem[:7], smem[7] if len(smem) > 7 else smem[0]
+  smem, bars, stage, o_stage = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free, v_free,
-                 TermStage(*stage) if g.terms.staged else None, o_smem)
+                 TermStage(*stage) if g.terms.staged else None,
+                 smem[0] if isinstance(o_stage, tuple) else o_stage)
 
 
 def _fwd_kernel(*refs, cfg, g: FwdGeometry):
@@ -145,11 +145,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   """See ``kernels.common``: returns ``(o [B, Tp, N, Hv], lse [B, N, Tp] float32)``; v's head
   dim ``Hv`` may be narrower than q's (a multiple of 64: MLA's 128 beside 192).
 
-  ``o`` leaves the kernel in the inputs' 16-bit dtype (it is staged through the q tile's shared
-  memory, or its own tile where Hv < H) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's running result) the kernel
-  merges into it instead: each consumer reads its rows of ``acc`` once it has finished its walk
-  and writes the merged float32 rows (measured faster than merging after the kernel for a ring
-  step at 8k tokens per H100, though the read after the walk stalls each CTA).
+  ``o`` leaves the kernel in the inputs' 16-bit dtype (staged through the q tile's shared memory,
+  or its own tile where Hv < H) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's
+  running result) the kernel merges into it instead: each consumer reads its rows of ``acc`` once
+  it has finished its walk and writes the merged float32 rows (measured faster than merging after
+  the kernel for a ring step at 8k tokens per H100, though the read after the walk stalls each
+  CTA).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
     return _triton_forward(q, k, v, ops, plan, cfg, acc)
@@ -159,6 +160,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   terms = terms_of(ops, cfg)
   b, tp, n, hp = q.shape
   hv = v.shape[-1]
+  check_value_dim(hv, hp)
   itemsize = jnp.dtype(q.dtype).itemsize
   variants = cfg.variants or Variants()
   bq, term_dt = cfg.block_q // COMPUTE_WGS, tile_term_dtype(ops)
@@ -169,7 +171,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   check_tiles(cfg, hp, itemsize, staged, hv)
   overlap = overlaps(cfg.block_kv, hv, ops.q_info.segment_ids is not None, variants)
   g = FwdGeometry(bq=bq, bk=cfg.block_kv, slots=slots(cfg, hp, itemsize, staged, hv),
-                  group=n // k.shape[2], head_dim=hp, value_dim=hv, dtype=q.dtype, info_rows=1 if ops.q_info.segment_ids is None else 2,
+                  group=n // k.shape[2], head_dim=hp, value_dim=hv, dtype=q.dtype,
+                  info_rows=1 if ops.q_info.segment_ids is None else 2,
                   q_blocks=tp // cfg.block_q, heads=n, batch=b,
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
                   merge=acc is not None, overlap=overlap,
@@ -180,8 +183,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
              plgpu.SMEM((g.slots, g.key_rows, g.bk), jnp.int32),
-             plgpu.SMEM((COMPUTE_WGS, g.bq if terms.dropout else 8), jnp.int32),  # row keys
-             *([smem(COMPUTE_WGS, g.bq, hv)] if hv != hp else []))  # o staging
+             plgpu.SMEM((COMPUTE_WGS, g.bq if terms.dropout else 8), jnp.int32))  # row keys
   # q and k tiles arrive with their token info: two copies, so two arrivals per phase (q rows:
   # three with dropout's row keys).
   barriers = ((plgpu.Barrier(num_arrivals=2, num_barriers=g.slots),
@@ -190,12 +192,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
   stage = stage_scratch(term_dt, COMPUTE_WGS, (bq, g.bk)) if staged else ()
+  o_stage = smem(COMPUTE_WGS, g.bq, hv) if hv != hp and not g.merge else ()
 
   def entry(*refs):
     pl.run_scoped(
-        lambda *scoped: _fwd_kernel(*refs, (scoped[:-3], scoped[-3:-1], scoped[-1]), cfg=cfg,
-                                    g=g),
-        *scratch, *barriers, stage, collective_axes="wg")
+        lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:9], *scoped[9:]), cfg=cfg, g=g),
+        *scratch, *barriers, stage, o_stage, collective_axes="wg")
 
   o_dtype = jnp.float32 if g.merge else q.dtype
   o, lse = plgpu.kernel(

@@ -114,6 +114,15 @@ def _tile_bytes(cfg: common.KernelConfig, head_dim: int, itemsize: int,
   return fixed, cfg.block_kv * (head_dim + hv) * itemsize
 
 
+def check_value_dim(value_dim: int, head_dim: int) -> None:
+  """Raises ValueError unless v's head dim suits the kernels: a multiple of 64 (one 128-byte
+  swizzle) and at most q's (``padded_value_dim`` makes it so)."""
+  if value_dim % 64 or value_dim > head_dim:
+    raise ValueError(f"pallas_mosaic_gpu kernels got v of head dim {value_dim} beside q/k of "
+                     f"{head_dim}: it must be a multiple of 64 and at most {head_dim}; pad v "
+                     "to BACKEND.padded_value_dim(Hv, H) columns.")
+
+
 def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
           value_dim: Optional[int] = None) -> int:
   """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile (v's head
@@ -173,19 +182,19 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: 
 # overlap_pv=False,True``).
 
 
-def overlaps(block_kv: int, head_dim: int, segments: bool, variants: Variants) -> bool:
+def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants) -> bool:
   """Whether the forward overlaps each tile's softmax with the previous tile's p.v.
 
-  A consumer thread then holds the float32 output (head_dim / 2 registers), the float32 logits
-  (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must fit beside the
-  rest. Calls with segment ids (documents) keep the serial walk: their rows are short, and the
-  overlapped walk's unpaired first and last tiles cost more than the overlap saves (H100, 16
-  causal documents of 1024: 0.227 against 0.207 ms).
+  A consumer thread then holds the float32 output (value_dim / 2 registers: v's head dim), the
+  float32 logits (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must
+  fit beside the rest. Calls with segment ids (documents) keep the serial walk: their rows are
+  short, and the overlapped walk's unpaired first and last tiles cost more than the overlap saves
+  (H100, 16 causal documents of 1024: 0.227 against 0.207 ms).
   """
   if variants.overlap_pv is not None:
     return variants.overlap_pv
   return (wgmma_accumulator_load is not None and not segments
-          and head_dim // 2 + block_kv <= 192)
+          and value_dim // 2 + block_kv <= 192)
 
 
 # Persistent forward: at most one CTA per SM, each walking work items (a q block of one head) in
