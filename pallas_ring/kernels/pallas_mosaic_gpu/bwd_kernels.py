@@ -247,9 +247,9 @@ def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv
 def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.KernelConfig,
              dq_acc=None, parts=common.BOTH, dkv_acc=None):
   """See ``kernels.common``: returns ``(dq, dk, dv)`` in ``cfg.out_dtype``; v (dO, dv) may be
-  narrower than q, as in ``forward`` (the dQ kernel adds
-  ``dq_acc``, the ring's running dq, to its rows before writing them, and the fused kernel
-  starts dQ from it; ``dkv_acc`` is added after the dK/dV kernel).
+  narrower than q, as in ``forward``. The dQ kernel adds ``dq_acc``, the ring's running dq, to
+  its rows before writing them, and the fused kernel starts dQ from it; ``dkv_acc`` is added
+  after the dK/dV kernel.
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
   ``pallas_triton`` backward on the same plan instead (``_triton_backward``).
