@@ -116,6 +116,23 @@ def test_head_dims_pad_to_a_multiple_of_64_only():
     assert "tensor<2x384x4x128xbf16>" in kernel and kernel.endswith(outs)
 
 
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("h, hv", [(128, 128), (128, 64), (192, 192), (192, 128), (192, 64),
+                                   (256, 256), (256, 128)])
+def test_backward_geometry_fits_shared_memory_and_registers(h, hv):
+  """Every served (H, Hv) pair gets backward tiles that fit: at least two slots beside the owned
+  tiles; dQ owns 128 rows (two consumers) up to H=192, with 64-key tiles above H=128 (its
+  float32 dQ beside s and dp); dK/dV is wide above 128."""
+  from pallas_ring.kernels.pallas_mosaic_gpu import bwd_kernels, terms
+  c = bwd_kernels._Call(heads=4, kv_heads=2, head_dim=h, value_dim=hv,
+                        dtype=jnp.dtype("bfloat16"), out_dtype=jnp.dtype("float32"), info_rows=2,
+                        terms=terms.Terms(), term_dtype=jnp.bfloat16, variants=Variants())
+  dq, dkv = (bwd_kernels._geometry(c, dkv, 1024, heads) for dkv, heads in ((False, 1), (True, 2)))
+  assert dq.slots >= 2 and dkv.slots >= 2 and (dq.value_dim, dkv.value_dim) == (hv, hv)
+  assert dq.owners == (1 if h > 192 else 2) and (dq.walk == 64) == (h > 128)
+  assert dkv.wide == (h > 128)
+
+
 def _terms(name, rate=0.1, bias=False, dense=False, seed=3):
   """The score terms of ``terms`` for a case: ALiBi slopes for its heads, dropout at ``rate``,
   and (random, seeded) a per-head bias (float32, or ``bias``'s dtype where it is one) and a
