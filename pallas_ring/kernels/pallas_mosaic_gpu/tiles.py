@@ -37,7 +37,7 @@ class Variants:
   item_order: Optional[str] = None  # forward launch order "heads" | "blocks" (``item_order``)
   blocks_first_keys: int = 32768  # the rule's fewest padded keys launched q blocks first
   dkv_walk_rows: tuple[tuple[int, int], ...] = ((64, 128),)  # dK/dV q tile rows per head dim (64)
-  dq_walk_rows: int = 128  # dQ kernel's K/V tile rows (64 in the wide kernel)
+  dq_walk_rows: int = 128  # dQ kernel's K/V tile rows up to head dim 128 (64 above)
   wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
   wide_dq_above: int = 192  # head dims above which dQ owns 64 rows per CTA
   delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
@@ -261,10 +261,11 @@ BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
 # Rows of a walked tile (``Variants``). dK/dV walks q tiles of ``dkv_walk_rows``, 128 at head
 # dims <= 64 (H100: 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its
-# float32 dK, dV, s^T and dp^T fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` (64 in
-# wide kernels, whose float32 dQ takes 128 registers; and where two slots would not fit, as at
-# H=192). dQ is wide above 192 only: at 192 two consumers' q and dO still fit beside two K/V slots
-# (BENCHMARKS.md, "MLA head dims": 7-10% faster forward+backward than one consumer).
+# float32 dK, dV, s^T and dp^T fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` up to
+# head dim 128 and of 64 rows above (its float32 dQ takes 96-128 registers beside s and dp; and
+# where two slots would not fit). dQ is wide above 192 only: at 192 two consumers' q and dO still
+# fit beside two K/V slots (BENCHMARKS.md, "MLA head dims": 7-10% faster forward+backward than
+# one consumer).
 # ``Variants.delta_in_dq``: whether the dQ kernel computes delta from a RowTerm (False: XLA's
 # separate pass computes it; ``tools/mosaic_gpu_sweep.py bwd delta_in_dq=True,False``). H100,
 # T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the same GPU time
