@@ -22,12 +22,16 @@ def _flash(q, k, v, sinks, ops, cfg, planner, backend):
 def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
   plan = planner.plan(ops)
   o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
-                               q.dtype)
+                               cfg.out_dtype)
   return (o, lse), (q, k, v, sinks, ops, o, lse)
 
 
 def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
+  dequantized = None
+  if ops.fp8 is not None:  # FP8 q, k, v: the backward runs on their dequantized values
+    (q, k, v), dequantized = jax.vjp(
+        lambda *x: fp8.dequantize(*x, cfg.out_dtype), q, k, v, ops.fp8)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
@@ -40,8 +44,11 @@ def _flash_bwd(cfg, planner, backend, res, cts):
 
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks,
-          pair.ops_cotangent(ops, pair.ops_grad(q, k, v, do, lse, delta, ops, cfg)))
+  grads = pair.ops_grad(q, k, v, do, lse, delta, ops, cfg)
+  dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  if dequantized is not None:
+    dq, dk, dv, grads["fp8"] = dequantized((dq, dk, dv))
+  return dq, dk, dv, dsinks, pair.ops_cotangent(ops, grads)
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
@@ -61,7 +68,6 @@ def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
           packing.packed_segment_ids(kv_cu_seqlens, jnp.arange(s), packing.KV_PAD))
 
 
-@fp8.with_fp8
 def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None,
                     q_positions=None, kv_positions=None, dense_mask=None, sinks=None,
                     softcap=None, scale=None, bias=None, alibi_slopes=None,
@@ -69,7 +75,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                     kv_cu_seqlens=None, block_sizes: Optional[BlockSizes] = None,
                     backend: str = "auto", interpret=None, return_lse: bool = False,
                     dropout_broadcast: bool = False, dropout_batch_offset=0,
-                    dropout_head_offset=0):
+                    dropout_head_offset=0, q_descale=None, k_descale=None, v_descale=None,
+                    out_dtype: Optional[jax.typing.DTypeLike] = None):
   """Block-sparse flash attention on one device.
 
   Args:
@@ -114,6 +121,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       the unsharded call.
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
+      q, k and v all of one FP8 dtype run the forward's matmuls in FP8 on Hopper; otherwise
+      (and for the backward) FP8 operands are dequantized to bfloat16.
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
@@ -127,6 +136,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   """
   if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
+  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
+                                                      out_dtype)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions,
@@ -134,7 +145,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, return_lse=return_lse)
+      interpret=interpret, return_lse=return_lse, dtype=compute)
   if cu_seqlens is not None:
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
@@ -142,18 +153,27 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                                                               kv_segment_ids=kv_seg))
   # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
   # makes the output NaN instead of silently wrong.
-  return validation.poison(run(q, k, v, checked), operands.dense_mask_misuse(dense_mask))
+  out = fp8.cast_output(run(q, k, v, checked, descales), out_dtype)
+  return validation.poison(out, operands.dense_mask_misuse(dense_mask))
 
 
-def run(q, k, v, checked: call.Checked):
-  """``flash_attention`` of a checked call (``call.check``): no argument is checked again."""
+def run(q, k, v, checked: call.Checked, descales=None):
+  """``flash_attention`` of a checked call (``call.check``): no argument is checked again.
+  ``descales``: FP8 q, k and v's (``fp8.prepare``), else None."""
   with pair.forward_mode_errors():
     return kernels.dispatch(functools.partial(_flash_on, settings=checked.settings),
-                            checked.per_platform, q, k, v, checked.arrays)
+                            checked.per_platform, q, k, v, checked.arrays, descales)
 
 
-def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
-  """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
+def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, descales, *,
+              settings: call.Settings):
+  """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads (FP8 inputs
+  dequantized first where the backend does not read them)."""
+  lowering = kernels.get(backend)
+  compute = jnp.bfloat16 if descales is not None else q.dtype
+  if descales is not None and not lowering.forward_reads_fp8:
+    q, k, v = fp8.dequantize(q, k, v, descales, compute)
+    descales = None
   b, t, n, _ = q.shape
   s, hv = k.shape[1], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
@@ -163,11 +183,10 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
                          mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
-  lowering = kernels.get(backend)
   hp = lowering.padded_head_dim(h)
   hvp = lowering.padded_value_dim(hv, hp)
   cfg = pair.kernel_config(tiles, mask=st.mask, scale=st.scale, softcap=st.softcap, q_len=t,
-                           kv_len=s, out_dtype=q.dtype, interpret=interpret,
+                           kv_len=s, out_dtype=compute, interpret=interpret,
                            dropout_rate=st.dropout_rate)
   # Default positions are the token indices: the planner builds the plans ahead.
   indexed = q_positions is None and kv_positions is None
@@ -178,6 +197,7 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
       block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
   ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
                              offsets, b, n, broadcast=st.dropout_broadcast)
+  ops = ops._replace(fp8=descales)
   pad = pair.pad_tokens
   out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hvp), terms.get("sinks"),
                         ops, cfg, planner, backend)

@@ -69,15 +69,16 @@ class Checked(NamedTuple):
 
 
 def backend_variants(backend: str, interpret, q, block_sizes, decode: bool = False,
-                     head_dim: Optional[int] = None):
+                     head_dim: Optional[int] = None, dtype=None):
   """Validated ``(BlockSizes, {platform: (backend, interpret)})`` of a call (see ``kernels``).
 
   ``decode``: the call is ``decode_attention``'s. ``head_dim``: the head dim the kernels run at
-  (``pair.kernel_head_dim``; default q's).
+  (``pair.kernel_head_dim``; default q's). ``dtype``: the dtype they compute in (default q's).
   """
   block_sizes = tuning.as_block_sizes(block_sizes)
   head_dim = q.shape[-1] if head_dim is None else head_dim
-  call = kernels.Call(jnp.result_type(q), head_dim, decode=decode, block_sizes=block_sizes)
+  dtype = jnp.result_type(q) if dtype is None else dtype
+  call = kernels.Call(dtype, head_dim, decode=decode, block_sizes=block_sizes)
   if backend != "auto":
     kernels.check_explicit(backend, call)
   return block_sizes, kernels.variants(backend, interpret, call)
@@ -88,7 +89,8 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
           scale=None, dropout_rate: float = 0.0, dropout_rng=None,
           dropout_offsets=(0, 0), dropout_broadcast: bool = False, block_sizes=None,
           backend: str = "auto", interpret=None, return_lse: bool = False,
-          names=("q_positions", "kv_positions"), decode: bool = False) -> Checked:
+          names=("q_positions", "kv_positions"), decode: bool = False,
+          dtype=None) -> Checked:
   """Checks and normalizes the arguments of an attention call once.
 
   Args:
@@ -100,6 +102,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
       absent).
     names: how the caller names its two position arguments (for errors).
     decode: the call is ``decode_attention``'s (``auto`` may pick another kernel).
+    dtype: the dtype the kernels compute in (default q's; FP8 q, k, v: ``fp8.prepare``'s).
     The rest: as ``flash_attention`` (``kv_segment_ids`` default to ``segment_ids`` when
     ``T == S``); ``dropout_offsets`` are its ``dropout_batch_offset`` and
     ``dropout_head_offset``.
@@ -126,7 +129,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   if (segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
   block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, decode,
-                                               pair.kernel_head_dim(q, v))
+                                               pair.kernel_head_dim(q, v), dtype)
   settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
                       bool(return_lse))
   arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, terms,

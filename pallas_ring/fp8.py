@@ -6,7 +6,10 @@ and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, on
 is accepted too, as ``quantize_fp8(q)`` makes it). ``with_fp8`` adds ``q_descale``, ``k_descale``,
 ``v_descale`` and ``out_dtype`` to an entry point: it checks them, widens the FP8 operands to the
 16-bit compute dtype (the kernels' contract: softmax and accumulation in float32) and casts the
-output. ``decode_attention`` instead ``fold``s the descales into q and the output, so that a
+output. ``flash_attention`` ``prepare``s them instead: q, k and v of one FP8 dtype reach the
+backend as they are, with their descales, where it runs its matmuls in FP8
+(``Backend.forward_reads_fp8``: the Mosaic GPU forward; the backward and the other backends
+``dequantize`` them). ``decode_attention`` ``fold``s the descales into q and the output, so that a
 backend whose decode kernels read an FP8 cache (``Backend.decode_reads_fp8``: the GPU decode
 kernel; ``Backend.forward_reads_fp8_kv``: the TPU forward kernel over cache chunks) reads one
 byte per element; elsewhere the cache is widened in XLA before the kernels run.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -144,9 +147,56 @@ def widen(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=Non
   """
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        names)
-  ops = [x if d is None else (x.astype(jnp.float32) * d).astype(compute)
-         for x, d in zip((q, k, v), scales.values())]
-  return (*ops, out_dtype)
+  return (*_widened((q, k, v), scales.values(), compute), out_dtype)
+
+
+def _widened(ops, scales, compute):
+  """Each of ``ops`` times its descale in ``compute`` (None: as it is)."""
+  return [x if d is None else (x.astype(jnp.float32) * d).astype(compute)
+          for x, d in zip(ops, scales)]
+
+
+class Prepared(NamedTuple):
+  """The FP8 arguments of a call with an FP8 forward (``prepare``)."""
+
+  q: Any  # FP8 as given where ``descales`` is set, else widened (``widen``)
+  k: Any
+  v: Any
+  descales: Optional[Any]  # float32 [Bs, N, 3] (``kernel_descales``) or None
+  compute: Any  # the dtype the call computes in
+  out_dtype: Any  # the output's
+
+
+def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+  """``widen`` for an entry point whose kernels may read FP8 (``flash_attention``): q, k and v
+  of one FP8 dtype stay FP8, with their descales per query head (``kernel_descales``), for a
+  backend with ``forward_reads_fp8`` (``dequantize`` widens them for the others); any other
+  mix is widened here."""
+  scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
+                                       ("q", "k", "v"))
+  dtypes = {jnp.result_type(x) for x in (q, k, v)}
+  if len(dtypes) == 1 and is_fp8(q):
+    return Prepared(q, k, v, kernel_descales(*scales.values(), np.shape(q)[2]), compute,
+                    out_dtype)
+  return Prepared(*_widened((q, k, v), scales.values(), compute), None, compute, out_dtype)
+
+
+def kernel_descales(q_scale, k_scale, v_scale, n: int):
+  """float32 ``[Bs, N, 3]``: q's, k's and v's descales (``[B|1, 1, heads|1, 1]`` each, as
+  ``_scales`` gives them) per batch row and query head."""
+  per_head = [jnp.broadcast_to(_to_query_heads(d, n)[:, 0, :, 0], (d.shape[0], n))
+              for d in (q_scale, k_scale, v_scale)]
+  bs = max(d.shape[0] for d in per_head)
+  return jnp.stack([jnp.broadcast_to(d, (bs, n)) for d in per_head], axis=-1)
+
+
+def dequantize(q, k, v, descales, dtype):
+  """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
+  (``kernel_descales``' ``[Bs, N, 3]``) in ``dtype``."""
+  group = q.shape[2] // k.shape[2]
+  d = descales[:, None]  # [Bs, 1, N, 3]
+  return tuple((x.astype(jnp.float32) * d[:, :, ::g, i:i + 1]).astype(dtype)
+               for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
 def _to_query_heads(scale, n: int):
@@ -212,5 +262,6 @@ def with_fp8(fn):
   return wrapped
 
 
-__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "fold", "cast_output",
+__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "prepare", "Prepared",
+           "kernel_descales", "dequantize", "fold", "cast_output",
            "with_fp8", "is_fp8", "FP8_DTYPES"]

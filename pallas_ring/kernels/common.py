@@ -135,6 +135,8 @@ class Operands(NamedTuple):
     bias: float ``[Bb, Nb, Tp, Sp]`` additive logit bias (Bb in {1, B}, Nb in {1, N}) or None.
     alibi: float32 ``[Ba, N, 1]`` ALiBi slopes (Ba in {1, B}) or None.
     dropout: ``DropoutKeys`` when ``cfg.dropout_rate > 0``, else None.
+    fp8: float32 ``[Bs, N, 3]`` (Bs in {1, B}): q's, k's and v's descales per query head, where
+      q, k and v are FP8 (``Backend.forward_reads_fp8``); else None.
   """
 
   q_info: block_sparse.TokenInfo
@@ -143,6 +145,7 @@ class Operands(NamedTuple):
   bias: Optional[Array] = None
   alibi: Optional[Array] = None
   dropout: Optional["DropoutKeys"] = None
+  fp8: Optional[Array] = None
 
 
 class DropoutKeys(NamedTuple):

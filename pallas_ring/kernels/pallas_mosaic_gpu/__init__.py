@@ -45,6 +45,7 @@ One module per concern, as FlashAttention-3's ``hopper/``:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend
@@ -78,6 +79,7 @@ class MosaicGpuBackend(backend.Backend):
   platform = "gpu"
   variants_cls = Variants
   fallback = "pallas_triton"
+  forward_reads_fp8 = True
 
   def supports(self, call):
     why = unsupported(call)
@@ -96,8 +98,11 @@ class MosaicGpuBackend(backend.Backend):
     return not call.decode
 
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
-    # 2 x 64 rows per CTA; the backward kernels take 128 x 128.
-    block_kv = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    # 2 x 64 rows per CTA; the backward kernels take 128 x 128. FP8 tiles are half the bytes:
+    # twice the keys (BENCHMARKS.md, "FP8 forward").
+    fp8 = dtype is not None and jnp.dtype(dtype).itemsize == 1
+    wide, mid = (128, 192) if fp8 else (64, 128)  # head dims up to which 256 / 128 keys fit
+    block_kv = 256 if head_dim <= wide else 128 if head_dim <= mid else 64
     return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)
 
   def block_size_error(self, field, value):

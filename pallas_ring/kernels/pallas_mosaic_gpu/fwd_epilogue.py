@@ -1,5 +1,5 @@
 """The forward's epilogue: a consumer normalises its rows of a work item and writes them with
-their lse (through its staging tile: the q tile's shared memory where Hv = H), or merges them
+their lse (through its staging tile: the q tile's shared memory where it fits), or merges them
 into the ring's running result (``common.Partial``, in global memory); either way the next
 item's q rows load meanwhile."""
 
@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import Consumer, ItemRows, load_q
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import ROWS, load_ref
 
@@ -25,7 +26,8 @@ def epilogue(c: Consumer, rows: ItemRows, i, acc, m, l) -> None:
   if g.terms.separable:
     m = m - rows.q_term  # (the row's lse in the logits with the whole position term)
   empty = l == 0.0
-  inv = cfg.keep_scale / jnp.where(empty, 1.0, l)  # (dropout: kept terms' 1 / (1 - rate))
+  # (dropout: kept terms' 1 / (1 - rate); FP8: v's descale)
+  inv = fp8.scaled(cfg.keep_scale / jnp.where(empty, 1.0, l), rows.out_descale)
   lse = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
   by_row = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
   seq = pl.ds(rows.q0, g.bq)
@@ -39,7 +41,7 @@ def epilogue(c: Consumer, rows: ItemRows, i, acc, m, l) -> None:
     own_o[...] = earlier * by_row(c_acc) + acc * by_row(inv * c_own)
     own_lse[...] = lse
   else:  # through the staging tile (the q tile, which the next item's q then overwrites)
-    c.o_smem[...] = (acc * by_row(inv)).astype(g.dtype)
+    c.o_smem[...] = (acc * by_row(inv)).astype(g.out_dtype)
     c.lse_smem[...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(c.o_smem, own_o)

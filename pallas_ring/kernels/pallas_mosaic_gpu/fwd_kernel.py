@@ -16,8 +16,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_ring import fp8 as fp8_args
 from pallas_ring import kernels
 from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_epilogue import epilogue
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import (
     Consumer, FwdRefs, load_q, open_item, walk)
@@ -30,21 +32,23 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, check_value_dim, fwd_smem,
-    item_order, overlaps, persistent_ctas, slots, unsupported)
+    item_order, overlaps, persistent_ctas, slots, stages_o, unsupported)
 
 
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
   """``FwdRefs`` of the kernel's refs: the plan's lists, both sides' token info, ``g.terms``'
-  inputs (``TermRefs``), q, k, v, the earlier passes' (o, lse) when merging, o, lse, then the
-  scoped scratch ``(tiles, barriers, a staged tile term's TermStage, the output's staging)``
-  (the last ``()`` where the q tile stages it: Hv = H, or merging)."""
+  inputs (``TermRefs``), the FP8 descales in FP8 mode, q, k, v, the earlier passes' (o, lse)
+  when merging, o, lse, then the scoped scratch ``(tiles, barriers, a staged tile term's
+  TermStage, the output's staging)`` (the last ``()`` where the q tile stages it:
+  ``tiles.stages_o``)."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
-  extra, (q_ref, k_ref, v_ref, *io) = g.terms.refs(refs)
+  extra, refs = g.terms.refs(refs)
+  descales, (q_ref, k_ref, v_ref, *io) = (refs[0], refs[1:]) if g.fp8 else (None, refs)
   *acc_refs, o_ref, lse_ref, scoped = io
   smem, bars, stage, o_stage = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
-                 tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free, v_free,
+                 descales, tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free, v_free,
                  TermStage(*stage) if g.terms.staged else None,
                  smem[0] if isinstance(o_stage, tuple) else o_stage)
 
@@ -101,13 +105,13 @@ def _producer(g: FwdGeometry, r: FwdRefs):
       n = base + j  # the CTA's tile count
       slot = slot_of(n, g.slots)
       keys = pl.ds(idx_row[j] * g.bk, g.bk)
-      src = (batch, keys, kv_head)
+
 
       @pl.when(n >= g.slots)
       def _():
         plgpu.barrier_wait(r.k_free.at[slot])
 
-      plgpu.copy_gmem_to_smem(r.k.at[src], r.k_smem.at[slot], r.k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(r.k.at[batch, keys, kv_head], r.k_smem.at[slot], r.k_bar.at[slot])
 
       # Only masked tiles read the keys' token info (and the overlapped walk's first tile,
       # which it always masks), unless a term needs it on every tile (``Terms.tile_info``).
@@ -133,7 +137,8 @@ def _producer(g: FwdGeometry, r: FwdRefs):
       def _():
         plgpu.barrier_wait(r.v_free.at[slot])
 
-      plgpu.copy_gmem_to_smem(r.v.at[src], r.v_smem.at[slot], r.v_bar.at[slot])
+      plgpu.copy_gmem_to_smem(fp8.v_source(r.v, batch, keys, kv_head, g.fp8), r.v_smem.at[slot],
+                              r.v_bar.at[slot])
 
     return base + count
 
@@ -161,17 +166,25 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   b, tp, n, hp = q.shape
   hv = v.shape[-1]
   check_value_dim(hv, hp)
+  fp8_mode = fp8.is_fp8(q.dtype)
+  if fp8_mode and (ops.fp8 is None or not q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"the FP8 forward takes q, k and v of one FP8 dtype with their descales "
+                     f"(ops.fp8), got {q.dtype}, {k.dtype}, {v.dtype}.")
   itemsize = jnp.dtype(q.dtype).itemsize
+  o_dtype = cfg.out_dtype if fp8_mode else q.dtype  # (16-bit: what the kernel stages)
+  out_itemsize = jnp.dtype(o_dtype).itemsize
   variants = cfg.variants or Variants()
   bq, term_dt = cfg.block_q // COMPUTE_WGS, tile_term_dtype(ops)
   staged = staged_bytes(terms, term_dt, variants, COMPUTE_WGS, bq, cfg.block_kv)
-  if fwd_smem(cfg, hp, itemsize, staged, hv) > SMEM_BYTES:
+  if fwd_smem(cfg, hp, itemsize, staged, hv, out_itemsize) > SMEM_BYTES:
     staged = 0  # (no room beside two K/V slots: read from global memory)
   terms = dataclasses.replace(terms, staged=staged > 0)
-  check_tiles(cfg, hp, itemsize, staged, hv)
-  overlap = overlaps(cfg.block_kv, hv, ops.q_info.segment_ids is not None, variants)
-  g = FwdGeometry(bq=bq, bk=cfg.block_kv, slots=slots(cfg, hp, itemsize, staged, hv),
+  check_tiles(cfg, hp, itemsize, staged, hv, out_itemsize)
+  overlap = overlaps(cfg.block_kv, hv, ops.q_info.segment_ids is not None, variants, fp8_mode)
+  g = FwdGeometry(bq=bq, bk=cfg.block_kv,
+                  slots=slots(cfg, hp, itemsize, staged, hv, out_itemsize),
                   group=n // k.shape[2], head_dim=hp, value_dim=hv, dtype=q.dtype,
+                  out_dtype=o_dtype,
                   info_rows=1 if ops.q_info.segment_ids is None else 2,
                   q_blocks=tp // cfg.block_q, heads=n, batch=b,
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
@@ -179,7 +192,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   order=item_order(k.shape[1], variants), terms=terms,
                   regs=variants.regs)
   smem = functools.partial(swizzled_smem, q.dtype)
-  scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, g.bk, hv),
+  v_tile = (hv, g.bk) if fp8_mode else (g.bk, hv)  # (``fp8.v_source``)
+  scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, *v_tile),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
              plgpu.SMEM((g.slots, g.key_rows, g.bk), jnp.int32),
@@ -192,31 +206,35 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
   stage = stage_scratch(term_dt, COMPUTE_WGS, (bq, g.bk)) if staged else ()
-  o_stage = smem(COMPUTE_WGS, g.bq, hv) if hv != hp and not g.merge else ()
+  own_stage = stages_o(hp, hv, itemsize, out_itemsize) and not g.merge
+  o_stage = swizzled_smem(o_dtype, COMPUTE_WGS, g.bq, hv) if own_stage else ()
 
   def entry(*refs):
     pl.run_scoped(
         lambda *scoped: _fwd_kernel(*refs, (scoped[:7], scoped[7:9], *scoped[9:]), cfg=cfg, g=g),
         *scratch, *barriers, stage, o_stage, collective_axes="wg")
 
-  o_dtype = jnp.float32 if g.merge else q.dtype
   o, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((b, tp, n, hv), o_dtype),
+      out_type=(jax.ShapeDtypeStruct((b, tp, n, hv), jnp.float32 if g.merge else o_dtype),
                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
       grid=(g.ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(plan.kv_index, plan.kv_count, plan.kv_full, token_info(ops.q_info), key_info(ops),
-    *terms.inputs(ops, cfg), q, k, v, *(() if acc is None else (acc.o.astype(jnp.float32),
-                                                                acc.lse.astype(jnp.float32))))
+    *terms.inputs(ops, cfg), *((ops.fp8,) if fp8_mode else ()), q, k,
+    fp8.v_layout(v) if fp8_mode else v,
+    *(() if acc is None else (acc.o.astype(jnp.float32), acc.lse.astype(jnp.float32))))
   return o.astype(cfg.out_dtype), lse
 
 
 def _triton_forward(q, k, v, ops, plan, cfg, acc):
   """Interpret mode: the ``pallas_triton`` forward (imported here: Hopper needs no Triton) on
-  the same plan, v (and a merged ``acc``) zero-padded to q's head dim and o sliced back;
-  ``cfg.num_stages`` means this kernel's K/V slots, so Triton gets its own default."""
+  the same plan, FP8 inputs dequantized, v (and a merged ``acc``) zero-padded to q's head dim
+  and o sliced back; ``cfg.num_stages`` means this kernel's K/V slots, so Triton gets its own
+  default."""
   hp, hv = q.shape[-1], v.shape[-1]
+  if ops.fp8 is not None:
+    q, k, v = fp8_args.dequantize(q, k, v, ops.fp8, cfg.out_dtype)
   if acc is not None:
     acc = acc._replace(o=common.widen(acc.o, hp))
   o, lse = kernels.get("pallas_triton").forward(

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_scheduler import FwdGeometry, plan_row, work_item
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, keep_alive, load_ref, mark_issued, slot_of,
@@ -32,13 +33,14 @@ class FwdRefs(NamedTuple):
   terms: TermRefs  # the score terms' inputs
   q: Any  # [B, Tp, N, H]
   k: Any  # [B, Sp, K, H]
-  v: Any  # [B, Sp, K, Hv]
+  v: Any  # [B, Sp, K, Hv]; FP8: [B, K, Hv, Sp] (``fp8.v_layout``)
+  descales: Any  # FP8: float32 [Bs, N, 3], q's, k's and v's descales (``fp8.descales``); None
   acc: tuple  # merging: the earlier passes' (o [B, Tp, N, Hv], lse [B, N, Tp]) float32; else ()
   o: Any  # [B, Tp, N, Hv]
   lse: Any  # [B, N, Tp] float32
   q_smem: Any  # [COMPUTE_WGS, bq, H]: each consumer's q tile
   k_smem: Any  # [slots, bk, H]
-  v_smem: Any  # [slots, bk, Hv]
+  v_smem: Any  # [slots, bk, Hv]; FP8: [slots, Hv, bk]
   lse_smem: Any  # [COMPUTE_WGS, bq] float32: lse staging
   qinfo_smem: Any  # [COMPUTE_WGS, info_rows, bq] int32
   kinfo_smem: Any  # [slots, key_rows, bk] int32
@@ -49,7 +51,7 @@ class FwdRefs(NamedTuple):
   k_free: Any  # per slot: both consumers are done with K
   v_free: Any  # per slot: both consumers are done with V
   stage: Optional[TermStage]  # a staged tile term's windows
-  o_smem: Any  # [COMPUTE_WGS, bq, Hv]: each consumer's o staging (its q tile when Hv = H)
+  o_smem: Any  # [COMPUTE_WGS, bq, Hv]: each consumer's o staging (its q tile when it fits)
 
 
 class Consumer(NamedTuple):
@@ -60,7 +62,7 @@ class Consumer(NamedTuple):
   r: FwdRefs
   wg: Any  # this warpgroup's index
   q_smem: Any  # [bq, H]
-  o_smem: Any  # [bq, Hv]: o staging (``q_smem`` when Hv = H)
+  o_smem: Any  # [bq, Hv]: o staging (``q_smem`` when it fits)
   lse_smem: Any  # [bq]
   qinfo_smem: Any  # [info_rows, bq]
   rkey_smem: Any  # [bq]
@@ -87,6 +89,8 @@ class ItemRows(NamedTuple):
   k_slope: Any  # the same in ``with_terms``' units
   anchor: Any  # separable position term: its anchor (the first row's position); else None
   q_term: Any  # separable position term: the rows' query term [bq] (base 2); else None
+  descale: Any  # FP8: the raw q.k's descale (a scalar); else None
+  out_descale: Any  # FP8: the output's (v's descale); else None
 
   def slot(self, g: FwdGeometry, j):
     """The slot of the item's tile j."""
@@ -117,13 +121,15 @@ def open_item(c: Consumer, i, base) -> ItemRows:
   # Token info rows (positions, then segment ids) broadcast to the [bq, bk] tile.
   q_info = broadcast_info(c.qinfo_smem, ROWS, (g.bq, g.bk), 0, g.info_rows)
   slope = position_slope(r.terms.slopes, batch, head)
-  k_slope = logit_slope(slope, c.cfg)  # (the keys' side, in the units of ``with_terms``)
+  descale, out_descale = fp8.descales(r.descales, batch, head)
+  # (the keys' side, in the units of ``with_terms``)
+  k_slope = logit_slope(slope, c.cfg, descale)
   anchor = q_term = None
   if g.terms.separable:  # (``terms``: the anchor is this consumer's first row's position)
     anchor = r.q_info[common.sel(r.q_info.shape[0], batch), 0, q0]
     q_term = position_term(slope, load_ref(c.qinfo_smem.at[0], ROWS), anchor)
   return ItemRows(batch, head, q0, idx_row, count, n_full, base, q_info, slope, k_slope, anchor,
-                  q_term)
+                  q_term, descale, out_descale)
 
 
 def walk(c: Consumer, rows: ItemRows):
@@ -136,8 +142,8 @@ def walk(c: Consumer, rows: ItemRows):
 
 
 def _softmax(c: Consumer, rows: ItemRows, s_raw, k0, slot, m, l, masked):
-  """``(p16, m, l, alpha)`` after the raw logits of the tile of keys from ``k0``; releases the
-  tile's K slot."""
+  """``(p, m, l, alpha)`` (``p`` as ``fp8.p_tile``) after the raw logits of the tile of keys
+  from ``k0``; releases the tile's K slot."""
   g, cfg, r = c.g, c.cfg, c.r
   shape = (g.bq, g.bk)
   # The slot's key info is read before the slot is released to the producer (which then
@@ -158,12 +164,15 @@ def _softmax(c: Consumer, rows: ItemRows, s_raw, k0, slot, m, l, masked):
     position = (rows.k_slope, rows.q_info[0], k_info[0])
   tile = term_window(g.terms, r.terms.tile_term, masked, rows.batch, rows.head, rows.q0, k0,
                      shape, r.stage, c.wg)
-  s, scale = logits(s_raw, cfg)
+  s, scale = logits(s_raw, cfg, rows.descale)
   s = with_terms(s, scale, position, tile)
   plgpu.barrier_arrive(r.k_free.at[slot])
   if vis is not None:
     s = jnp.where(vis, s, common.NEG_INF)
-  m_new = jnp.maximum(m, s.max(axis=1) * scale)  # base 2
+  row_max = s.max(axis=1) * scale  # base 2
+  if fp8.row_max_shift(g.dtype):  # (FP8: p scaled up, the lse shifted back)
+    row_max = row_max - fp8.row_max_shift(g.dtype)
+  m_new = jnp.maximum(m, row_max)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
   if vis is not None:
@@ -171,7 +180,7 @@ def _softmax(c: Consumer, rows: ItemRows, s_raw, k0, slot, m, l, masked):
   p_kept = p
   if g.terms.dropout:  # (after the row reductions: the mask is not live across them)
     p_kept = kept(p, keep(cfg, broadcast(load_ref(c.rkey_smem, ROWS), shape, 0), k_info[-1]))
-  return p_kept.astype(g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+  return fp8.p_tile(p_kept, g.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
 
 def _serial_step(c: Consumer, rows: ItemRows, j, carry, masked):
@@ -188,12 +197,12 @@ def _serial_step(c: Consumer, rows: ItemRows, j, carry, masked):
   p16, m_new, l, alpha = _softmax(c, rows, pl.run_scoped(qk, plgpu.ACC((g.bq, g.bk), jnp.float32)),
                                   rows.idx_row[j] * g.bk, slot, m, l, masked)
   acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-  acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+  acc, l, m_new, a = lax.optimization_barrier((acc, l, m_new, fp8.a_operand(p16, g.dtype)))
   plgpu.barrier_wait(r.v_bar.at[slot])
   wait_to_issue()
 
   def pv(acc_ref):
-    plgpu.wgmma(acc_ref, p16, r.v_smem.at[slot])
+    plgpu.wgmma(acc_ref, a, fp8.v_operand(r.v_smem.at[slot], g.fp8))
     nxt = j + 1
 
     @pl.when(nxt < rows.count)
@@ -223,6 +232,7 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
   rescales ``o_ref``."""
   g, r = c.g, c.r
   slot, prev = rows.slot(g, j), rows.slot(g, j + g.slots - 1)
+  a_prev = None if p16_prev is None else fp8.a_operand(p16_prev, g.dtype)
   plgpu.barrier_wait(r.k_bar.at[slot])
   wait_to_issue()
 
@@ -230,7 +240,7 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
     plgpu.wgmma(s_ref, c.q_smem, r.k_smem.at[slot].transpose((1, 0)))
     if p16_prev is not None:
       plgpu.barrier_wait(r.v_bar.at[prev])
-      plgpu.wgmma(o_ref, p16_prev, r.v_smem.at[prev])
+      plgpu.wgmma(o_ref, a_prev, fp8.v_operand(r.v_smem.at[prev], g.fp8))
     mark_issued()
     # q.k^T was issued first, so it is done once at most p.v is in flight.
     return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
@@ -239,7 +249,7 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
                                   rows.idx_row[j] * g.bk, slot, m, l, masked)
   if p16_prev is not None:
     plgpu.wgmma_wait(0)
-    keep_alive(p16_prev)
+    keep_alive(a_prev, fp8.a_layout(g.dtype))
     plgpu.barrier_arrive(r.v_free.at[prev])
     o_ref[...] = o_ref[...] * lax.broadcast_in_dim(alpha, (g.bq, g.value_dim), [0])
   return p16, m_new, l
@@ -252,7 +262,8 @@ def _overlapped_walk(c: Consumer, rows: ItemRows, o_ref):
   # The first tile is always masked (its token info is loaded for that), as only it has no p.v
   # to overlap.
   first = lambda: _overlapped_step(c, rows, o_ref, jnp.int32(0), None, c.m0, c.l0, masked=True)
-  p16 = plgpu.layout_cast(jnp.zeros((g.bq, g.bk), g.dtype), plgpu.Layout.WGMMA)
+  p16 = plgpu.layout_cast(jnp.zeros((g.bq, g.bk), fp8.p_tile_dtype(g.dtype)),
+                          plgpu.Layout.WGMMA)
   carry = lax.cond(count > 0, first, lambda: (p16, c.m0, c.l0))
   carry = lax.fori_loop(1, rows.n_full, step(False), carry)
   p16, m, l = lax.fori_loop(jnp.maximum(rows.n_full, 1), count, step(True), carry)
@@ -262,7 +273,7 @@ def _overlapped_walk(c: Consumer, rows: ItemRows, o_ref):
     last = rows.slot(g, count - 1)
     wait_to_issue()
     plgpu.barrier_wait(r.v_bar.at[last])
-    plgpu.wgmma(o_ref, p16, r.v_smem.at[last])
+    plgpu.wgmma(o_ref, fp8.a_operand(p16, g.dtype), fp8.v_operand(r.v_smem.at[last], g.fp8))
     mark_issued()
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(r.v_free.at[last])

@@ -23,7 +23,8 @@ class FwdGeometry:
   group: int  # query heads per kv head
   head_dim: int  # H: q's and k's (padded)
   value_dim: int  # Hv: v's and the output's (padded), at most H
-  dtype: object
+  dtype: object  # q's, k's and v's: 16-bit, or FP8 (``fp8``: the FP8 mode)
+  out_dtype: object  # the output's (staged) when not merging: 16-bit
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   q_blocks: int  # q blocks (plan rows) along the sequence
   heads: int  # query heads
@@ -34,6 +35,11 @@ class FwdGeometry:
   order: str = "heads"  # work items' launch order (``item_order``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   regs: tuple = Variants().regs  # registers per thread: consumer, producer
+
+  @property
+  def fp8(self) -> bool:
+    """Whether the kernel runs its FP8 mode (``fp8``)."""
+    return jnp.dtype(self.dtype).itemsize == 1
 
   @property
   def key_rows(self) -> int:

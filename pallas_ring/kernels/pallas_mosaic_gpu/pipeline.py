@@ -50,10 +50,12 @@ def row_vector(x, rows: int):
 
 
 def swizzled_smem(dtype, *shape):
-  """A shared-memory tile of 16-bit or 32-bit elements in wgmma's swizzled layout."""
+  """A shared-memory tile in wgmma's swizzled layout: 128-byte swizzles, or 64-byte ones where
+  rows are not a multiple of 128 bytes (FP8 rows of 64 or 192 columns)."""
   itemsize = jnp.dtype(dtype).itemsize
+  swizzle = 128 if shape[-1] * itemsize % 128 == 0 else 64
   return plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+      plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
 def broadcast_info(ref, layout, shape, dim, info_rows):
@@ -79,15 +81,16 @@ def token_info(info) -> jax.Array:
 KEEP_ALIVE = "// p.v's A operand stays live until here"  # (a PTX comment)
 
 
-def keep_alive(x):
-  """Keeps the registers of ``x`` (a 16-bit wgmma A operand) live until this point, so that
-  the compiler does not reuse them while an asynchronous wgmma still reads them (ptxas would
-  then serialize every wgmma of the kernel, C7513)."""
+def keep_alive(x, layout=plgpu.Layout.WGMMA):
+  """Keeps the registers of ``x`` (a wgmma A operand in ``layout``, 32-bit registers) live until
+  this point, so that the compiler does not reuse them while an asynchronous wgmma still reads
+  them (ptxas would then serialize every wgmma of the kernel, C7513)."""
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,))
+  @plgpu.inline_mgpu(arg_types=(layout,))
   def emit(_, arr):
     i32 = ir.IntegerType.get_signless(32)
-    regs = [llvm.bitcast(i32, r) for r in arr.registers.flat]
+    regs = [llvm.bitcast(i32, r) if layout == plgpu.Layout.WGMMA else mgpu_utils.bitcast(r, i32)
+            for r in arr.registers.flat]
     llvm.inline_asm(ir.Type.parse("!llvm.void"), regs, KEEP_ALIVE, ",".join(["r"] * len(regs)),
                     has_side_effects=True)
 

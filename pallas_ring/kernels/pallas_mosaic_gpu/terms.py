@@ -135,9 +135,8 @@ def terms_of(ops: common.Operands, cfg: common.KernelConfig) -> Terms:
 
 def ops_call(q, ops: common.Operands) -> backend.Call:
   """The ``Call`` of a kernel's inputs (to refuse what ``tiles.unsupported`` names: dtype and
-  head dim; every operand is served)."""
-  del ops
-  return backend.Call(q.dtype, q.shape[-1])
+  head dim; every operand is served). FP8 inputs with their descales compute in bfloat16."""
+  return backend.Call(jnp.bfloat16 if ops.fp8 is not None else q.dtype, q.shape[-1])
 
 
 def tile_bias(ops: common.Operands, transposed: bool = False,
@@ -275,23 +274,31 @@ def position_slope(slopes_ref, batch, head):
   return slopes_ref[common.sel(slopes_ref.shape[0], batch), head, 0] * common.LOG2E
 
 
-def logit_slope(slope, cfg: common.KernelConfig):
+def logit_slope(slope, cfg: common.KernelConfig, descale=None):
   """A base-2 position ``slope`` in the units of ``logits``'s ``s`` (``with_terms``), or None."""
-  return None if slope is None else slope * (1.0 / logit_scale(cfg))
+  return None if slope is None else slope * (1.0 / logit_scale(cfg, descale))
 
 
-def logit_scale(cfg: common.KernelConfig) -> float:
-  """``c`` of ``logits``: ``scale * log2(e)``, or 1 with a soft-cap."""
-  return cfg.scale * common.LOG2E if cfg.softcap is None else 1.0
+def logit_scale(cfg: common.KernelConfig, descale=None):
+  """``c`` of ``logits``: ``scale * log2(e)`` (times the FP8 ``descale`` of the raw ``q.k``,
+  None: 1), or 1 with a soft-cap."""
+  if cfg.softcap is not None:
+    return 1.0
+  c = cfg.scale * common.LOG2E
+  return c if descale is None else c * descale
 
 
-def logits(qk, cfg: common.KernelConfig):
+def logits(qk, cfg: common.KernelConfig, descale=None):
   """``(s, c)``: logits ``s`` whose base-2 value is ``s * c``. Without a soft-cap ``s`` is the
   raw ``q.k`` and ``c = scale * log2(e)``, so the softmax computes ``exp2(s * c - m)`` as one
-  fused multiply-add per element (with the row max taken as ``max(s) * c``)."""
+  fused multiply-add per element (with the row max taken as ``max(s) * c``). ``descale``: the
+  FP8 descale of the raw ``q.k`` (a traced scalar), folded into ``c`` or the soft-cap's
+  argument."""
   if cfg.softcap is None:
-    return qk, logit_scale(cfg)
-  capped = (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
+    return qk, logit_scale(cfg, descale)
+  arg = cfg.scale / cfg.softcap
+  capped = (cfg.softcap * common.LOG2E) * jnp.tanh(qk * (arg if descale is None else
+                                                         arg * descale))
   return capped, logit_scale(cfg)
 
 

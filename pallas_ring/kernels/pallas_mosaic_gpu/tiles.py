@@ -96,7 +96,8 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def unsupported(call: backend.Call) -> Optional[str]:
-  """Why this lowering cannot serve a call (None when it can): dtype, head dim."""
+  """Why this lowering cannot serve a call (None when it can): dtype, head dim. (FP8 inputs are
+  served by the forward's FP8 mode; their call's dtype is the one they compute in.)"""
   if jnp.dtype(call.dtype) not in [jnp.dtype(d) for d in DTYPES]:
     return f"inputs of dtype {jnp.dtype(call.dtype)} (wgmma takes bfloat16 or float16)"
   head_dim = padded_head_dim(call.head_dim)
@@ -105,12 +106,21 @@ def unsupported(call: backend.Call) -> Optional[str]:
   return None
 
 
+def stages_o(head_dim: int, value_dim: int, itemsize: int, out_itemsize: int) -> bool:
+  """Whether the forward stages its output in a tile of its own: where the q tile does not fit
+  it (a narrower v, or FP8 inputs)."""
+  return value_dim != head_dim or out_itemsize != itemsize
+
+
 def _tile_bytes(cfg: common.KernelConfig, head_dim: int, itemsize: int,
-                value_dim: Optional[int]) -> tuple[int, int]:
-  """Bytes of the forward's fixed tiles (q [block_q, H], and with a narrower v the output's
+                value_dim: Optional[int], out_itemsize: Optional[int]) -> tuple[int, int]:
+  """Bytes of the forward's fixed tiles (q [block_q, H], and where ``stages_o`` the output's
   staging [block_q, Hv]) and of one K/V slot ([block_kv, H] + [block_kv, Hv])."""
   hv = head_dim if value_dim is None else value_dim
-  fixed = cfg.block_q * (head_dim + (hv if hv != head_dim else 0)) * itemsize
+  out_itemsize = itemsize if out_itemsize is None else out_itemsize
+  fixed = cfg.block_q * head_dim * itemsize
+  if stages_o(head_dim, hv, itemsize, out_itemsize):
+    fixed += cfg.block_q * hv * out_itemsize
   return fixed, cfg.block_kv * (head_dim + hv) * itemsize
 
 
@@ -124,22 +134,23 @@ def check_value_dim(value_dim: int, head_dim: int) -> None:
 
 
 def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
-          value_dim: Optional[int] = None) -> int:
+          value_dim: Optional[int] = None, out_itemsize: Optional[int] = None) -> int:
   """K/V shared-memory slots: ``cfg.num_stages`` or as many as fit beside the q tile (v's head
-  dim ``value_dim``, default ``head_dim``) and ``staged`` bytes of staged tile-term windows (at
-  least 2)."""
+  dim ``value_dim``, default ``head_dim``; the output's item size ``out_itemsize``, default the
+  inputs') and ``staged`` bytes of staged tile-term windows (at least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
-  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim)
+  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim, out_itemsize)
   return max(2, min(4, (SMEM_BYTES - fixed - staged) // kv_bytes))
 
 
 def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
-             value_dim: Optional[int] = None) -> int:
+             value_dim: Optional[int] = None, out_itemsize: Optional[int] = None) -> int:
   """Shared memory of the forward's q tile (and output staging), K/V slots and ``staged``
   bytes."""
-  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim)
-  return fixed + slots(cfg, head_dim, itemsize, staged, value_dim) * kv_bytes + staged
+  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim, out_itemsize)
+  n = slots(cfg, head_dim, itemsize, staged, value_dim, out_itemsize)
+  return fixed + n * kv_bytes + staged
 
 
 def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
@@ -152,7 +163,7 @@ def staged_bias_bytes(term_dtype, variants: Variants, readers: int, rows: int,
 
 
 def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 0,
-                value_dim: Optional[int] = None) -> None:
+                value_dim: Optional[int] = None, out_itemsize: Optional[int] = None) -> None:
   """Raises ValueError naming the rule when the forward tiles (beside ``staged`` bytes of tile-term
   windows) cannot run."""
   if cfg.block_q % (COMPUTE_WGS * WG_ROWS):
@@ -163,8 +174,8 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: 
   if cfg.block_kv % 64:
     raise ValueError(f"block_kv={cfg.block_kv} cannot be used by backend 'pallas_mosaic_gpu': "
                      "it must be a multiple of 64.")
-  n = slots(cfg, head_dim, itemsize, staged, value_dim)
-  need = fwd_smem(cfg, head_dim, itemsize, staged, value_dim)
+  n = slots(cfg, head_dim, itemsize, staged, value_dim, out_itemsize)
+  need = fwd_smem(cfg, head_dim, itemsize, staged, value_dim, out_itemsize)
   if n < 2 or need > SMEM_BYTES:
     raise ValueError(
         f"pallas_mosaic_gpu tiles block_q={cfg.block_q}, block_kv={cfg.block_kv} with {n} K/V "
@@ -182,18 +193,21 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: 
 # overlap_pv=False,True``).
 
 
-def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants) -> bool:
+def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants,
+             fp8: bool = False) -> bool:
   """Whether the forward overlaps each tile's softmax with the previous tile's p.v.
 
   A consumer thread then holds the float32 output (value_dim / 2 registers: v's head dim), the
   float32 logits (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must
   fit beside the rest. Calls with segment ids (documents) keep the serial walk: their rows are
   short, and the overlapped walk's unpaired first and last tiles cost more than the overlap saves
-  (H100, 16 causal documents of 1024: 0.227 against 0.207 ms).
+  (H100, 16 causal documents of 1024: 0.227 against 0.207 ms). Nor does the FP8 mode: its
+  matmuls are short beside the softmax, and the serial walk measured faster at every key tile
+  (BENCHMARKS.md, "FP8 forward").
   """
   if variants.overlap_pv is not None:
     return variants.overlap_pv
-  return (wgmma_accumulator_load is not None and not segments
+  return (wgmma_accumulator_load is not None and not segments and not fp8
           and value_dim // 2 + block_kv <= 192)
 
 

@@ -1,0 +1,171 @@
+"""The FP8 forward of the Mosaic GPU kernels (Hopper): q, k and v of one FP8 dtype run the
+forward's matmuls in FP8.
+
+On a CPU machine: every configuration lowers for CUDA to one Mosaic GPU kernel that reads the
+FP8 operands (nothing widens them), gradients lower to that kernel and the 16-bit backward
+kernels, and in interpret mode the whole call (descales, the dequantizing backward, the
+descales' gradients) matches the xla backend on the same FP8 inputs. Natively
+(PALLAS_RING_TEST_GPU=1 on sm_90+) the kernel itself is checked against the dequantized inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_ring import BlockSizes, flash_attention, masks, quantize_fp8, reference
+from pallas_ring.kernels import common, pallas_mosaic_gpu
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants, fp8, tiles
+from conftest import ON_GPU, rel_err
+from test_pallas_mosaic_gpu import CASES, HV, MOSAIC, TRITON
+
+F8 = jnp.float8_e4m3fn
+# The FP8 forward's error against the dequantized inputs is p's quantization to e4m3 (about 2%
+# of the output's norm on random inputs: BENCHMARKS.md, "FP8 forward"); bfloat16's is 0.4%.
+FP8_TOL = 4e-2
+
+
+def _structs(name, dtype=F8):
+  mask, t, s, n, kh, h, _, segs, cap = CASES[name]
+  sd = jax.ShapeDtypeStruct
+  args = (sd((2, t, n, h), dtype), sd((2, s, kh, h), dtype), sd((2, s, kh, HV.get(name, h)), dtype),
+          sd((2, kh), jnp.float32), sd((2, kh), jnp.float32), sd((2, kh), jnp.float32))
+  seg = (sd((2, t), jnp.int32),) if segs and t == s else ()
+  return args, seg, dict(mask=mask, softcap=cap)
+
+
+def _fp8_attention(kw, **variants):
+  bs = BlockSizes(variants=Variants(**variants)) if variants else None
+
+  def f(q, k, v, qd, kd, vd, *seg):
+    extra = dict(segment_ids=seg[0]) if seg else {}
+    return flash_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
+                           backend="pallas_mosaic_gpu", interpret=False, block_sizes=bs,
+                           **extra, **kw)
+
+  return f
+
+
+def _lower(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _mosaic_calls(text):
+  return [line for line in text.splitlines() if MOSAIC in line and "custom_call" in line]
+
+
+@pytest.mark.ci_cases("causal_gqa", "documents", "h256", "mla_192_128_documents")
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_configuration_lowers_to_an_fp8_kernel(name):
+  """One Mosaic GPU kernel taking q and k in FP8 (v too, transposed); no 16-bit copy of them.
+  Gradients: that kernel and the two 16-bit backward kernels."""
+  args, seg, kw = _structs(name)
+  f = _fp8_attention(kw)
+  text = _lower(f, *args, *seg)
+  calls = _mosaic_calls(text)
+  assert len(calls) == 1 and TRITON not in text
+  assert calls[0].count("xf8E4M3FN>") >= 3, calls[0]  # q, k, v
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(3, 4, 5))
+  assert len(_mosaic_calls(_lower(grad, *args, *seg))) == 3
+
+
+@pytest.mark.parametrize("terms", ["alibi", "bias_dense", "sinks_dropout"])
+def test_score_terms_lower_in_the_fp8_kernel(terms):
+  args, _, kw = _structs("causal_gqa")
+  n, t = args[0].shape[2], args[0].shape[1]
+  extra = {"alibi": dict(alibi_slopes=jnp.linspace(0.1, 1.0, n)),
+           "bias_dense": dict(bias=jnp.zeros((1, n, t, t), jnp.bfloat16),
+                              dense_mask=jnp.ones((1, 1, t, t), bool)),
+           "sinks_dropout": dict(sinks=jnp.zeros((n,)), dropout_rate=0.1,
+                                 dropout_rng=jax.random.key(0))}[terms]
+  text = _lower(_fp8_attention({**kw, **extra}), *args)
+  assert len(_mosaic_calls(text)) == 1 and "xf8E4M3FN>" in _mosaic_calls(text)[0]
+
+
+def test_e5m2_and_both_walks_lower():
+  args, _, kw = _structs("causal_gqa", jnp.float8_e5m2)
+  for overlap in (False, True):
+    text = _lower(_fp8_attention(kw, overlap_pv=overlap), *args)
+    assert len(_mosaic_calls(text)) == 1 and "xf8E5M2>" in _mosaic_calls(text)[0]
+
+
+def test_fp8_tile_rules():
+  """Twice the keys per tile where the bytes allow, and the serial walk by default."""
+  backend = pallas_mosaic_gpu.BACKEND
+  for h, fp8_keys, keys in ((64, 256, 256), (128, 256, 128), (192, 128, 64), (256, 64, 64)):
+    assert backend.default_block_sizes(h, "H100", F8).block_kv == fp8_keys
+    assert backend.default_block_sizes(h, "H100", jnp.bfloat16).block_kv == keys
+  assert tiles.overlaps(128, 128, False, Variants())
+  assert not tiles.overlaps(128, 128, False, Variants(), fp8=True)
+  assert tiles.overlaps(128, 128, False, Variants(overlap_pv=True), fp8=True)
+  # the output's own staging tile (16-bit beside FP8 q) counts in the budget
+  cfg = common.KernelConfig(
+      mask=masks.Causal(), scale=1.0, softcap=None, q_len=1, kv_len=1, block_q=128,
+      block_kv=256, block_q_bwd=128, block_kv_bwd=128)
+  assert tiles.fwd_smem(cfg, 128, 1, out_itemsize=2) == 128 * 128 * 3 + 2 * 256 * 256
+
+
+def test_v_layout_permutes_each_16_keys():
+  """v ``[B, S, K, Hv]`` -> ``[B, K, Hv, S]``, the keys of every 16 in ``KEY_ORDER``, which is
+  the permutation that relabelling p's registers applies (so ``p.v`` is unchanged)."""
+  v = jnp.arange(2 * 32 * 3 * 4, dtype=jnp.float32).reshape(2, 32, 3, 4)
+  got = np.asarray(fp8.v_layout(v))
+  order = np.concatenate([fp8.KEY_ORDER, 16 + fp8.KEY_ORDER])
+  np.testing.assert_array_equal(got, np.transpose(np.asarray(v)[:, order], (0, 2, 3, 1)))
+  # thread j of a row's quad holds accumulator columns 2j, 2j+1, 2j+8, 2j+9 of every 16 and
+  # the 8-bit operand's columns 4j .. 4j+3
+  acc = [c for j in range(4) for c in (2 * j, 2 * j + 1, 2 * j + 8, 2 * j + 9)]
+  np.testing.assert_array_equal(fp8.KEY_ORDER, acc)
+
+
+def _problem(seed, t=200, n=4, kh=2, h=64):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((1, t, n, h), (1, t, kh, h), (1, t, kh, h)))
+  return [quantize_fp8(x) for x in (q, k, v)]
+
+
+@pytest.mark.ci_cases(every=True)
+def test_interpret_matches_xla_on_the_same_fp8_inputs():
+  """On CPU the call reaches the backend with FP8 operands and descales (the interpreter then
+  dequantizes them): output, lse, and gradients of the FP8 operands and of the descales match
+  the xla backend, which dequantizes before its kernels."""
+  (q8, qd), (k8, kd), (v8, vd) = _problem(1)
+  do = jnp.asarray(np.random.default_rng(2).standard_normal((1, 200, 4, 64)), jnp.float32)
+
+  def run(backend):
+    def f(qd, kd, vd, q8):
+      out, lse = flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                 mask=masks.Causal(), backend=backend, return_lse=True)
+      return out.astype(jnp.float32), lse
+    (out, lse), vjp = jax.vjp(f, qd, kd, vd, q8)
+    return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+  got, ref = run("pallas_mosaic_gpu"), run("xla")
+  assert got[0].dtype == jnp.float32 and got[-1].dtype == F8
+  for a, r in zip(got, ref):
+    assert a.shape == r.shape and rel_err(a, r) < 2e-2, (a.dtype, rel_err(a, r))
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name", ["causal_gqa", "full_odd_lengths", "window_mqa", "documents",
+                                  "softcap_h64", "h256", "mla_192_128_documents", "one_token"])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_native_fp8_forward_matches_the_dequantized_inputs(name, dtype):
+  mask, t, s, n, kh, h, _, segs, cap = CASES[name]
+  rng = np.random.default_rng(7)
+  raw = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+         for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, HV.get(name, h)))]
+  (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x, dtype) for x in raw)
+  kw = dict(mask=mask, softcap=cap)
+  if segs:
+    kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
+  out = jax.jit(lambda *a: flash_attention(*a[:3], q_descale=a[3], k_descale=a[4],
+                                           v_descale=a[5], **kw))(q8, k8, v8, qd, kd, vd)
+  deq = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in
+         ((q8, qd), (k8, kd), (v8, vd))]
+  ref = reference.attention(*deq, **kw)[0]
+  assert out.dtype == jnp.bfloat16 and not np.any(np.isnan(np.asarray(out, np.float32)))
+  tol = FP8_TOL if dtype == jnp.float8_e4m3fn else 2 * FP8_TOL  # (e5m2: 2 mantissa bits)
+  assert rel_err(out, ref) < tol
