@@ -69,6 +69,34 @@ def check(t=2048, n=4):
       assert err < 5e-2, (sname, cname, err)
 
 
+def check_against_cudnn(t=2048, n=4, h=128):
+  """Errors of ours and cuDNN's FP8 forward on the same per-tensor quantized inputs (cuDNN's
+  output is FP8 too, scaled by 448 / the reference's amax and descaled here)."""
+  q, k, v = _inputs(1, t, n, n, h, seed=3)
+  scales = [jnp.max(jnp.abs(x)) / 448.0 for x in (q, k, v)]
+  x8 = [(x / d).astype(F8) for x, d in zip((q, k, v), scales)]
+  deq = [x.astype(jnp.float32) * d for x, d in zip(x8, scales)]
+  for causal in (False, True):
+    spec = masks.Causal() if causal else None
+    ref = flash_attention(*deq, backend="xla", mask=spec)
+    ours = flash_attention(*x8, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2],
+                           mask=spec)
+    line = (f"check per-tensor H={h} {'causal' if causal else 'dense'}: "
+            f"ours fp8 {rel(ours, ref):.2e}")
+    try:
+      run, keys = _cudnn_fp8(causal)
+      one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+      scale_o = 448.0 / jnp.max(jnp.abs(ref))
+      params = {key: one(1.0) for key in keys}
+      params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]),
+                    scale_o=one(scale_o), scale_s=one(256.0), descale_s=one(1 / 256.0))
+      out = jax.jit(run)(*x8, params).astype(jnp.float32) / scale_o
+      line += f", cudnn fp8 {rel(out, ref):.2e}"
+    except Exception as e:  # (a private API: report and go on)
+      line += f", cudnn fp8 unavailable: {type(e).__name__}: {str(e)[:200]}"
+    print(line, flush=True)
+
+
 def _cudnn_fp8(causal):
   from jax._src.cudnn import fused_attention_stablehlo as fa
   keys = fa.fp8_params_keys
@@ -88,6 +116,20 @@ def _fp8_row(spec):
   variants = {f: ast.literal_eval(x) for f, x in (a.split("=", 1) for a in fields)}
   return (f"ours fp8 {spec}",
           BlockSizes(block_kv=int(bk), variants=Variants(**variants) if variants else None))
+
+
+def check_rows(rows, t=2048, n=4, h=128):
+  """Each ``--fp8`` row's error against the dequantized inputs (causal)."""
+  q, k, v = _inputs(1, t, n, n, h, seed=4)
+  (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x, F8) for x in (q, k, v))
+  deq = [x8.astype(jnp.float32) * d[:, None, :, None] for x8, d in
+         ((q8, qd), (k8, kd), (v8, vd))]
+  ref = flash_attention(*deq, backend="xla", mask=masks.Causal())
+  for name, block_sizes in rows:
+    got = jax.jit(lambda *a: flash_attention(
+        *a[:3], q_descale=a[3], k_descale=a[4], v_descale=a[5], mask=masks.Causal(),
+        block_sizes=block_sizes))(q8, k8, v8, qd, kd, vd)
+    print(f"check {name}: {rel(got, ref):.2e}", flush=True)
 
 
 def time_shape(t, rows, n=16, h=128):
@@ -137,6 +179,9 @@ def main(argv):
   rows = rows or [("ours fp8", None)]
   if "--skip-check" not in argv:
     check()
+    check_against_cudnn()
+  if rows[0][1] is not None:
+    check_rows(rows)
   for t in [int(a) for a in argv if not a.startswith("--")] or [16384]:
     time_shape(t, rows)
 

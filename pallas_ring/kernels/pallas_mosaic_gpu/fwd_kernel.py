@@ -43,13 +43,14 @@ def _refs(refs, g: FwdGeometry) -> FwdRefs:
   ``tiles.stages_o``)."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, refs = g.terms.refs(refs)
-  descales, (q_ref, k_ref, v_ref, *io) = (refs[0], refs[1:]) if g.fp8 else (None, refs)
+  descales, refs = (refs[0], refs[1:]) if g.fp8 else (None, refs)
+  q_ref, k_ref, v_ref, *io = refs
   *acc_refs, o_ref, lse_ref, scoped = io
   smem, bars, stage, o_stage = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
-                 descales, tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free, v_free,
-                 TermStage(*stage) if g.terms.staged else None,
+                 descales, tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free,
+                 v_free, TermStage(*stage) if g.terms.staged else None,
                  smem[0] if isinstance(o_stage, tuple) else o_stage)
 
 
