@@ -28,10 +28,9 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
 
 def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
-  dequantized = None
+  cotangents = None
   if ops.fp8 is not None:  # FP8 q, k, v: the backward runs on their dequantized values
-    (q, k, v), dequantized = jax.vjp(
-        lambda *x: fp8.dequantize(*x, cfg.out_dtype), q, k, v, ops.fp8)
+    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, ops.fp8, cfg.out_dtype)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
@@ -46,8 +45,8 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, ops, cfg)
   dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-  if dequantized is not None:
-    dq, dk, dv, grads["fp8"] = dequantized((dq, dk, dv))
+  if cotangents is not None:
+    dq, dk, dv = cotangents((dq, dk, dv))
   return dq, dk, dv, dsinks, pair.ops_cotangent(ops, grads)
 
 
@@ -122,7 +121,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
       q, k and v all of one FP8 dtype run the forward's matmuls in FP8 on Hopper; otherwise
-      (and for the backward) FP8 operands are dequantized to bfloat16.
+      (and for the backward) FP8 operands are dequantized to bfloat16. Descales are constants:
+      gradients reach the FP8 operands, not the descales.
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
@@ -141,7 +141,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions,
-      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                    fp8_descales=descales),
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
@@ -153,27 +154,22 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                                                               kv_segment_ids=kv_seg))
   # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
   # makes the output NaN instead of silently wrong.
-  out = fp8.cast_output(run(q, k, v, checked, descales), out_dtype)
+  out = fp8.cast_output(run(q, k, v, checked), out_dtype)
   return validation.poison(out, operands.dense_mask_misuse(dense_mask))
 
 
-def run(q, k, v, checked: call.Checked, descales=None):
-  """``flash_attention`` of a checked call (``call.check``): no argument is checked again.
-  ``descales``: FP8 q, k and v's (``fp8.prepare``), else None."""
+def run(q, k, v, checked: call.Checked):
+  """``flash_attention`` of a checked call (``call.check``): no argument is checked again."""
   with pair.forward_mode_errors():
     return kernels.dispatch(functools.partial(_flash_on, settings=checked.settings),
-                            checked.per_platform, q, k, v, checked.arrays, descales)
+                            checked.per_platform, q, k, v, checked.arrays)
 
 
-def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, descales, *,
-              settings: call.Settings):
-  """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads (FP8 inputs
-  dequantized first where the backend does not read them)."""
+def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
+  """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   lowering = kernels.get(backend)
-  compute = jnp.bfloat16 if descales is not None else q.dtype
-  if descales is not None and not lowering.forward_reads_fp8:
-    q, k, v = fp8.dequantize(q, k, v, descales, compute)
-    descales = None
+  (q, k, v), terms, compute = fp8.for_backend(lowering, q, k, v, arrays.terms)
+  arrays = arrays._replace(terms=terms)
   b, t, n, _ = q.shape
   s, hv = k.shape[1], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
@@ -197,7 +193,6 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, descales, *,
       block_sparse.make_token_info(s, b, kv_positions, kv_segment_ids), sp)
   ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
                              offsets, b, n, broadcast=st.dropout_broadcast)
-  ops = ops._replace(fp8=descales)
   pad = pair.pad_tokens
   out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hvp), terms.get("sinks"),
                         ops, cfg, planner, backend)

@@ -3,22 +3,23 @@
 An FP8 operand ``x8`` (``float8_e4m3fn`` or ``float8_e5m2``) stands for
 ``x8.astype(float32) * descale`` with ``descale`` float32, a scalar or one value per batch row
 and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, one per query head,
-is accepted too, as ``quantize_fp8(q)`` makes it). ``with_fp8`` adds ``q_descale``, ``k_descale``,
-``v_descale`` and ``out_dtype`` to an entry point: it checks them, widens the FP8 operands to the
-16-bit compute dtype (the kernels' contract: softmax and accumulation in float32) and casts the
-output. ``flash_attention`` ``prepare``s them instead: q, k and v of one FP8 dtype reach the
-backend as they are, with their descales, where it runs its matmuls in FP8
-(``Backend.forward_reads_fp8``: the Mosaic GPU forward; the backward and the other backends
-``dequantize`` them). ``decode_attention`` ``fold``s the descales into q and the output, so that a
-backend whose decode kernels read an FP8 cache (``Backend.decode_reads_fp8``: the GPU decode
+is accepted too, as ``quantize_fp8(q)`` makes it). Descales are constants: gradients reach the
+FP8 operands, not them.
+
+``flash_attention``, ``ring_attention`` and ``sharded_attention`` ``prepare`` their q, k, v: of
+one FP8 dtype they stay FP8, their descales per query head become the ``fp8`` operand
+(``operands``: sharded and cut like the others), and each resolved backend takes them as they
+are where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
+dequantized (``for_backend``); the backward always runs on the dequantized values
+(``dequantize_vjp``). Any other mix of FP8 and 16-bit operands is widened to the 16-bit compute
+dtype first. ``decode_attention`` instead ``fold``s the descales into q and the output, so that
+a backend whose decode kernels read an FP8 cache (``Backend.decode_reads_fp8``: the GPU decode
 kernel; ``Backend.forward_reads_fp8_kv``: the TPU forward kernel over cache chunks) reads one
 byte per element; elsewhere the cache is widened in XLA before the kernels run.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -130,36 +131,17 @@ def _scales(q, k, v, descales, out_dtype, names):
   return scales, compute, out_dtype
 
 
-def widen(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
-          names=("q", "k", "v")):
-  """Checks the FP8 arguments of a call and widens its FP8 operands.
-
-  Args:
-    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (any may be FP8).
-    q_descale, k_descale, v_descale: float32 scalar or ``[B, K]`` for each FP8 operand; None
-      for the others.
-    out_dtype: the output dtype; None: q's dtype, or bfloat16 when q is FP8.
-    names: the caller's names of q, k, v (for errors).
-
-  Returns:
-    ``(q, k, v, out_dtype)``: FP8 operands as ``x8 * descale`` in the compute dtype (the first
-    non-FP8 operand's dtype, else bfloat16), the others unchanged.
-  """
-  scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
-                                       names)
-  return (*_widened((q, k, v), scales.values(), compute), out_dtype)
-
-
 def _widened(ops, scales, compute):
-  """Each of ``ops`` times its descale in ``compute`` (None: as it is)."""
-  return [x if d is None else (x.astype(jnp.float32) * d).astype(compute)
+  """Each of ``ops`` times its descale (a constant: not differentiated) in ``compute`` (None: as
+  it is)."""
+  return [x if d is None else (x.astype(jnp.float32) * jax.lax.stop_gradient(d)).astype(compute)
           for x, d in zip(ops, scales)]
 
 
 class Prepared(NamedTuple):
   """The FP8 arguments of a call with an FP8 forward (``prepare``)."""
 
-  q: Any  # FP8 as given where ``descales`` is set, else widened (``widen``)
+  q: Any  # FP8 as given where ``descales`` is set, else widened
   k: Any
   v: Any
   descales: Optional[Any]  # float32 [Bs, N, 3] (``kernel_descales``) or None
@@ -168,10 +150,11 @@ class Prepared(NamedTuple):
 
 
 def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
-  """``widen`` for an entry point whose kernels may read FP8 (``flash_attention``): q, k and v
-  of one FP8 dtype stay FP8, with their descales per query head (``kernel_descales``), for a
-  backend with ``forward_reads_fp8`` (``dequantize`` widens them for the others); any other
-  mix is widened here."""
+  """Checks a call's FP8 arguments and prepares its operands for kernels that may read FP8:
+  q, k and v of one FP8 dtype stay FP8, with their descales per query head
+  (``kernel_descales``: the ``fp8`` operand, ``operands``), for a backend with
+  ``forward_reads_fp8`` (``for_backend`` dequantizes them for the others); any other mix is
+  widened here."""
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
@@ -190,6 +173,24 @@ def kernel_descales(q_scale, k_scale, v_scale, n: int):
   return jnp.stack([jnp.broadcast_to(d, (bs, n)) for d in per_head], axis=-1)
 
 
+def for_backend(lowering, q, k, v, terms):
+  """A call's FP8 q, k, v (``prepare``; their descales the ``fp8`` operand of its ``terms``)
+  as one resolved backend takes them: as they are where it reads FP8
+  (``Backend.forward_reads_fp8``), else dequantized (and the operand dropped).
+
+  Returns:
+    ``((q, k, v), terms, compute)``: ``compute`` the dtype the call computes in.
+  """
+  descales = terms.get("fp8")
+  if descales is None:
+    return (q, k, v), terms, q.dtype
+  compute = jnp.dtype(jnp.bfloat16)
+  if lowering.forward_reads_fp8:
+    return (q, k, v), terms, compute
+  rest = {name: x for name, x in terms.items() if name != "fp8"}
+  return dequantize(q, k, v, descales, compute), rest, compute
+
+
 def dequantize(q, k, v, descales, dtype):
   """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
   (``kernel_descales``' ``[Bs, N, 3]``) in ``dtype``."""
@@ -199,6 +200,14 @@ def dequantize(q, k, v, descales, dtype):
                for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
+def dequantize_vjp(q, k, v, descales, dtype):
+  """``dequantize`` for a custom VJP's backward: ``((q, k, v), cotangents)``, ``cotangents``
+  mapping the dequantized operands' cotangents to the FP8 operands' (the descales are
+  constants)."""
+  deq, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
+  return deq, vjp
+
+
 def _to_query_heads(scale, n: int):
   """A kv head's ``[B|1, 1, K|1, 1]`` descale repeated over its query heads: ``[., 1, N|1, 1]``."""
   return scale if scale.shape[2] == 1 else jnp.repeat(scale, n // scale.shape[2], axis=2)
@@ -206,7 +215,7 @@ def _to_query_heads(scale, n: int):
 
 def fold(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
          names=("q", "k", "v")):
-  """``widen`` for a forward-only call whose kernels read an FP8 cache (``decode_attention``).
+  """FP8 operands for a forward-only call whose kernels read an FP8 cache (``decode_attention``).
 
   The logits are linear in each key and the output in each value, so k's descale is folded into
   q (``q . (k8 d) = (q d) . k8``, per kv head group) and v's into the output: K/V stay FP8 in
@@ -236,32 +245,6 @@ def cast_output(result, out_dtype, scale=None):
   return out if rest is None else (out, *rest)
 
 
-_KEYWORDS = ("q_descale", "k_descale", "v_descale", "out_dtype")
-
-
-def with_fp8(fn):
-  """Adds ``q_descale``, ``k_descale``, ``v_descale`` and ``out_dtype`` (keyword-only, default
-  None) to an entry point ``fn(q, k, v, ...)``: FP8 operands are widened (``widen``) before
-  ``fn`` and its output cast to ``out_dtype``."""
-
-  sig = inspect.signature(fn)
-  names = tuple(sig.parameters)[:3]  # (q, k, v) or (q, k_cache, v_cache)
-
-  @functools.wraps(fn)
-  def wrapped(*args, q_descale=None, k_descale=None, v_descale=None,
-              out_dtype: Optional[jax.typing.DTypeLike] = None, **kwargs):
-    bound = sig.bind(*args, **kwargs)
-    *qkv, out = widen(*(bound.arguments[n] for n in names), q_descale, k_descale, v_descale,
-                      out_dtype, names=names)
-    bound.arguments.update(zip(names, qkv))
-    return cast_output(fn(*bound.args, **bound.kwargs), out)
-
-  extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
-           for name in _KEYWORDS]
-  wrapped.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
-  return wrapped
-
-
-__all__ = ["quantize_fp8", "descale_of", "quantize_with", "widen", "prepare", "Prepared",
-           "kernel_descales", "dequantize", "fold", "cast_output",
-           "with_fp8", "is_fp8", "FP8_DTYPES"]
+__all__ = ["quantize_fp8", "descale_of", "quantize_with", "prepare", "Prepared",
+           "kernel_descales", "for_backend", "dequantize", "dequantize_vjp", "fold", "cast_output",
+           "is_fp8", "FP8_DTYPES"]

@@ -1,7 +1,7 @@
 """The optional operands of an attention call, each declared once.
 
 The arrays a call may add to q, k, v and the token metadata (the dense mask, the additive bias,
-ALiBi slopes, the sinks) are each described here by one ``Operand``: the keyword that passes
+ALiBi slopes, FP8 descales, the sinks) are each described here by one ``Operand``: the keyword that passes
 it, how it is checked and normalized, the role of each axis of the normalized array, whether
 the kernels read it (a ``kernels.common.Operands`` field) or it is merged around them (the
 sinks, which the entry points take by name), and whether it has a gradient. The code that moves
@@ -41,6 +41,7 @@ HEADS = "heads"  # N query heads, or 1 where it broadcasts over them
 QUERIES = "queries"  # the call's T queries
 KEYS = "keys"  # every key the call sees (a ring shard's: the R * S keys of the ring)
 ONE = "one"  # size 1
+PARTS = "parts"  # an axis of the operand's own parts, never cut or sharded
 TILE = (BATCH, HEADS, QUERIES, KEYS)  # a [B|1, N|1, T, S] operand
 
 
@@ -145,6 +146,14 @@ def _alibi_slopes(x, d: Dims):
   return (x[None] if x.ndim == 1 else x)[..., None]
 
 
+def _fp8_descales(x, d: Dims):
+  """float32 ``[Bs, N, 3]`` (Bs in {1, B}): q's, k's and v's descales per query head, as
+  ``fp8.prepare`` makes them from the entry points' ``q_descale``, ``k_descale``, ``v_descale``
+  (which it checks)."""
+  assert x.dtype == jnp.float32 and x.shape[0] in (1, d.b) and x.shape[1:] == (d.n, 3), x.shape
+  return x
+
+
 def _sinks(x, d: Dims):
   """``[N]`` sink logits, one per query head."""
   if tuple(jnp.shape(x)) != (d.n,):
@@ -158,6 +167,8 @@ DECLARED = (
     Operand("dense", "dense_mask", TILE, _dense_mask),
     Operand("bias", "bias", TILE, _bias, differentiable=True),
     Operand("alibi", "alibi_slopes", (BATCH, HEADS, ONE), _alibi_slopes),
+    # (not differentiated: descales are constants; gradients reach the FP8 operands)
+    Operand("fp8", "fp8_descales", (BATCH, HEADS, PARTS), _fp8_descales),
     Operand("sinks", "sinks", (HEADS,), _sinks, in_kernel=False, differentiable=True),
 )
 BY_NAME = {o.name: o for o in DECLARED}
@@ -217,5 +228,6 @@ def in_kernel(terms: Mapping[str, Array]) -> dict:
 
 
 __all__ = ["Operand", "Dims", "DECLARED", "BY_NAME", "BATCH", "HEADS", "QUERIES", "KEYS", "ONE",
+           "PARTS",
            "dense_mask_misuse", "normalize", "spanning", "pad", "map_axis", "repeat_batch",
            "specs", "in_kernel"]

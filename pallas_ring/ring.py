@@ -97,6 +97,7 @@ class RingStatic:
   # The slice each chain sends (``halo.make``, aligned with ``chains``; None: the whole shard);
   # empty: whole shards everywhere.
   halos: Tuple[Optional[halo_lib.Halo], ...] = ()
+  out_dtype: Any = None  # the output's: q's, bfloat16 for FP8 q, k, v (None: q's)
 
   def halo(self, chain: Optional[int]) -> Optional[halo_lib.Halo]:
     """The slice chain ``chain`` (an index of ``chains``; None: the local pair) sends."""
@@ -386,12 +387,15 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
   o, lse = pair.finish_forward(
-      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, q.dtype)
+      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, st.out_dtype or q.dtype)
   return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
+  cotangents = None
+  if "fp8" in fixed.terms:  # FP8 q, k, v: the backward ring runs on their dequantized values
+    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, fixed.terms["fp8"], st.out_dtype)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
@@ -403,14 +407,15 @@ def _ring_bwd(st, res, cts):
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(terms={name: dterms[name].astype(x.dtype) if name in dterms
                                        else None for name, x in fixed.terms.items()})
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, none(q_info),
-          none(kv_info), dfixed)
+  dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  if cotangents is not None:
+    dq, dk, dv = cotangents((dq, dk, dv))
+  return dq, dk, dv, dsinks, none(q_info), none(kv_info), dfixed
 
 
 pair.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
 
 
-@fp8.with_fp8
 def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous", segment_ids=None,
                    positions=None, dense_mask=None, sinks=None, softcap=None, scale=None,
                    block_sizes: Optional[BlockSizes] = None, backend: str = "auto",
@@ -418,7 +423,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                    return_lse: bool = False, bias=None, alibi_slopes=None,
                    dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
                    dropout_broadcast: bool = False, dropout_batch_offset=0,
-                   dropout_head_offset=0, ring_variants: Optional[halo_lib.RingVariants] = None):
+                   dropout_head_offset=0, ring_variants: Optional[halo_lib.RingVariants] = None,
+                   q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
   """Attention of this device's query shard against the K/V shards of the whole ring.
 
   Call inside ``shard_map`` (or any context where ``axis_name`` is bound).
@@ -448,9 +454,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       naturally ordered sequence (B must be 1); each token's sequence comes from its layout
       position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
       ``segment_ids``.
-    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
-      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
-    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
+    q_descale, k_descale, v_descale, out_dtype: as ``flash_attention`` (FP8 q, k, v of one
+      dtype: each step's forward in FP8 on Hopper, and K/V sent in FP8).
     ring_variants: a ``RingVariants`` (None: its defaults: halos on, small halos gathered once,
       ``halo_gather``); e.g. ``RingVariants(halo=False)`` sends whole shards every step.
 
@@ -471,14 +476,18 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
         "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
     ) from e
+  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
+                                                      out_dtype)
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
       q_positions=positions, kv_positions=positions,
-      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                    fp8_descales=descales),
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, return_lse=return_lse, names=("positions", "positions"))
+      interpret=interpret, return_lse=return_lse, names=("positions", "positions"),
+      dtype=compute)
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
@@ -491,7 +500,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   out = run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
   # (a float dense mask's values cannot be read under jit: misuse makes the output NaN)
-  return validation.poison(out, operands.dense_mask_misuse(dense_mask))
+  return validation.poison(fp8.cast_output(out, out_dtype),
+                           operands.dense_mask_misuse(dense_mask))
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,
@@ -543,6 +553,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs = settings
   r, derived = ring_size, derived_positions
+  (q, k, v), terms, compute = fp8.for_backend(kernels.get(backend), q, k, v, terms)
   b, t, _, _ = q.shape
   h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"
@@ -572,7 +583,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
-                  reach=reach)
+                  reach=reach, out_dtype=compute)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)
                   for c in st.chains)

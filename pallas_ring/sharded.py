@@ -82,12 +82,12 @@ def constrain(x, mesh, spec):
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-@fp8.with_fp8
 def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mask=None,
                       segment_ids=None, positions=None, dense_mask=None, sinks=None, softcap=None,
                       scale=None, interpret=None, return_lse: bool = False, bias=None,
                       alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
-                      cu_seqlens=None, dropout_broadcast: bool = False):
+                      cu_seqlens=None, dropout_broadcast: bool = False, q_descale=None,
+                      k_descale=None, v_descale=None, out_dtype=None):
   """Sequence-parallel attention over global arrays in layout order.
 
   Args:
@@ -119,9 +119,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       global batch index, query head and positions, so it is the unsharded call's.
     cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the naturally
       ordered sequence (B must be 1); excludes ``segment_ids``.
-    q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
-      ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
-    out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
+    q_descale, k_descale, v_descale, out_dtype: as ``flash_attention`` (FP8 q, k, v of one
+      dtype: the ring's forward steps in FP8 on Hopper, and K/V sent in FP8).
 
   Returns:
     ``[B, T, N, H]`` in layout order (and lse).
@@ -138,13 +137,16 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
     placement, positions = positions, positions.positions
+  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
+                                                      out_dtype)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
-      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                    fp8_descales=descales),
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_broadcast=dropout_broadcast, block_sizes=config.block_sizes,
       backend=config.backend, interpret=interpret, return_lse=return_lse,
-      names=("positions", "positions"))
+      names=("positions", "positions"), dtype=compute)
   r = mesh.shape[config.axis_name]
   b, t, n, _ = q.shape
   if config.strategy == "auto":
@@ -188,7 +190,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
              batch=batch)
-  return validation.poison(out, *misuse)
+  return validation.poison(fp8.cast_output(out, out_dtype), *misuse)
 
 
 def natural_order_mask(dense, positions, layout: str, ring_size: int, name: str = "dense_mask"):

@@ -65,7 +65,7 @@ def test_every_configuration_lowers_to_an_fp8_kernel(name):
   calls = _mosaic_calls(text)
   assert len(calls) == 1 and TRITON not in text
   assert calls[0].count("xf8E4M3FN>") >= 3, calls[0]  # q, k, v
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(3, 4, 5))
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   assert len(_mosaic_calls(_lower(grad, *args, *seg))) == 3
 
 
@@ -128,8 +128,8 @@ def _problem(seed, t=200, n=4, kh=2, h=64):
 @pytest.mark.ci_cases(every=True)
 def test_interpret_matches_xla_on_the_same_fp8_inputs():
   """On CPU the call reaches the backend with FP8 operands and descales (the interpreter then
-  dequantizes them): output, lse, and gradients of the FP8 operands and of the descales match
-  the xla backend, which dequantizes before its kernels."""
+  dequantizes them): output, lse and q's gradient (FP8) match the xla backend, which
+  dequantizes before its kernels; descales are constants (zero gradients) on both."""
   (q8, qd), (k8, kd), (v8, vd) = _problem(1)
   do = jnp.asarray(np.random.default_rng(2).standard_normal((1, 200, 4, 64)), jnp.float32)
 
@@ -143,8 +143,64 @@ def test_interpret_matches_xla_on_the_same_fp8_inputs():
 
   got, ref = run("pallas_mosaic_gpu"), run("xla")
   assert got[0].dtype == jnp.float32 and got[-1].dtype == F8
-  for a, r in zip(got, ref):
+  for a, r in zip(got[:2] + got[-1:], ref[:2] + ref[-1:]):
     assert a.shape == r.shape and rel_err(a, r) < 2e-2, (a.dtype, rel_err(a, r))
+  for d in got[2:5] + ref[2:5]:
+    assert not np.any(np.asarray(d))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+def test_sharded_attention_keeps_fp8_to_the_kernels(strategy):
+  """Over 4 CPU devices the descales are sharded and cut like the other operands (Ulysses:
+  each device's heads) and reach every step's kernel (interpreted), forward and q's
+  gradient against the dequantized reference."""
+  from jax.sharding import AxisType
+  from pallas_ring import SequenceParallelConfig, layouts, sharded_attention
+  (q8, qd), (k8, kd), (v8, vd) = _problem(3, t=256, n=4, kh=4, h=64)
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", strategy=strategy,
+                               backend="pallas_mosaic_gpu")
+  perm = lambda x: layouts.permute(x, "zigzag", 4)
+  deq = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in
+         ((q8, qd), (k8, kd), (v8, vd))]
+
+  def loss(q8):
+    out = sharded_attention(perm(q8), perm(k8), perm(v8), q_descale=qd, k_descale=kd,
+                            v_descale=vd, mesh=mesh, config=cfg, mask=masks.Causal(),
+                            interpret=True)
+    return layouts.unpermute(out, "zigzag", 4).astype(jnp.float32)
+
+  out, vjp = jax.vjp(loss, q8)
+  ref, ref_vjp = jax.vjp(lambda q: reference.attention(q, *deq[1:], mask=masks.Causal())[0],
+                         deq[0])
+  assert rel_err(out, ref) < 2e-2
+  do = jnp.full_like(ref, 1e3)  # (q's FP8 cotangent in e4m3's normal range)
+  (g,), (g_ref,) = vjp(do), ref_vjp(do)
+  assert g.dtype == F8 and rel_err(g.astype(jnp.float32), g_ref * qd[:, None, :, None]) < 0.1
+
+
+def test_the_ring_sends_fp8_and_runs_fp8_kernels():
+  """Lowered for CUDA over 2 devices: every forward step's Mosaic GPU kernel reads FP8, and
+  the K/V the ring sends are FP8 bytes (half a bfloat16 shard's)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pallas_ring import ring_attention
+  mesh = Mesh(jax.devices()[:2], ("sp",))
+
+  def ring(q, k, v, d):
+    return ring_attention(q, k, v, q_descale=d, k_descale=d, v_descale=d, axis_name="sp",
+                          mask=masks.Causal(), layout="zigzag", backend="pallas_mosaic_gpu",
+                          interpret=False)
+
+  f = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                    out_specs=P(None, "sp"), check_vma=False)
+  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), F8)
+  text = _lower(f, x, x, x, jax.ShapeDtypeStruct((1, 2), jnp.float32))
+  calls = _mosaic_calls(text)
+  assert len(calls) >= 2 and all("xf8E4M3FN>" in c for c in calls)
+  sends = [line for line in text.splitlines() if "collective_permute" in line]
+  shard_bytes = 512 * 2 * 128  # one FP8 K (or V) shard
+  assert sends and all(f"tensor<{2 * shard_bytes // 4}xui32>" in line or "f8E4M3FN" in line
+                       for line in sends), sends
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

@@ -76,7 +76,7 @@ def sel(size: int, idx):
 
 def acc_dtype(dtype):
   """Softmax / accumulation dtype for inputs of ``dtype``: float32, or float64 for float64."""
-  return jnp.promote_types(dtype, jnp.float32)
+  return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
