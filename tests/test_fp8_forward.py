@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_ring import BlockSizes, flash_attention, masks, quantize_fp8, reference
+from pallas_ring import fp8 as fp8_args
 from pallas_ring.kernels import common, pallas_mosaic_gpu
 from pallas_ring.kernels.pallas_mosaic_gpu import Variants, fp8, tiles
 from conftest import ON_GPU, rel_err
@@ -217,11 +218,44 @@ def test_native_fp8_forward_matches_the_dequantized_inputs(name, dtype):
   kw = dict(mask=mask, softcap=cap)
   if segs:
     kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
-  out = jax.jit(lambda *a: flash_attention(*a[:3], q_descale=a[3], k_descale=a[4],
-                                           v_descale=a[5], **kw))(q8, k8, v8, qd, kd, vd)
+  out, lse = jax.jit(lambda *a: flash_attention(
+      *a[:3], q_descale=a[3], k_descale=a[4], v_descale=a[5], return_lse=True, **kw))(
+          q8, k8, v8, qd, kd, vd)
   deq = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in
          ((q8, qd), (k8, kd), (v8, vd))]
-  ref = reference.attention(*deq, **kw)[0]
+  ref, ref_lse = reference.attention(*deq, **kw)
   assert out.dtype == jnp.bfloat16 and not np.any(np.isnan(np.asarray(out, np.float32)))
   tol = FP8_TOL if dtype == jnp.float8_e4m3fn else 2 * FP8_TOL  # (e5m2: 2 mantissa bits)
   assert rel_err(out, ref) < tol
+  # the lse undoes p's scaling (``fp8.P_LOG2``): p's quantization moves it by ~1e-3
+  fin = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-2)
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+def test_native_fp8_forward_merges_into_the_rings_running_result():
+  """A ring step's FP8 forward given the running (o, lse) equals ``common.merge`` of it and the
+  plain FP8 forward."""
+  from pallas_ring import block_sparse, plans
+  from pallas_ring.kernels import common as kc
+  (q8, qd), (k8, kd), (v8, vd) = _problem(8, t=512, n=4, kh=2, h=128)
+  descales = fp8_args.kernel_descales(
+      *(d[:, None, :, None] for d in (qd, kd, vd)), 4)
+  info = block_sparse.make_token_info(512, 1, None, None)
+  ops = kc.Operands(info, info, fp8=descales)
+  cfg = kc.KernelConfig(mask=masks.Causal(), scale=128 ** -0.5, softcap=None, q_len=512,
+                        kv_len=512, block_q=128, block_kv=256, block_q_bwd=128,
+                        block_kv_bwd=128, out_dtype=jnp.float32)
+  fwd = pallas_mosaic_gpu.forward
+  plan = plans.on_device(ops, cfg)
+  rng = np.random.default_rng(9)
+  o_acc = jnp.asarray(rng.standard_normal((1, 512, 4, 128)), jnp.float32)
+  lse_acc = jnp.asarray(rng.standard_normal((1, 4, 512)) + 3.0, jnp.float32)
+  merged = jax.jit(lambda *a: fwd(*a[:3], ops, plan, cfg, kc.Partial(*a[3:])))(
+      q8, k8, v8, o_acc, lse_acc)
+  o1, lse1 = jax.jit(lambda *a: fwd(*a, ops, plan, cfg))(q8, k8, v8)
+  o_ref, lse_ref = kc.merge(o_acc, lse_acc, o1, lse1)
+  assert rel_err(merged[0], o_ref) < 1e-5
+  np.testing.assert_allclose(np.asarray(merged[1]), np.asarray(lse_ref), rtol=1e-5)

@@ -1,0 +1,77 @@
+"""The ring on FP8 q, k, v over every local GPU: accuracy, and forward time against bfloat16.
+
+    PYTHONPATH=. python tools/fp8_ring.py [TOKENS_PER_GPU]
+
+First ``sharded_attention`` (ring, zigzag, causal) on ``quantize_fp8``'s operands against the
+float32 xla backend on the same dequantized values (4096 tokens, N=4), forward and q's
+gradient. Then, at TOKENS_PER_GPU (default 32768) per GPU, N=16, H=128: the forward of the ring
+(contiguous dense and zigzag causal) on bfloat16 against the same on FP8 (each step's kernel in
+FP8, K/V sent as FP8 bytes), device clock, batches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+from pallas_ring import (SequenceParallelConfig, bench, flash_attention, layouts, masks,
+                         quantize_fp8, sharded_attention)
+
+
+def rel(got, ref):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _inputs(t, n, h, seed):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return [jax.random.normal(key, (1, t, n, h), jnp.float32) for key in ks]
+
+
+def main(tokens):
+  r = jax.device_count()
+  print(jax.__version__, jax.devices()[0].device_kind, f"x{r}", flush=True)
+  mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
+  q, k, v = _inputs(4096, 4, 128, seed=1)
+  (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
+  deq = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
+  perm = lambda x: layouts.permute(x, "zigzag", r)
+  out = jax.jit(lambda *a: sharded_attention(
+      *(perm(x) for x in a[:3]), q_descale=a[3], k_descale=a[4], v_descale=a[5], mesh=mesh,
+      config=cfg, mask=masks.Causal()))(q8, k8, v8, qd, kd, vd)
+  ref = flash_attention(*deq, mask=masks.Causal(), backend="xla")
+  print(f"check ring fp8 zigzag causal: {rel(layouts.unpermute(out, 'zigzag', r), ref):.2e}",
+        flush=True)
+
+  t = tokens * r
+  q, k, v = _inputs(t, 16, 128, seed=2)
+  (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  for layout, causal in (("contiguous", False), ("zigzag", True)):
+    cfg = SequenceParallelConfig(axis_name="sp", layout=layout)
+    spec = masks.Causal() if causal else None
+
+    def ring16(q, k, v, cfg=cfg, spec=spec):
+      return sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=spec)
+
+    def ring8(q, k, v, qd, kd, vd, cfg=cfg, spec=spec):
+      return sharded_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, mesh=mesh,
+                               config=cfg, mask=spec)
+
+    calls = {"bf16": (jax.jit(ring16), bf), "fp8": (jax.jit(ring8), (q8, k8, v8, qd, kd, vd))}
+    with bench.clock("device"):
+      samples = bench.interleaved_samples(calls, reps=6)
+    med = {name: statistics.median(s) for name, s in samples.items()}
+    for name, secs in med.items():
+      print(f"{tokens} tokens/GPU x{r} {layout:10s} {'causal' if causal else 'dense':6s} "
+            f"fwd {name:5s} {secs * 1e3:8.3f} ms  {med['bf16'] / secs:.3f}x bf16", flush=True)
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]) if len(sys.argv) > 1 else 32768)
