@@ -28,9 +28,10 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
 
 def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
-  cotangents = None
+  cotangents, wide = None, ops
   if ops.fp8 is not None:  # FP8 q, k, v: the backward runs on their dequantized values
     (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, ops.fp8, cfg.out_dtype)
+    wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
@@ -41,9 +42,9 @@ def _flash_bwd(cfg, planner, backend, res, cts):
     plan = planner.plan(ops, backward=True)
     return kernels.get(backend).backward(q, k, v, do, lse, delta, ops, plan, cfg)
 
-  dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, ops)
+  dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
-  grads = pair.ops_grad(q, k, v, do, lse, delta, ops, cfg)
+  grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
   dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
   if cotangents is not None:
     dq, dk, dv = cotangents((dq, dk, dv))

@@ -4,18 +4,21 @@ An FP8 operand ``x8`` (``float8_e4m3fn`` or ``float8_e5m2``) stands for
 ``x8.astype(float32) * descale`` with ``descale`` float32, a scalar or one value per batch row
 and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, one per query head,
 is accepted too, as ``quantize_fp8(q)`` makes it). Descales are constants: gradients reach the
-FP8 operands, not them.
+FP8 operands (in their FP8 dtype, where small values flush to zero: differentiate the values
+before quantization to train through it), not the descales.
 
-``flash_attention``, ``ring_attention`` and ``sharded_attention`` ``prepare`` their q, k, v: of
-one FP8 dtype they stay FP8, their descales per query head become the ``fp8`` operand
-(``operands``: sharded and cut like the others), and each resolved backend takes them as they
-are where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
+``flash_attention`` and ``sharded_attention`` ``prepare`` their q, k, v: of one FP8 dtype they
+stay FP8, their descales per query head become the ``fp8`` operand (``operands``: sharded and
+handed to Ulysses' heads like the others), and each resolved backend takes them as they are
+where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
 dequantized (``for_backend``); the backward always runs on the dequantized values
-(``dequantize_vjp``). Any other mix of FP8 and 16-bit operands is widened to the 16-bit compute
-dtype first. ``decode_attention`` instead ``fold``s the descales into q and the output, so that
-a backend whose decode kernels read an FP8 cache (``Backend.decode_reads_fp8``: the GPU decode
-kernel; ``Backend.forward_reads_fp8_kv``: the TPU forward kernel over cache chunks) reads one
-byte per element; elsewhere the cache is widened in XLA before the kernels run.
+(``dequantize_vjp``). ``ring_attention`` dequantizes them first: each device's descales may
+differ there, and a ring step reads another device's K/V. Any other mix of FP8 and 16-bit
+operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead ``fold``s
+the descales into q and the output, so that a backend whose decode kernels read an FP8 cache
+(``Backend.decode_reads_fp8``: the GPU decode kernel; ``Backend.forward_reads_fp8_kv``: the TPU
+forward kernel over cache chunks) reads one byte per element; elsewhere the cache is widened in
+XLA before the kernels run.
 """
 
 from __future__ import annotations
@@ -158,7 +161,8 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
-  if len(dtypes) == 1 and is_fp8(q):
+  # (a scale is None for an operand of a wrong rank, which validation names)
+  if len(dtypes) == 1 and is_fp8(q) and None not in scales.values():
     return Prepared(q, k, v, kernel_descales(*scales.values(), np.shape(q)[2]), compute,
                     out_dtype)
   return Prepared(*_widened((q, k, v), scales.values(), compute), None, compute, out_dtype)
@@ -204,8 +208,7 @@ def dequantize_vjp(q, k, v, descales, dtype):
   """``dequantize`` for a custom VJP's backward: ``((q, k, v), cotangents)``, ``cotangents``
   mapping the dequantized operands' cotangents to the FP8 operands' (the descales are
   constants)."""
-  deq, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
-  return deq, vjp
+  return jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
 
 
 def _to_query_heads(scale, n: int):

@@ -1,10 +1,11 @@
 """The optional operands of an attention call, each declared once.
 
 The arrays a call may add to q, k, v and the token metadata (the dense mask, the additive bias,
-ALiBi slopes, FP8 descales, the sinks) are each described here by one ``Operand``: the keyword that passes
-it, how it is checked and normalized, the role of each axis of the normalized array, whether
-the kernels read it (a ``kernels.common.Operands`` field) or it is merged around them (the
-sinks, which the entry points take by name), and whether it has a gradient. The code that moves
+ALiBi slopes, the FP8 descales, the sinks) are each described here by one ``Operand``: the
+keyword that passes it (or, for the FP8 descales, what they are made from), how it is checked
+and normalized, the role of each axis of the normalized array, whether the kernels read it (a
+``kernels.common.Operands`` field) or it is merged around them (the sinks, which the entry
+points take by name), and whether it has a gradient. The code that moves
 operands iterates over ``DECLARED`` and reads the axis roles:
 
 * ``call.check`` normalizes each given one into ``Arrays.terms`` (``normalize``);
@@ -63,6 +64,9 @@ class Operand:
   axes: tuple  # the role of each axis of the normalized array (BATCH, HEADS, ...)
   normalize: Callable  # (value, Dims) -> normalized array; raises naming ``argument``
   in_kernel: bool = True  # the kernels read it (else it is merged around them)
+  # The entry points take it by ``argument`` (False: made from other arguments: the FP8
+  # descales, from ``q_descale``, ``k_descale`` and ``v_descale`` by ``fp8.prepare``).
+  keyword: bool = True
   differentiable: bool = False  # it has a gradient (else it is held with stop_gradient)
 
   def __post_init__(self):
@@ -168,7 +172,7 @@ DECLARED = (
     Operand("bias", "bias", TILE, _bias, differentiable=True),
     Operand("alibi", "alibi_slopes", (BATCH, HEADS, ONE), _alibi_slopes),
     # (not differentiated: descales are constants; gradients reach the FP8 operands)
-    Operand("fp8", "fp8_descales", (BATCH, HEADS, PARTS), _fp8_descales),
+    Operand("fp8", "fp8_descales", (BATCH, HEADS, PARTS), _fp8_descales, keyword=False),
     Operand("sinks", "sinks", (HEADS,), _sinks, in_kernel=False, differentiable=True),
 )
 BY_NAME = {o.name: o for o in DECLARED}
@@ -228,6 +232,5 @@ def in_kernel(terms: Mapping[str, Array]) -> dict:
 
 
 __all__ = ["Operand", "Dims", "DECLARED", "BY_NAME", "BATCH", "HEADS", "QUERIES", "KEYS", "ONE",
-           "PARTS",
-           "dense_mask_misuse", "normalize", "spanning", "pad", "map_axis", "repeat_batch",
-           "specs", "in_kernel"]
+           "PARTS", "dense_mask_misuse", "normalize", "spanning", "pad", "map_axis",
+           "repeat_batch", "specs", "in_kernel"]

@@ -97,7 +97,7 @@ class RingStatic:
   # The slice each chain sends (``halo.make``, aligned with ``chains``; None: the whole shard);
   # empty: whole shards everywhere.
   halos: Tuple[Optional[halo_lib.Halo], ...] = ()
-  out_dtype: Any = None  # the output's: q's, bfloat16 for FP8 q, k, v (None: q's)
+  compute_dtype: Any = None  # q, k, v's as the kernels compute: q's, or bfloat16 for FP8
 
   def halo(self, chain: Optional[int]) -> Optional[halo_lib.Halo]:
     """The slice chain ``chain`` (an index of ``chains``; None: the local pair) sends."""
@@ -387,19 +387,20 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
   o, lse = pair.finish_forward(
-      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, st.out_dtype or q.dtype)
+      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, st.compute_dtype)
   return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
-  cotangents = None
+  cotangents, wide = None, fixed
   if "fp8" in fixed.terms:  # FP8 q, k, v: the backward ring runs on their dequantized values
-    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, fixed.terms["fp8"], st.out_dtype)
+    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, fixed.terms["fp8"], st.compute_dtype)
+    wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
-      q, (k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, fixed)
+      q, (k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, wide)
   dsinks = None
   if sinks is not None:
     # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
@@ -454,8 +455,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       naturally ordered sequence (B must be 1); each token's sequence comes from its layout
       position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
       ``segment_ids``.
-    q_descale, k_descale, v_descale, out_dtype: as ``flash_attention`` (FP8 q, k, v of one
-      dtype: each step's forward in FP8 on Hopper, and K/V sent in FP8).
+    q_descale, k_descale, v_descale, out_dtype: as ``flash_attention``; FP8 operands are
+      dequantized here, as each device's descales may differ (``sharded_attention``, whose
+      descales are the whole ring's, keeps them FP8 through the ring).
     ring_variants: a ``RingVariants`` (None: its defaults: halos on, small halos gathered once,
       ``halo_gather``); e.g. ``RingVariants(halo=False)`` sends whole shards every step.
 
@@ -478,11 +480,12 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     ) from e
   q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
                                                       out_dtype)
+  if descales is not None:
+    q, k, v = fp8.dequantize(q, k, v, descales, compute)
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
       q_positions=positions, kv_positions=positions,
-      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
-                    fp8_descales=descales),
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
@@ -583,7 +586,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
-                  reach=reach, out_dtype=compute)
+                  reach=reach, compute_dtype=compute)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)
                   for c in st.chains)

@@ -70,6 +70,7 @@ def test_every_configuration_lowers_to_an_fp8_kernel(name):
   assert len(_mosaic_calls(_lower(grad, *args, *seg))) == 3
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("terms", ["alibi", "bias_dense", "sinks_dropout"])
 def test_score_terms_lower_in_the_fp8_kernel(terms):
   args, _, kw = _structs("causal_gqa")
@@ -150,6 +151,7 @@ def test_interpret_matches_xla_on_the_same_fp8_inputs():
     assert not np.any(np.asarray(d))
 
 
+@pytest.mark.ci_cases("ring", "ulysses")
 @pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
 def test_sharded_attention_keeps_fp8_to_the_kernels(strategy):
   """Over 4 CPU devices the descales are sharded and cut like the other operands (Ulysses:
@@ -180,28 +182,52 @@ def test_sharded_attention_keeps_fp8_to_the_kernels(strategy):
   assert g.dtype == F8 and rel_err(g.astype(jnp.float32), g_ref * qd[:, None, :, None]) < 0.1
 
 
-def test_the_ring_sends_fp8_and_runs_fp8_kernels():
-  """Lowered for CUDA over 2 devices: every forward step's Mosaic GPU kernel reads FP8, and
-  the K/V the ring sends are FP8 bytes (half a bfloat16 shard's)."""
-  from jax.sharding import Mesh, PartitionSpec as P
-  from pallas_ring import ring_attention
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("h", [128, 256])
+def test_the_ring_sends_fp8_and_runs_fp8_kernels(h):
+  """``sharded_attention`` lowered for CUDA over 2 devices: every forward step's Mosaic GPU
+  kernel reads FP8, and the K/V the ring sends are FP8 bytes (half a bfloat16 shard's)."""
+  from jax.sharding import Mesh
+  from pallas_ring import SequenceParallelConfig, sharded_attention
   mesh = Mesh(jax.devices()[:2], ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="pallas_mosaic_gpu")
 
   def ring(q, k, v, d):
-    return ring_attention(q, k, v, q_descale=d, k_descale=d, v_descale=d, axis_name="sp",
-                          mask=masks.Causal(), layout="zigzag", backend="pallas_mosaic_gpu",
-                          interpret=False)
+    return sharded_attention(q, k, v, q_descale=d, k_descale=d, v_descale=d, mesh=mesh,
+                             config=cfg, mask=masks.Causal(), interpret=False)
 
-  f = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
-                    out_specs=P(None, "sp"), check_vma=False)
-  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), F8)
-  text = _lower(f, x, x, x, jax.ShapeDtypeStruct((1, 2), jnp.float32))
+  x = jax.ShapeDtypeStruct((1, 1024, 2, h), F8)
+  text = _lower(ring, x, x, x, jax.ShapeDtypeStruct((1, 2), jnp.float32))
   calls = _mosaic_calls(text)
   assert len(calls) >= 2 and all("xf8E4M3FN>" in c for c in calls)
   sends = [line for line in text.splitlines() if "collective_permute" in line]
-  shard_bytes = 512 * 2 * 128  # one FP8 K (or V) shard
+  shard_bytes = 512 * 2 * h  # one FP8 K (or V) shard
   assert sends and all(f"tensor<{2 * shard_bytes // 4}xui32>" in line or "f8E4M3FN" in line
                        for line in sends), sends
+
+
+def test_ring_attention_takes_each_devices_own_descales():
+  """Inside your own shard_map each device may quantize its own shard (descales that differ per
+  device): ``ring_attention`` dequantizes first, so a step's K/V from another device carry
+  their own descales."""
+  from jax.sharding import AxisType, PartitionSpec as P
+  from pallas_ring import ring_attention
+  rng = np.random.default_rng(4)
+  x = [jnp.asarray(rng.standard_normal((1, 256, 2, 64)), jnp.float32) for _ in range(3)]
+  x = [a.at[:, 128:].multiply(8.0) for a in x]  # shard 1's values 8x larger
+  mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,))
+
+  def per_shard(q, k, v):
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(a) for a in (q, k, v))
+    out = ring_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, axis_name="sp",
+                         mask=masks.Causal(), backend="pallas_mosaic_gpu", interpret=True)
+    deq = [a8.astype(jnp.float32) * d[:, None, :, None] for a8, d in
+           ((q8, qd), (k8, kd), (v8, vd))]
+    return out.astype(jnp.float32), *deq
+
+  out, *deq = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                                    out_specs=(P(None, "sp"),) * 4, check_vma=False))(*x)
+  assert rel_err(out, reference.attention(*deq, mask=masks.Causal())[0]) < 2e-2
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

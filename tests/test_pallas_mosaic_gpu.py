@@ -311,7 +311,8 @@ def test_work_items_cover_every_q_block_once_in_either_order():
   """``work_item`` maps the items onto every (batch, head, q block) once: heads fastest, or (long
   K/V, ``item_order``) q blocks fastest; either way each head's q blocks from the last."""
   g = fwd_scheduler.FwdGeometry(bq=64, bk=128, slots=2, group=1, head_dim=128, value_dim=128,
-                                dtype=jnp.bfloat16, info_rows=1, q_blocks=5, heads=3, batch=2,
+                                dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, info_rows=1,
+                                q_blocks=5, heads=3, batch=2,
                                 ctas=30)
   every = {(b, h, q) for b in range(2) for h in range(3) for q in range(5)}
   for order in ("heads", "blocks"):

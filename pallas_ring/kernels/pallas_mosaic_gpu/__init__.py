@@ -13,7 +13,8 @@ softmax while that ``p.v`` runs (FlashAttention-3's intra-warpgroup overlap).
 Both consumers walk the same plan row (the plan's query block is the item's rows), so the producer
 loads each live kv block once for both: ``[0, kv_full)`` mask-free, then ``[kv_full, kv_count)``
 through ``tile_visible`` (positions, segment ids, key padding); EMPTY tiles are never loaded.
-K/V are read per kv head (GQA is never repeated).
+K/V are read per kv head (GQA is never repeated). q, k and v of one FP8 dtype run both
+matmuls in FP8 (``fp8``; ``Backend.forward_reads_fp8``).
 
 The backward is two kernels of the same shape: dK/dV over the plan's transposed lists and dQ
 over its rows, deterministic (no cross-CTA accumulation); dQ computes the row term ``delta``
@@ -30,6 +31,7 @@ One module per concern, as FlashAttention-3's ``hopper/``:
 * ``tiles``: sizes, the shared-memory budget, what is served, the kernel ``Variants`` and rules;
 * ``pipeline``: shared-memory tiles and slots, token info, named barriers, the consumers' schedule;
 * ``terms``: the score terms beyond ``q.k`` and the kernels' vocabulary for them;
+* ``fp8``: the forward's FP8 mode (FP8 wgmmas: v's layout, p relabelled in registers);
 * ``fwd_scheduler``: the forward's geometry and work items (its tile scheduler);
 * ``fwd_mainloop``: the forward consumers' walk (serial and overlapped) and q loads;
 * ``fwd_epilogue``: normalise and write, or merge into the ring's running result;
@@ -45,11 +47,11 @@ One module per concern, as FlashAttention-3's ``hopper/``:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from pallas_ring.block_sizes import BlockSizes
 from pallas_ring.kernels import backend
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_kernels import backward
+from pallas_ring.kernels.pallas_mosaic_gpu.fp8 import is_fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import forward
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles,
@@ -100,7 +102,7 @@ class MosaicGpuBackend(backend.Backend):
   def default_block_sizes(self, head_dim, device_kind, dtype=None):
     # 2 x 64 rows per CTA; the backward kernels take 128 x 128. FP8 tiles are half the bytes:
     # twice the keys (BENCHMARKS.md, "FP8 forward").
-    fp8 = dtype is not None and jnp.dtype(dtype).itemsize == 1
+    fp8 = dtype is not None and is_fp8(dtype)
     wide, mid = (128, 192) if fp8 else (64, 128)  # head dims up to which 256 / 128 keys fit
     block_kv = 256 if head_dim <= wide else 128 if head_dim <= mid else 64
     return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)

@@ -43,10 +43,12 @@ def is_fp8(dtype) -> bool:
 
 def v_layout(v):
   """``v [B, S, K, Hv]`` as the FP8 forward reads it: ``[B, K, Hv, S]``, the keys of every 16
-  in ``KEY_ORDER`` (S is a multiple of the key tile)."""
+  in ``KEY_ORDER`` (S is a multiple of the key tile): key ``8h + 2j + l`` of a 16 (h, l < 2,
+  j < 4) goes to ``4j + 2h + l``, one transpose."""
   b, s, k, hv = v.shape
-  order = (np.arange(s).reshape(-1, 16)[:, KEY_ORDER]).reshape(-1)
-  return jnp.transpose(v[:, order], (0, 2, 3, 1))
+  assert s % 16 == 0, f"v's {s} keys are not a multiple of 16: pad them to the key tile"
+  x = v.reshape(b, s // 16, 2, 4, 2, k, hv)  # [B, S/16, h, j, l, K, Hv]
+  return jnp.transpose(x, (0, 5, 6, 1, 3, 2, 4)).reshape(b, k, hv, s)
 
 
 def v_source(v_ref, batch, keys, kv_head, fp8: bool):
@@ -115,11 +117,5 @@ def descales(ref, batch, head):
   return ref[b, head, 0] * ref[b, head, 1], ref[b, head, 2]
 
 
-def scaled(x, factor):
-  """``x * factor``, or ``x`` where ``factor`` is None."""
-  return x if factor is None else x * factor
-
-
 __all__ = ["KEY_ORDER", "P_LOG2", "is_fp8", "v_layout", "v_source", "v_operand", "p_tile",
-           "p_tile_dtype", "a_operand",
-           "a_layout", "row_max_shift", "descales", "scaled"]
+           "p_tile_dtype", "a_operand", "a_layout", "row_max_shift", "descales"]

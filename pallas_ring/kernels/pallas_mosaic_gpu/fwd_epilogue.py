@@ -11,7 +11,6 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import Consumer, ItemRows, load_q
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import ROWS, load_ref
 
@@ -26,8 +25,9 @@ def epilogue(c: Consumer, rows: ItemRows, i, acc, m, l) -> None:
   if g.terms.separable:
     m = m - rows.q_term  # (the row's lse in the logits with the whole position term)
   empty = l == 0.0
-  # (dropout: kept terms' 1 / (1 - rate); FP8: v's descale)
-  inv = fp8.scaled(cfg.keep_scale / jnp.where(empty, 1.0, l), rows.out_descale)
+  inv = cfg.keep_scale / jnp.where(empty, 1.0, l)  # (dropout: kept terms' 1 / (1 - rate))
+  if rows.out_descale is not None:  # (FP8: v's descale)
+    inv = inv * rows.out_descale
   lse = jnp.where(empty, -jnp.inf, m * common.LN2 + jnp.log(jnp.where(empty, 1.0, l)))
   by_row = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
   seq = pl.ds(rows.q0, g.bq)
@@ -40,7 +40,8 @@ def epilogue(c: Consumer, rows: ItemRows, i, acc, m, l) -> None:
                        optimized=False)
     own_o[...] = earlier * by_row(c_acc) + acc * by_row(inv * c_own)
     own_lse[...] = lse
-  else:  # through the staging tile (the q tile, which the next item's q then overwrites)
+  else:  # through the staging tile (the q tile, which the next item's q then overwrites, or
+    # its own)
     c.o_smem[...] = (acc * by_row(inv)).astype(g.out_dtype)
     c.lse_smem[...] = lse
     plgpu.commit_smem()

@@ -107,7 +107,6 @@ def _producer(g: FwdGeometry, r: FwdRefs):
       slot = slot_of(n, g.slots)
       keys = pl.ds(idx_row[j] * g.bk, g.bk)
 
-
       @pl.when(n >= g.slots)
       def _():
         plgpu.barrier_wait(r.k_free.at[slot])
@@ -149,12 +148,13 @@ def _producer(g: FwdGeometry, r: FwdRefs):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
   """See ``kernels.common``: returns ``(o [B, Tp, N, Hv], lse [B, N, Tp] float32)``; v's head
-  dim ``Hv`` may be narrower than q's (a multiple of 64: MLA's 128 beside 192).
+  dim ``Hv`` may be narrower than q's (a multiple of 64: MLA's 128 beside 192). q, k and v of
+  one FP8 dtype with their descales (``ops.fp8``) run the FP8 mode (``fp8``).
 
-  ``o`` leaves the kernel in the inputs' 16-bit dtype (staged through the q tile's shared memory,
-  or its own tile where Hv < H) and is cast to ``cfg.out_dtype``. Given ``acc`` (the ring's
-  running result) the kernel merges into it instead: each consumer reads its rows of ``acc`` once
-  it has finished its walk and writes the merged float32 rows (measured faster than merging after
+  ``o`` leaves the kernel in the inputs' 16-bit dtype, bfloat16 for FP8 (staged through the q
+  tile's shared memory, or its own tile: ``tiles.stages_o``) and is cast to ``cfg.out_dtype``.
+  Given ``acc`` (the ring's running result) the kernel merges into it instead: each consumer
+  reads its rows of ``acc`` once it has finished its walk and writes the merged float32 rows (measured faster than merging after
   the kernel for a ring step at 8k tokens per H100, though the read after the walk stalls each
   CTA).
   """
@@ -168,11 +168,12 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   hv = v.shape[-1]
   check_value_dim(hv, hp)
   fp8_mode = fp8.is_fp8(q.dtype)
-  if fp8_mode and (ops.fp8 is None or not q.dtype == k.dtype == v.dtype):
+  if fp8_mode != (ops.fp8 is not None) or (fp8_mode and not q.dtype == k.dtype == v.dtype):
     raise ValueError(f"the FP8 forward takes q, k and v of one FP8 dtype with their descales "
-                     f"(ops.fp8), got {q.dtype}, {k.dtype}, {v.dtype}.")
+                     f"(ops.fp8), got {q.dtype}, {k.dtype}, {v.dtype} and descales "
+                     f"{None if ops.fp8 is None else ops.fp8.shape}.")
   itemsize = jnp.dtype(q.dtype).itemsize
-  o_dtype = cfg.out_dtype if fp8_mode else q.dtype  # (16-bit: what the kernel stages)
+  o_dtype = jnp.bfloat16 if fp8_mode else q.dtype  # (staged: 16-bit)
   out_itemsize = jnp.dtype(o_dtype).itemsize
   variants = cfg.variants or Variants()
   bq, term_dt = cfg.block_q // COMPUTE_WGS, tile_term_dtype(ops)
@@ -235,7 +236,8 @@ def _triton_forward(q, k, v, ops, plan, cfg, acc):
   default."""
   hp, hv = q.shape[-1], v.shape[-1]
   if ops.fp8 is not None:
-    q, k, v = fp8_args.dequantize(q, k, v, ops.fp8, cfg.out_dtype)
+    q, k, v = fp8_args.dequantize(q, k, v, ops.fp8, jnp.bfloat16)
+    ops = ops._replace(fp8=None)
   if acc is not None:
     acc = acc._replace(o=common.widen(acc.o, hp))
   o, lse = kernels.get("pallas_triton").forward(

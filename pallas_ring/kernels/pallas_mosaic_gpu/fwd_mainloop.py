@@ -169,9 +169,9 @@ def _softmax(c: Consumer, rows: ItemRows, s_raw, k0, slot, m, l, masked):
   plgpu.barrier_arrive(r.k_free.at[slot])
   if vis is not None:
     s = jnp.where(vis, s, common.NEG_INF)
-  row_max = s.max(axis=1) * scale  # base 2
-  if fp8.row_max_shift(g.dtype):  # (FP8: p scaled up, the lse shifted back)
-    row_max = row_max - fp8.row_max_shift(g.dtype)
+  row_max, shift = s.max(axis=1) * scale, fp8.row_max_shift(g.dtype)  # base 2
+  if shift:  # (FP8: p scaled up, the lse shifted back)
+    row_max = row_max - shift
   m_new = jnp.maximum(m, row_max)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))

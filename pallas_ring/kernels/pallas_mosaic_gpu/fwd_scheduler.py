@@ -8,6 +8,7 @@ import dataclasses
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import head_view
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import Terms
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants
@@ -24,7 +25,7 @@ class FwdGeometry:
   head_dim: int  # H: q's and k's (padded)
   value_dim: int  # Hv: v's and the output's (padded), at most H
   dtype: object  # q's, k's and v's: 16-bit, or FP8 (``fp8``: the FP8 mode)
-  out_dtype: object  # the output's (staged) when not merging: 16-bit
+  out_dtype: object  # the staged output's (not merging): 16-bit
   info_rows: int  # token-info rows: 1 (positions) or 2 (and segment ids)
   q_blocks: int  # q blocks (plan rows) along the sequence
   heads: int  # query heads
@@ -39,7 +40,7 @@ class FwdGeometry:
   @property
   def fp8(self) -> bool:
     """Whether the kernel runs its FP8 mode (``fp8``)."""
-    return jnp.dtype(self.dtype).itemsize == 1
+    return fp8.is_fp8(self.dtype)
 
   @property
   def key_rows(self) -> int:

@@ -53,7 +53,9 @@ def swizzled_smem(dtype, *shape):
   """A shared-memory tile in wgmma's swizzled layout: 128-byte swizzles, or 64-byte ones where
   rows are not a multiple of 128 bytes (FP8 rows of 64 or 192 columns)."""
   itemsize = jnp.dtype(dtype).itemsize
-  swizzle = 128 if shape[-1] * itemsize % 128 == 0 else 64
+  row = shape[-1] * itemsize
+  assert row % 64 == 0, f"rows of {row} bytes: wgmma tiles need a multiple of 64"
+  swizzle = 128 if row % 128 == 0 else 64
   return plgpu.SMEM(shape, dtype, transforms=(
       plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
