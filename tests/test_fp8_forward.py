@@ -263,7 +263,8 @@ def test_native_fp8_forward_matches_the_dequantized_inputs(name, dtype):
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 def test_native_fp8_forward_merges_into_the_rings_running_result():
   """A ring step's FP8 forward given the running (o, lse) equals ``common.merge`` of it and the
-  plain FP8 forward."""
+  plain FP8 forward (whose output is rounded to bfloat16: 2^-9 relative, as in
+  ``conftest.check_ring_step``)."""
   from pallas_ring import block_sparse, plans
   from pallas_ring.kernels import common as kc
   (q8, qd), (k8, kd), (v8, vd) = _problem(8, t=512, n=4, kh=2, h=128)
@@ -283,5 +284,5 @@ def test_native_fp8_forward_merges_into_the_rings_running_result():
       q8, k8, v8, o_acc, lse_acc)
   o1, lse1 = jax.jit(lambda *a: fwd(*a, ops, plan, cfg))(q8, k8, v8)
   o_ref, lse_ref = kc.merge(o_acc, lse_acc, o1, lse1)
-  assert rel_err(merged[0], o_ref) < 1e-5
+  assert rel_err(merged[0], o_ref) < 5e-3
   np.testing.assert_allclose(np.asarray(merged[1]), np.asarray(lse_ref), rtol=1e-5)
