@@ -78,9 +78,17 @@ def quantize_with(x, descale, dtype):
 
 
 def _descale_per_head(name: str, descale, x, b: int, kv_heads: int):
-  """``descale`` (scalar, ``[B, K]``, or ``[B, N]`` for q) as float32 ``[B|1, 1, heads, 1]``."""
+  """``descale`` (scalar, ``[B, K]``, or ``[B, N]`` for q) as float32 ``[B|1, 1, heads, 1]``.
+  Concrete values must be positive and finite (traced ones cannot be read here)."""
   shape, heads = tuple(np.shape(descale)), x.shape[2]
   d = jnp.asarray(descale, jnp.float32)
+  if not isinstance(d, jax.core.Tracer):
+    values = np.asarray(d).ravel()
+    bad = values[~(np.isfinite(values) & (values > 0))]
+    if bad.size:
+      raise ValueError(f"`{name}` holds values that are not positive and finite (e.g. {bad[0]}): "
+                       "a descale multiplies the FP8 values back to their range; an all-zero "
+                       "head takes 1 (pallas_ring.quantize_fp8 makes them).")
   if shape in ((), (1,)):
     return d.reshape(1, 1, 1, 1)
   if shape == (b, heads):
