@@ -28,10 +28,9 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
 
 def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, o, lse = res
-  cotangents, wide = None, ops
-  if ops.fp8 is not None:  # FP8 q, k, v: the backward runs on their dequantized values
-    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, ops.fp8, cfg.out_dtype)
-    wide = ops._replace(fp8=None)
+  # FP8 q, k, v: the backward runs on their dequantized values
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8)
+  wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
@@ -45,10 +44,7 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
-  dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-  if cotangents is not None:
-    dq, dk, dv = cotangents((dq, dk, dv))
-  return dq, dk, dv, dsinks, pair.ops_cotangent(ops, grads)
+  return (*cotangents(dq, dk, dv), dsinks, pair.ops_cotangent(ops, grads))
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
@@ -127,9 +123,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
 
   Returns:
-    ``out [B, T, N, H]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. Rows with no visible
-    key return 0 with zero gradients (Flax and ``jax.nn.dot_product_attention`` return the mean
-    of V there). The lse is differentiable (e.g. for a z-loss). float64 inputs (x64) are
+    ``out [B, T, N, Hv]`` in ``out_dtype``, or ``(out, lse)`` when ``return_lse``. Rows with no
+    visible key return 0 with zero gradients (Flax and ``jax.nn.dot_product_attention`` return
+    the mean of V there). The lse is differentiable (e.g. for a z-loss). float64 inputs (x64) are
     computed in float64 by ``backend="xla"``; the Pallas backends refuse them.
 
   Differentiable once in reverse mode (``jax.grad``, ``jax.vjp``); forward mode and second

@@ -12,7 +12,7 @@ stay FP8, their descales per query head become the ``fp8`` operand (``operands``
 handed to Ulysses' heads like the others), and each resolved backend takes them as they are
 where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
 dequantized (``for_backend``); the backward always runs on the dequantized values
-(``dequantize_vjp``). ``ring_attention`` dequantizes them first: each device's descales may
+(``backward_operands``). ``ring_attention`` dequantizes them first: each device's descales may
 differ there, and a ring step reads another device's K/V. Any other mix of FP8 and 16-bit
 operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead ``fold``s
 the descales into q and the output, so that a backend whose decode kernels read an FP8 cache
@@ -160,17 +160,18 @@ class Prepared(NamedTuple):
   out_dtype: Any  # the output's
 
 
-def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
-  """Checks a call's FP8 arguments and prepares its operands for kernels that may read FP8:
-  q, k and v of one FP8 dtype stay FP8, with their descales per query head
-  (``kernel_descales``: the ``fp8`` operand, ``operands``), for a backend with
-  ``forward_reads_fp8`` (``for_backend`` dequantizes them for the others); any other mix is
-  widened here."""
+def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+            read_fp8: bool = True):
+  """Checks a call's FP8 arguments and prepares its operands for kernels that may read FP8
+  (``read_fp8``; False: every FP8 operand is widened here): q, k and v of one FP8 dtype stay
+  FP8, with their descales per query head (``kernel_descales``: the ``fp8`` operand,
+  ``operands``), for a backend with ``forward_reads_fp8`` (``for_backend`` dequantizes them for
+  the others); any other mix is widened here."""
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
   # (a scale is None for an operand of a wrong rank, which validation names)
-  if len(dtypes) == 1 and is_fp8(q) and None not in scales.values():
+  if read_fp8 and len(dtypes) == 1 and is_fp8(q) and None not in scales.values():
     return Prepared(q, k, v, kernel_descales(*scales.values(), np.shape(q)[2]), compute,
                     out_dtype)
   return Prepared(*_widened((q, k, v), scales.values(), compute), None, compute, out_dtype)
@@ -194,13 +195,17 @@ def for_backend(lowering, q, k, v, terms):
     ``((q, k, v), terms, compute)``: ``compute`` the dtype the call computes in.
   """
   descales = terms.get("fp8")
-  if descales is None:
-    return (q, k, v), terms, q.dtype
-  compute = jnp.dtype(jnp.bfloat16)
-  if lowering.forward_reads_fp8:
+  compute = compute_dtype(q, descales)
+  if descales is None or lowering.forward_reads_fp8:
     return (q, k, v), terms, compute
   rest = {name: x for name, x in terms.items() if name != "fp8"}
   return dequantize(q, k, v, descales, compute), rest, compute
+
+
+def compute_dtype(q, descales):
+  """The dtype a call computes in: q's, or bfloat16 for FP8 q, k, v with their ``descales``
+  (``_scales``' rule where every operand is FP8)."""
+  return jnp.dtype(q.dtype if descales is None else jnp.bfloat16)
 
 
 def dequantize(q, k, v, descales, dtype):
@@ -212,11 +217,16 @@ def dequantize(q, k, v, descales, dtype):
                for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
-def dequantize_vjp(q, k, v, descales, dtype):
-  """``dequantize`` for a custom VJP's backward: ``((q, k, v), cotangents)``, ``cotangents``
-  mapping the dequantized operands' cotangents to the FP8 operands' (the descales are
-  constants)."""
-  return jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
+def backward_operands(q, k, v, descales):
+  """A custom VJP's backward operands: ``((q, k, v), cotangents)``, FP8 q, k, v dequantized
+  (``compute_dtype``) where ``descales`` is given (else as they are), and ``cotangents(dq, dk,
+  dv)`` casting the backward's gradients to the primal operands' dtypes (FP8 ones through the
+  dequantization's VJP: the descales are constants)."""
+  if descales is None:
+    return (q, k, v), lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, (q, k, v)))
+  dtype = compute_dtype(q, descales)
+  wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
+  return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
 
 
 def _to_query_heads(scale, n: int):
@@ -257,5 +267,5 @@ def cast_output(result, out_dtype, scale=None):
 
 
 __all__ = ["quantize_fp8", "descale_of", "quantize_with", "prepare", "Prepared",
-           "kernel_descales", "for_backend", "dequantize", "dequantize_vjp", "fold", "cast_output",
-           "is_fp8", "FP8_DTYPES"]
+           "kernel_descales", "for_backend", "compute_dtype", "dequantize", "backward_operands",
+           "fold", "cast_output", "is_fp8", "FP8_DTYPES"]

@@ -41,9 +41,8 @@ reduce-scatters dK/dV; where the positions are the layout's own and the mask rea
 of other shards, it gathers only those, as the ring does.
 
 Internal API (no underscore; ``tools/ring_step_cost.py`` times a ring step through it):
-``RingStatic`` (the static description of a ring call), ``pair_forward`` / ``pair_backward`` (one
-step's pair), ``step_plan`` (its block plan, from ``RingStatic.planner``), ``rotate`` and
-``pack_buffers`` / ``unpack_buffers`` (its sends).
+``RingStatic``, ``pair_forward`` / ``pair_backward`` (one step's pair), ``step_plan`` (its block
+plan) and ``rotate``, ``pack_buffers`` / ``unpack_buffers`` (its sends).
 """
 
 from __future__ import annotations
@@ -97,7 +96,6 @@ class RingStatic:
   # The slice each chain sends (``halo.make``, aligned with ``chains``; None: the whole shard);
   # empty: whole shards everywhere.
   halos: Tuple[Optional[halo_lib.Halo], ...] = ()
-  compute_dtype: Any = None  # q, k, v's as the kernels compute: q's, or bfloat16 for FP8
 
   def halo(self, chain: Optional[int]) -> Optional[halo_lib.Halo]:
     """The slice chain ``chain`` (an index of ``chains``; None: the local pair) sends."""
@@ -386,17 +384,16 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
-  o, lse = pair.finish_forward(
-      *_ring_forward(st, q, (k, v), q_info, kv_info, fixed), sinks, st.compute_dtype)
+  o, lse = _ring_forward(st, q, (k, v), q_info, kv_info, fixed)
+  o, lse = pair.finish_forward(o, lse, sinks, fp8.compute_dtype(q, fixed.terms.get("fp8")))
   return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
 
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
-  cotangents, wide = None, fixed
-  if "fp8" in fixed.terms:  # FP8 q, k, v: the backward ring runs on their dequantized values
-    (q, k, v), cotangents = fp8.dequantize_vjp(q, k, v, fixed.terms["fp8"], st.compute_dtype)
-    wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
+  # FP8 q, k, v: the backward ring runs on their dequantized values
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, fixed.terms.get("fp8"))
+  wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
@@ -408,10 +405,7 @@ def _ring_bwd(st, res, cts):
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(terms={name: dterms[name].astype(x.dtype) if name in dterms
                                        else None for name, x in fixed.terms.items()})
-  dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-  if cotangents is not None:
-    dq, dk, dv = cotangents((dq, dk, dv))
-  return dq, dk, dv, dsinks, none(q_info), none(kv_info), dfixed
+  return (*cotangents(dq, dk, dv), dsinks, none(q_info), none(kv_info), dfixed)
 
 
 pair.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
@@ -456,13 +450,12 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
       ``segment_ids``.
     q_descale, k_descale, v_descale, out_dtype: as ``flash_attention``; FP8 operands are
-      dequantized here, as each device's descales may differ (``sharded_attention``, whose
-      descales are the whole ring's, keeps them FP8 through the ring).
+      dequantized here, as each device's descales may differ (not so in sharded_attention).
     ring_variants: a ``RingVariants`` (None: its defaults: halos on, small halos gathered once,
       ``halo_gather``); e.g. ``RingVariants(halo=False)`` sends whole shards every step.
 
   Returns:
-    ``[B, T/R, N, H]`` in q's dtype (and lse when ``return_lse``).
+    ``[B, T/R, N, Hv]`` in ``out_dtype`` (and lse when ``return_lse``).
   """
   layouts.check_layout(layout)
   if strategy not in RING_STRATEGIES:
@@ -478,10 +471,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
         "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
     ) from e
-  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
-                                                      out_dtype)
-  if descales is not None:
-    q, k, v = fp8.dequantize(q, k, v, descales, compute)
+  q, k, v, _, _, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale, out_dtype,
+                                         read_fp8=False)
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
       q_positions=positions, kv_positions=positions,
@@ -489,8 +480,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, return_lse=return_lse, names=("positions", "positions"),
-      dtype=compute)
+      interpret=interpret, return_lse=return_lse, names=("positions", "positions"))
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
@@ -556,7 +546,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs = settings
   r, derived = ring_size, derived_positions
-  (q, k, v), terms, compute = fp8.for_backend(kernels.get(backend), q, k, v, terms)
+  (q, k, v), terms, _ = fp8.for_backend(kernels.get(backend), q, k, v, terms)
   b, t, _, _ = q.shape
   h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"
@@ -586,7 +576,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
-                  reach=reach, compute_dtype=compute)
+                  reach=reach)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)
                   for c in st.chains)

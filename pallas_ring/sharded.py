@@ -123,7 +123,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       dtype: the ring's forward steps in FP8 on Hopper, and K/V sent in FP8).
 
   Returns:
-    ``[B, T, N, H]`` in layout order (and lse).
+    ``[B, T, N, Hv]`` in layout order, in ``out_dtype`` (and lse).
   """
   if not isinstance(config, SequenceParallelConfig):
     raise TypeError(f"`config` must be a SequenceParallelConfig, got {type(config).__name__}.")
