@@ -206,8 +206,8 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   bk = tiles.block_kv
   rp, hp = impl.tile_caps(rows, s)[0], impl.padded_head_dim(h)
   sp = tuning.padded_len(s, bk)
-  p = settings.block_sizes.kv_splits or num_splits(impl.decode_programs(interpret), b * kh, sp,
-                                                   bk)
+  programs = impl.decode_programs(interpret, fp8=fp8.is_fp8(k))
+  p = settings.block_sizes.kv_splits or num_splits(programs, b * kh, sp, bk)
   if sp % (p * bk):
     return None
   pad = lambda x, *to: jnp.pad(x, [(0, m - d) for d, m in zip(x.shape, to)])

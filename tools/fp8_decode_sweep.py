@@ -1,24 +1,28 @@
 """An FP8 KV cache in decode on one GPU: ours reading the cache in FP8 against our bfloat16 cache
 and cuDNN's, device clock.
 
-    PYTHONPATH=. python tools/fp8_decode_sweep.py
+    PYTHONPATH=. python tools/fp8_decode_sweep.py [ROW ...]
 
 For each of ``bench.DECODE_CACHES`` (T=1 rows): the error of the FP8 cache's output against the
 bfloat16 cache's and the float32 reference of the dequantized cache, then ``decode_attention``
 on the bfloat16 cache, on the FP8 cache (``quantize_fp8``, per batch row and kv head) and cuDNN
 (``jax.nn.dot_product_attention``) on the bfloat16 cache, timed interleaved as sustained batches
 and as lone calls. Prints milliseconds, GB/s of the cache bytes read and the ratio to cuDNN.
+Each ``ROW`` (``FIELD=VALUE,...`` of ``BlockSizes`` fields, and ``per_sm=N`` for N programs per
+SM, i.e. ``kv_splits`` N times the default's) adds a row of ours on the FP8 cache.
 """
 
 from __future__ import annotations
 
+import ast
 import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import BlockSizes, bench, decode_attention, quantize_fp8
+from pallas_ring import BlockSizes, bench, decode, decode_attention, quantize_fp8
 
 
 def rel(got, ref):
@@ -26,7 +30,17 @@ def rel(got, ref):
   return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def main():
+def block_sizes(row: str, b: int, s: int, kh: int) -> BlockSizes:
+  """``row``'s ``BlockSizes``, its ``per_sm`` turned into ``kv_splits`` for this cache."""
+  fields = {f: ast.literal_eval(x) for f, x in (a.split("=") for a in row.split(","))}
+  per_sm = fields.pop("per_sm", None)
+  if per_sm is not None:
+    sms = int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    fields["kv_splits"] = decode.num_splits(per_sm * sms, b * kh, s, fields.get("block_kv", 128))
+  return BlockSizes(**fields)
+
+
+def main(rows):
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
   for case, (b, s, n, kh, h, t) in bench.DECODE_CACHES.items():
     if t != 1:
@@ -52,11 +66,10 @@ def main():
           f"(quantized k {rel(deq[0], k):.2e}, v {rel(deq[1], v):.2e})", flush=True)
     calls = {"cudnn bf16 cache": (cudnn, (q, k, v)), "ours bf16 cache": (ours16, (q, k, v)),
              "ours fp8 cache": (ours8, (q, k8, v8, kd, vd))}
-    for bk in (64, 256):  # (FP8 tiles hold half the bytes: wider ones may pay)
-      calls[f"ours fp8 cache kv={bk}"] = (jax.jit(
-          lambda q_, k_, v_, kd_, vd_, bk=bk: decode_attention(
-              q_, k_, v_, k_descale=kd_, v_descale=vd_, block_sizes=BlockSizes(block_kv=bk))),
-          (q, k8, v8, kd, vd))
+    for row in rows:
+      calls[f"ours fp8 cache {row}"] = (jax.jit(
+          lambda q_, k_, v_, kd_, vd_, bs=block_sizes(row, b, s, kh): decode_attention(
+              q_, k_, v_, k_descale=kd_, v_descale=vd_, block_sizes=bs)), (q, k8, v8, kd, vd))
     for mode, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
       with bench.clock("device"):
         samples = bench.interleaved_samples(calls, reps=8, **kw)
@@ -68,4 +81,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

@@ -129,10 +129,11 @@ class Backend:
     return {"fwd": [dict(block_q=q, block_kv=k) for q in sizes for k in sizes],
             "bwd": [dict(block_q_bwd=q, block_kv_bwd=k) for q in sizes for k in sizes]}
 
-  def decode_programs(self, interpret: bool) -> int:
+  def decode_programs(self, interpret: bool, fp8: bool = False) -> int:
     """How many concurrent programs fill the device: ``decode_attention`` splits a cache into
-    chunks until its kernel grid has about this many (1: no split)."""
-    del interpret
+    chunks until its kernel grid has about this many (1: no split). ``fp8``: the kernel reads
+    an FP8 cache."""
+    del interpret, fp8
     return 1
 
   # -- kernels (``kernels.common``'s contract) ---------------------------------------------------

@@ -490,10 +490,12 @@ class TritonBackend(backend.Backend):
     return {"fwd": fwd, "bwd": [dict(block_q_bwd=q, block_kv_bwd=k)
                                 for q in bwd_tiles for k in bwd_tiles]}
 
-  def decode_programs(self, interpret):
+  def decode_programs(self, interpret, fp8=False):
     # One per SM: the dedicated decode kernel read the caches of BENCHMARKS.md's decode table
-    # 0-4% faster than with two (and merges fewer chunks).
-    return backend.gpu_programs(interpret, per_sm=1)
+    # 0-4% faster than with two (and merges fewer chunks). Two on an FP8 cache, whose tiles
+    # (half the bytes, widened in registers) leave one program per SM latency-bound
+    # (BENCHMARKS.md, "Decode from an FP8 cache").
+    return backend.gpu_programs(interpret, per_sm=2 if fp8 else 1)
 
   forward = staticmethod(forward)
   backward = staticmethod(backward)

@@ -133,7 +133,8 @@ class MosaicGpuBackend(backend.Backend):
            for k in ((64, 128) if interpret else (64, 128, 256)) for s in (2, 3)]
     return {"fwd": fwd, "bwd": [dict(block_q_bwd=BWD_BLOCK, block_kv_bwd=BWD_BLOCK)]}
 
-  def decode_programs(self, interpret):
+  def decode_programs(self, interpret, fp8=False):
+    del fp8
     return backend.gpu_programs(interpret)
 
   forward = staticmethod(forward)
