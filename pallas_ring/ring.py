@@ -235,11 +235,6 @@ def pair_backward(st: RingStatic, q, k, v, do, lse, delta, ops: common.Operands,
   return lax.cond(plan.any_live, run, skip) if st.use_cond else run()
 
 
-def _steps(first, last):
-  """Ring steps ``first .. last - 1`` (int32, also under x64): the scanned ones."""
-  return jnp.arange(first, last, dtype=jnp.int32)
-
-
 def _gather(x, st):
   """All-gathers a ``[B, L, ...]`` shard along the sequence and pads it to ``st.kv_padded``."""
   if x is None:
@@ -289,7 +284,8 @@ def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc):
     return (compute(*held, src(step), acc), nxt), None
 
   if n > 1:
-    (acc, held), _ = lax.scan(body, (acc, held), _steps(1, n), unroll=st.unroll)
+    steps = jnp.arange(1, n, dtype=jnp.int32)  # (int32 under x64 too)
+    (acc, held), _ = lax.scan(body, (acc, held), steps, unroll=st.unroll)
   return compute(*held, src(n), acc)
 
 
@@ -372,7 +368,7 @@ def _backward_chain(st: RingStatic, compute, rank, held, d: int, n: int, dq, dte
 
   carry = (dq, nxt, dkv, dterms)
   if n > 2:
-    carry, _ = lax.scan(body, carry, _steps(2, n), unroll=st.unroll)
+    carry, _ = lax.scan(body, carry, jnp.arange(2, n, dtype=jnp.int32), unroll=st.unroll)
   dq, held, dkv, dterms = carry
   dkv_in = rotate(dkv, st, d)  # the last shard's K/V go nowhere
   return compute(*held, src(n), dterms, dq, dkv=dkv_in)
@@ -544,9 +540,9 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
              offsets, *, settings: call.Settings, axis_name, ring_size, layout, derived_positions,
              strategy, scan_unroll, variants: halo_lib.RingVariants):
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
-  cs = settings
-  r, derived = ring_size, derived_positions
-  (q, k, v), terms, _ = fp8.for_backend(kernels.get(backend), q, k, v, terms)
+  cs, r, derived = settings, ring_size, derived_positions
+  impl = kernels.get(backend)
+  (q, k, v), terms, _ = fp8.for_backend(impl, q, k, v, terms)
   b, t, _, _ = q.shape
   h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"
@@ -555,8 +551,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                          mask_class=tile_cache.mask_class(cs.mask, segment_ids is not None))
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
   kv_info = block_sparse.make_token_info(t, b, positions, kv_segment_ids)
-  blocks_q = (tiles.block_q, tiles.block_q_bwd)
-  blocks_kv = (tiles.block_kv, tiles.block_kv_bwd)
+  blocks_q, blocks_kv = (tiles.block_q, tiles.block_q_bwd), (tiles.block_kv, tiles.block_kv_bwd)
   if gather:  # K/V are gathered unpadded and padded once as a whole
     tp = tuning.padded_len(t, *blocks_q)
     kv_padded, shard_len = tuning.padded_len(t * r, *blocks_kv), t
@@ -569,7 +564,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   cfg = pair.kernel_config(tiles, mask=cs.mask, scale=cs.scale, softcap=cs.softcap, q_len=t,
                            kv_len=t * r if gather else t, out_dtype=common.acc_dtype(q.dtype),
                            interpret=interpret, dropout_rate=cs.dropout_rate)
-  gpu = kernels.get(backend).platform == "gpu"
+  gpu = impl.platform == "gpu"
   planner = plans.for_config(cfg, tp, kv_padded,
                              plans.RingLayout(t * r, layout, r, gather) if derived else None)
   # The ring goes as far as the mask reaches, where the positions are the layout's own.
