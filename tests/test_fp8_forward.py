@@ -206,6 +206,35 @@ def test_the_ring_sends_fp8_and_runs_fp8_kernels(h):
                        for line in sends), sends
 
 
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+def test_fp8_on_an_explicit_mesh(strategy):
+  """A default ``jax.make_mesh`` mesh (Explicit axes), used as the ambient mesh: FP8 inputs and
+  their descales shard like on an Auto mesh; the output keeps the sequence sharding, and q's
+  FP8 gradient matches the dequantized reference."""
+  from jax.sharding import AxisType
+  from pallas_ring import SequenceParallelConfig, sharded_attention
+  (q8, qd), (k8, kd), (v8, vd) = _problem(5, t=256, n=2, kh=2, h=64)
+  mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Explicit,))
+  deq = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in
+         ((q8, qd), (k8, kd), (v8, vd))]
+  cfg = SequenceParallelConfig(axis_name="sp", strategy=strategy, backend="pallas_mosaic_gpu")
+
+  def loss(q8):
+    return sharded_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, mesh=mesh,
+                             config=cfg, mask=masks.Causal(), interpret=True).astype(jnp.float32)
+
+  with jax.set_mesh(mesh):
+    out, vjp = jax.vjp(loss, q8)
+    do = jnp.full_like(out, 1e3)  # (q's FP8 cotangent in e4m3's normal range)
+    (g,) = vjp(do)
+  ref, ref_vjp = jax.vjp(lambda q: reference.attention(q, *deq[1:], mask=masks.Causal())[0],
+                         deq[0])
+  (g_ref,) = ref_vjp(do)
+  assert out.sharding.spec[1] == "sp" and rel_err(out, ref) < 2e-2
+  assert g.dtype == F8 and rel_err(g.astype(jnp.float32), g_ref * qd[:, None, :, None]) < 0.1
+
+
 def test_ring_attention_takes_each_devices_own_descales():
   """Inside your own shard_map each device may quantize its own shard (descales that differ per
   device): ``ring_attention`` dequantizes first, so a step's K/V from another device carry
