@@ -23,9 +23,11 @@ XLA before the kernels run.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
+from jax import custom_derivatives
 import jax.numpy as jnp
 import numpy as np
 
@@ -170,6 +172,9 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
+  if any(is_fp8(x) for x in (q, k, v)):  # (16-bit ones stay outside: jvp names them clearly)
+    fp8_ops = iter(watched(*[x for x in (q, k, v) if is_fp8(x)]))
+    q, k, v = (next(fp8_ops) if is_fp8(x) else x for x in (q, k, v))
   # (a scale is None for an operand of a wrong rank, which validation names)
   if read_fp8 and len(dtypes) == 1 and is_fp8(q) and None not in scales.values():
     return Prepared(q, k, v, kernel_descales(*scales.values(), np.shape(q)[2]), compute,
@@ -227,6 +232,33 @@ def backward_operands(q, k, v, descales):
   dtype = compute_dtype(q, descales)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
   return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
+
+
+@jax.custom_vjp
+def watched(*operands):
+  """The identity on FP8 operands that warns when they are differentiated: their cotangents are
+  FP8 too (the dequantized value's gradient times its descale), so most entries underflow to
+  zero, silently otherwise."""
+  return operands
+
+
+def _watched_fwd(*operands):
+  if any(x.perturbed for x in operands):
+    warnings.warn(
+        "Differentiating attention with respect to FP8 q, k or v (directly or through "
+        "quantize_fp8): their gradients are FP8 as well (the dequantized value's gradient times "
+        "its descale) and lose most entries to underflow. The FP8 kernels are for inference; "
+        "to train, pass 16-bit q, k and v.", stacklevel=4)
+  return tuple(x.value for x in operands), None
+
+
+def _watched_bwd(_, cts):
+  zero = lambda ct: (jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, custom_derivatives.SymbolicZero)
+                     else ct)
+  return tuple(zero(ct) for ct in cts)
+
+
+watched.defvjp(_watched_fwd, _watched_bwd, symbolic_zeros=True)
 
 
 def _to_query_heads(scale, n: int):

@@ -1,6 +1,8 @@
 """FP8 inputs: ``quantize_fp8`` and the descales / ``out_dtype`` of every entry point, against the
 dense reference on the dequantized values."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,32 @@ def test_quantize_keeps_each_heads_amax_and_its_precision(dtype):
   assert rel_err(back, x) < 2.0 ** -mantissa / 2
   z8, dz = quantize_fp8(jnp.zeros((1, 4, 1, 8)), dtype)  # an all-zero head: descale 1, no NaN
   assert float(dz[0, 0]) == 1.0 and not np.any(np.isnan(np.asarray(z8, np.float32)))
+
+
+def test_differentiating_fp8_operands_warns():
+  """Gradients of FP8 q, k, v are FP8 (most entries underflow): differentiating them, directly
+  or through quantize_fp8, warns; evaluating, or differentiating a 16-bit q against FP8 k, v,
+  does not."""
+  q, k, v = _problem(7)
+  (q8, qd), (k8, kd), (v8, vd) = map(quantize_fp8, (q, k, v))
+
+  def attend(q, k, v, **descales):
+    return flash_attention(q, k, v, mask=masks.Causal(), backend="xla",
+                           **descales).astype(jnp.float32).sum()
+
+  def quantized(q):
+    q8, qd = quantize_fp8(q)
+    return attend(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+  for f, x in ((lambda x: attend(x, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd), q8),
+               (lambda x: attend(q8, x, v8, q_descale=qd, k_descale=kd, v_descale=vd), k8),
+               (quantized, q)):
+    with pytest.warns(UserWarning, match="FP8 q, k or v"):
+      jax.grad(f)(x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    quantized(q)
+    jax.grad(lambda x: attend(x, k8, v8, k_descale=kd, v_descale=vd))(q.astype(jnp.bfloat16))
 
 
 @pytest.mark.ci_cases("xla-None", "pallas_triton-True")
