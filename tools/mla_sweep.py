@@ -1,6 +1,7 @@
 """MLA head dims (q/k 192, v 128) on one GPU: ours against what JAX users run today.
 
     PYTHONPATH=. python tools/mla_sweep.py [T ...] [FIELD=VALUE ...] [--hv=HV]
+    PYTHONPATH=. python tools/mla_sweep.py --parts [T ...]  # device time per kernel
 
 ``jax.nn.dot_product_attention`` refuses a v head dim other than q's, so users zero-pad v to 192,
 run cuDNN and slice the output: that is the baseline ("cudnn v padded"). Beside it: ours at
@@ -10,13 +11,16 @@ timed interleaved on the device clock (``bench.clock("device")``), as sustained 
 lone synchronized calls. TFLOP/s count the visible pairs' matmul work: forward
 ``2 pairs N (H + Hv)``, forward+backward 3.5 times that. ``FIELD=VALUE`` arguments (Python
 literals) add a row of ours at 192 / 128 with those ``pallas_mosaic_gpu.Variants`` fields;
-``--hv=HV`` runs v at HV instead of 128 (192: plain H=192).
+``--hv=HV`` runs v at HV instead of 128 (192: plain H=192). ``--parts``: the device time of
+each kernel (forward, dQ, dK/dV) of one forward+backward at 192/128 and at 128/128, from a
+profiler trace (``mosaic_gpu_sweep.profile``).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import os
 import statistics
 import sys
 
@@ -99,8 +103,20 @@ def time_shape(t, variants, hv, n=16):
               flush=True)
 
 
+def parts(lengths):
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import mosaic_gpu_sweep  # pylint: disable=import-outside-toplevel
+  for t in lengths:
+    for h, hv in ((192, 128), (128, 128)):
+      q, k, v, do = _inputs(t, 16, h, hv, seed=2)
+      mosaic_gpu_sweep.profile(f"T={t} {h}/{hv}", bench.fwd_bwd(ours), (q, k, v, do),
+                               f"/tmp/mla_parts/{t}_{h}")
+
+
 def main(argv):
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+  if "--parts" in argv:
+    return parts([int(a) for a in argv if a != "--parts"] or (8192, 16384))
   hv = int(dict(a.split("=") for a in argv if a.startswith("--hv=")).get("--hv", 128))
   argv = [a for a in argv if not a.startswith("--hv=")]
   fields = dict(a.split("=", 1) for a in argv if "=" in a)
