@@ -14,22 +14,23 @@ from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, sinks, ops, cfg, planner, backend):
-  return _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, sinks, ops, anchors, cfg, planner, backend):
+  return _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend)[0]
 
 
-def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend):
+def _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend):
   plan = planner.plan(ops)
   o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
                                cfg.out_dtype)
-  return (o, lse), (q, k, v, sinks, ops, o, lse)
+  return (o, lse), (q, k, v, sinks, ops, anchors, o, lse)
 
 
 def _flash_bwd(cfg, planner, backend, res, cts):
-  q, k, v, sinks, ops, o, lse = res
-  # FP8 q, k, v: the backward runs on their dequantized values
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8)
+  q, k, v, sinks, ops, anchors, o, lse = res
+  # FP8 q, k, v: the backward runs on their dequantized values; with ``anchors`` (``quantize``)
+  # their gradients go to the anchors instead, straight through the quantization.
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, anchors)
   wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
@@ -44,11 +45,12 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
-  return (*cotangents(dq, dk, dv), dsinks, pair.ops_cotangent(ops, grads))
+  *dqkv, danchors = cotangents(dq, dk, dv)
+  return (*dqkv, dsinks, pair.ops_cotangent(ops, grads), danchors)
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
-_flash_jit = jax.jit(_flash, static_argnums=(5, 6, 7))
+_flash_jit = jax.jit(_flash, static_argnums=(6, 7, 8))
 
 
 def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
@@ -72,7 +74,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                     backend: str = "auto", interpret=None, return_lse: bool = False,
                     dropout_broadcast: bool = False, dropout_batch_offset=0,
                     dropout_head_offset=0, q_descale=None, k_descale=None, v_descale=None,
-                    out_dtype: Optional[jax.typing.DTypeLike] = None):
+                    out_dtype: Optional[jax.typing.DTypeLike] = None,
+                    quantize: Optional[jax.typing.DTypeLike] = None):
   """Block-sparse flash attention on one device.
 
   Args:
@@ -121,6 +124,11 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       (and for the backward) FP8 operands are dequantized to bfloat16. Descales are constants:
       gradients reach the FP8 operands, not the descales.
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
+    quantize: an FP8 dtype to train with: 16/32-bit q, k and v are quantized to it here
+      (``quantize_fp8``'s scales per batch row and head) and run as FP8 operands (the FP8
+      forward on Hopper), and their gradients pass straight through the quantization: the
+      backward's gradients at the quantized values, in q's, k's and v's dtypes (gradients of
+      FP8 operands themselves are FP8 and mostly underflow). The output defaults to q's dtype.
 
   Returns:
     ``out [B, T, N, Hv]`` in ``out_dtype``, or ``(out, lse)`` when ``return_lse``. Rows with no
@@ -133,6 +141,10 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   """
   if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
+  anchors = None
+  if quantize is not None:
+    q, k, v, q_descale, k_descale, v_descale, out_dtype, anchors = fp8.straight_through(
+        q, k, v, quantize, (q_descale, k_descale, v_descale), out_dtype)
   q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
                                                       out_dtype)
   checked = call.check(
@@ -151,18 +163,21 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                                                               kv_segment_ids=kv_seg))
   # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
   # makes the output NaN instead of silently wrong.
-  out = fp8.cast_output(run(q, k, v, checked), out_dtype)
+  out = fp8.cast_output(run(q, k, v, checked, anchors), out_dtype)
   return validation.poison(out, operands.dense_mask_misuse(dense_mask))
 
 
-def run(q, k, v, checked: call.Checked):
-  """``flash_attention`` of a checked call (``call.check``): no argument is checked again."""
+def run(q, k, v, checked: call.Checked, anchors=None):
+  """``flash_attention`` of a checked call (``call.check``): no argument is checked again.
+  ``anchors``: the 16-bit q, k, v that FP8 q, k, v quantize (``fp8.straight_through``), which
+  take their gradients."""
   with pair.forward_mode_errors():
     return kernels.dispatch(functools.partial(_flash_on, settings=checked.settings),
-                            checked.per_platform, q, k, v, checked.arrays)
+                            checked.per_platform, q, k, v, checked.arrays, anchors)
 
 
-def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
+def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, anchors, *,
+              settings: call.Settings):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   lowering = kernels.get(backend)
   (q, k, v), terms, compute = fp8.for_backend(lowering, q, k, v, arrays.terms)
@@ -191,8 +206,10 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
                              offsets, b, n, broadcast=st.dropout_broadcast)
   pad = pair.pad_tokens
+  if anchors is not None:
+    anchors = (pad(anchors[0], tp, hp), pad(anchors[1], sp, hp), pad(anchors[2], sp, hvp))
   out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hvp), terms.get("sinks"),
-                        ops, cfg, planner, backend)
+                        ops, anchors, cfg, planner, backend)
   out = out[:, :t, :, :hv]
   if st.return_lse:
     return out, lse[:, :, :t]

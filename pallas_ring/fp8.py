@@ -182,6 +182,31 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
   return Prepared(*_widened((q, k, v), scales.values(), compute), None, compute, out_dtype)
 
 
+def straight_through(q, k, v, dtype, descales, out_dtype):
+  """A call's ``quantize=dtype``: 16/32-bit q, k, v quantized to FP8 (``quantize_fp8``) for a
+  forward on FP8 operands, differentiated straight through the quantization.
+
+  Returns:
+    ``(q8, k8, v8, q_descale, k_descale, v_descale, out_dtype, anchors)``: the FP8 operands
+    (not differentiated) and their descales, the output dtype (default q's) and ``anchors =
+    (q, k, v)``, to which the backward's gradients go (``backward_operands``).
+  """
+  if jnp.dtype(dtype) not in FP8_DTYPES:
+    raise ValueError(f"`quantize`={jnp.dtype(dtype)} is not an FP8 dtype; use one of "
+                     f"{[str(d) for d in FP8_DTYPES]}, or None.")
+  for name, x in zip("qkv", (q, k, v)):
+    if is_fp8(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(f"`quantize` quantizes 16/32-bit floats, but `{name}` has dtype "
+                       f"{jnp.result_type(x)}. Pass the unquantized `{name}`, or drop "
+                       "`quantize` and pass FP8 operands with their descales.")
+  if any(d is not None for d in descales):
+    raise ValueError("`quantize` makes the descales itself: drop `q_descale`, `k_descale` and "
+                     "`v_descale`, or drop `quantize` and pass FP8 operands with them.")
+  quantized = [quantize_fp8(jax.lax.stop_gradient(x), dtype) for x in (q, k, v)]
+  out_dtype = jnp.result_type(q) if out_dtype is None else out_dtype
+  return (*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype, (q, k, v))
+
+
 def kernel_descales(q_scale, k_scale, v_scale, n: int):
   """float32 ``[Bs, N, 3]``: q's, k's and v's descales (``[B|1, 1, heads|1, 1]`` each, as
   ``_scales`` gives them) per batch row and query head."""
@@ -222,16 +247,23 @@ def dequantize(q, k, v, descales, dtype):
                for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
-def backward_operands(q, k, v, descales):
+def backward_operands(q, k, v, descales, anchors=None):
   """A custom VJP's backward operands: ``((q, k, v), cotangents)``, FP8 q, k, v dequantized
   (``compute_dtype``) where ``descales`` is given (else as they are), and ``cotangents(dq, dk,
-  dv)`` casting the backward's gradients to the primal operands' dtypes (FP8 ones through the
-  dequantization's VJP: the descales are constants)."""
+  dv) -> (q's, k's, v's, the anchors')``: the backward's gradients in the primal operands'
+  dtypes (FP8 ones through the dequantization's VJP: the descales are constants), or, with
+  ``anchors`` (the 16-bit q, k, v that ``quantize`` quantized), in the anchors' dtypes, q, k
+  and v getting zeros (straight through the quantization)."""
+  if anchors is not None:
+    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
+    wide = (q, k, v) if descales is None else dequantize(q, k, v, descales,
+                                                         compute_dtype(q, descales))
+    return wide, lambda *g: (*zeros, tuple(x.astype(a.dtype) for x, a in zip(g, anchors)))
   if descales is None:
-    return (q, k, v), lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, (q, k, v)))
+    return (q, k, v), lambda *g: (*(x.astype(p.dtype) for x, p in zip(g, (q, k, v))), None)
   dtype = compute_dtype(q, descales)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
-  return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
+  return wide, lambda *g: (*vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide))), None)
 
 
 @jax.custom_vjp

@@ -67,6 +67,27 @@ def test_differentiating_fp8_operands_warns():
 @pytest.mark.ci_cases("xla-None", "pallas_triton-True")
 @pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_tpu", True),
                                                 ("pallas_triton", True)])
+def test_quantize_trains_straight_through(backend, interpret):
+  """``quantize=``: the forward on FP8 operands, gradients in q's, k's and v's own dtypes at the
+  quantized values (the dequantized reference's), against 0.3-0.6 through FP8 operands."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in _problem(8))
+  do = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
+  f = lambda *x: flash_attention(*x, mask=masks.Causal(), backend=backend, interpret=interpret,
+                                 quantize=jnp.float8_e4m3fn)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # (no FP8 operand is differentiated)
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(do.astype(out.dtype))
+  deq = [_dequantized(*quantize_fp8(x)) for x in (q, k, v)]
+  ref, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, mask=masks.Causal())[0], *deq)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 2e-2
+  for g, r in zip(grads, ref_vjp(do)):
+    assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2e-2, rel_err(g, r)
+
+
+@pytest.mark.ci_cases("xla-None", "pallas_triton-True")
+@pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_tpu", True),
+                                                ("pallas_triton", True)])
 def test_flash_attention_on_fp8_operands(backend, interpret):
   """Per-(batch, kv head) descales, q's per query head; bfloat16 output by default, forward and
   the gradient of a 16-bit q; the reference runs on the dequantized values."""
@@ -148,6 +169,15 @@ MISTAKES = {
     "fp8_output": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, q_descale=1.0, k_descale=kd,
                                            v_descale=kd, out_dtype=jnp.float8_e4m3fn),
                    r"`out_dtype`=float8_e4m3fn is not an output dtype"),
+    "quantize_fp8_operands": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, quantize=q8.dtype),
+                              r"`quantize` quantizes 16/32-bit floats, but `q` has dtype "
+                              r"float8_e4m3fn"),
+    "quantize_with_descales": (lambda q8, k8, kd: dict(
+        q=q8.astype(jnp.float32), k=k8.astype(jnp.float32), v=k8.astype(jnp.float32),
+        k_descale=kd, quantize=q8.dtype), r"`quantize` makes the descales itself"),
+    "quantize_to_bfloat16": (lambda q8, k8, kd: dict(
+        q=q8.astype(jnp.float32), k=k8.astype(jnp.float32), v=k8.astype(jnp.float32),
+        quantize=jnp.bfloat16), r"`quantize`=bfloat16 is not an FP8 dtype"),
 }
 
 

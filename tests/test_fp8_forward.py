@@ -70,6 +70,20 @@ def test_every_configuration_lowers_to_an_fp8_kernel(name):
   assert len(_mosaic_calls(_lower(grad, *args, *seg))) == 3
 
 
+def test_quantize_runs_the_fp8_kernel_and_16_bit_gradients():
+  """``quantize=``: 16-bit q, k, v run the FP8 forward kernel; their gradients come from the
+  two 16-bit backward kernels in bfloat16."""
+  args, _, _ = _structs("causal_gqa")
+  wide = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args[:3]]
+  f = lambda *x: flash_attention(*x, mask=masks.Causal(), backend="pallas_mosaic_gpu",
+                                 interpret=False, quantize=F8)
+  text = _lower(f, *wide)
+  assert len(_mosaic_calls(text)) == 1 and _mosaic_calls(text)[0].count("xf8E4M3FN>") >= 3
+  grad = jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)), argnums=(0, 1, 2))
+  assert [g.dtype for g in jax.eval_shape(grad, *wide)] == [jnp.bfloat16] * 3
+  assert len(_mosaic_calls(_lower(grad, *wide))) == 3
+
+
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("terms", ["alibi", "bias_dense", "sinks_dropout"])
 def test_score_terms_lower_in_the_fp8_kernel(terms):
