@@ -329,3 +329,20 @@ def test_native_fp8_forward_merges_into_the_rings_running_result():
   o_ref, lse_ref = kc.merge(o_acc, lse_acc, o1, lse1)
   assert rel_err(merged[0], o_ref) < 5e-3
   np.testing.assert_allclose(np.asarray(merged[1]), np.asarray(lse_ref), rtol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+def test_native_quantize_trains_straight_through():
+  """``quantize=`` natively: the FP8 forward and the 16-bit backward at the quantized values,
+  gradients in bfloat16 against the dequantized reference."""
+  rng = np.random.default_rng(10)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                 for s in ((2, 640, 8, 128), (2, 640, 2, 128), (2, 640, 2, 128), (2, 640, 8, 128)))
+  f = jax.jit(lambda *x: flash_attention(*x, mask=masks.Causal(), quantize=F8))
+  out, vjp = jax.vjp(f, q, k, v)
+  deq = [x8.astype(jnp.float32) * d[:, None, :, None] for x8, d in map(quantize_fp8, (q, k, v))]
+  ref, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, mask=masks.Causal())[0], *deq)
+  assert rel_err(out, ref) < FP8_TOL
+  for g, r in zip(vjp(do), ref_vjp(do.astype(jnp.float32))):
+    assert g.dtype == jnp.bfloat16 and rel_err(g, r) < FP8_TOL, rel_err(g, r)
