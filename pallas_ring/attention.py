@@ -23,14 +23,16 @@ def _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend):
   plan = planner.plan(ops)
   o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
                                cfg.out_dtype)
-  return (o, lse), (q, k, v, sinks, ops, anchors, o, lse)
+  # (the anchors' dtypes only: their gradients are q's, k's and v's)
+  dtypes = None if anchors is None else tuple(jnp.zeros((0,), a.dtype) for a in anchors)
+  return (o, lse), (q, k, v, sinks, ops, dtypes, o, lse)
 
 
 def _flash_bwd(cfg, planner, backend, res, cts):
-  q, k, v, sinks, ops, anchors, o, lse = res
+  q, k, v, sinks, ops, anchor_dtypes, o, lse = res
   # FP8 q, k, v: the backward runs on their dequantized values; with ``anchors`` (``quantize``)
   # their gradients go to the anchors instead, straight through the quantization.
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, anchors)
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, anchor_dtypes)
   wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.

@@ -4,8 +4,10 @@ An FP8 operand ``x8`` (``float8_e4m3fn`` or ``float8_e5m2``) stands for
 ``x8.astype(float32) * descale`` with ``descale`` float32, a scalar or one value per batch row
 and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, one per query head,
 is accepted too, as ``quantize_fp8(q)`` makes it). Descales are constants: gradients reach the
-FP8 operands (in their FP8 dtype, where small values flush to zero: differentiate the values
-before quantization to train through it), not the descales.
+FP8 operands (in their FP8 dtype, where most values flush to zero: differentiating them
+warns, ``watched``), not the descales. To train, ``flash_attention(quantize=...)`` quantizes
+16-bit q, k, v itself and returns their gradients straight through the quantization
+(``straight_through``).
 
 ``flash_attention`` and ``sharded_attention`` ``prepare`` their q, k, v: of one FP8 dtype they
 stay FP8, their descales per query head become the ``fp8`` operand (``operands``: sharded and
@@ -30,6 +32,8 @@ import jax
 from jax import custom_derivatives
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_ring import pair
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -172,9 +176,7 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
-  if any(is_fp8(x) for x in (q, k, v)):  # (16-bit ones stay outside: jvp names them clearly)
-    fp8_ops = iter(watched(*[x for x in (q, k, v) if is_fp8(x)]))
-    q, k, v = (next(fp8_ops) if is_fp8(x) else x for x in (q, k, v))
+  q, k, v = _watch(q, k, v)
   # (a scale is None for an operand of a wrong rank, which validation names)
   if read_fp8 and len(dtypes) == 1 and is_fp8(q) and None not in scales.values():
     return Prepared(q, k, v, kernel_descales(*scales.values(), np.shape(q)[2]), compute,
@@ -183,8 +185,9 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
 
 
 def straight_through(q, k, v, dtype, descales, out_dtype):
-  """A call's ``quantize=dtype``: 16/32-bit q, k, v quantized to FP8 (``quantize_fp8``) for a
-  forward on FP8 operands, differentiated straight through the quantization.
+  """A call's ``quantize=dtype``: float (16/32-bit, or 64 under x64) q, k, v quantized to FP8
+  (``quantize_fp8``) for a forward on FP8 operands, differentiated straight through the
+  quantization.
 
   Returns:
     ``(q8, k8, v8, q_descale, k_descale, v_descale, out_dtype, anchors)``: the FP8 operands
@@ -196,7 +199,7 @@ def straight_through(q, k, v, dtype, descales, out_dtype):
                      f"{[str(d) for d in FP8_DTYPES]}, or None.")
   for name, x in zip("qkv", (q, k, v)):
     if is_fp8(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      raise ValueError(f"`quantize` quantizes 16/32-bit floats, but `{name}` has dtype "
+      raise ValueError(f"`quantize` quantizes 16/32/64-bit floats, but `{name}` has dtype "
                        f"{jnp.result_type(x)}. Pass the unquantized `{name}`, or drop "
                        "`quantize` and pass FP8 operands with their descales.")
   if any(d is not None for d in descales):
@@ -252,13 +255,13 @@ def backward_operands(q, k, v, descales, anchors=None):
   (``compute_dtype``) where ``descales`` is given (else as they are), and ``cotangents(dq, dk,
   dv) -> (q's, k's, v's, the anchors')``: the backward's gradients in the primal operands'
   dtypes (FP8 ones through the dequantization's VJP: the descales are constants), or, with
-  ``anchors`` (the 16-bit q, k, v that ``quantize`` quantized), in the anchors' dtypes, q, k
-  and v getting zeros (straight through the quantization)."""
+  ``anchors`` (arrays of the dtypes of the 16-bit q, k, v that ``quantize`` quantized), in the
+  anchors' dtypes, q, k and v getting none (straight through the quantization)."""
   if anchors is not None:
-    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     wide = (q, k, v) if descales is None else dequantize(q, k, v, descales,
                                                          compute_dtype(q, descales))
-    return wide, lambda *g: (*zeros, tuple(x.astype(a.dtype) for x, a in zip(g, anchors)))
+    return wide, lambda *g: (None, None, None,
+                             tuple(x.astype(a.dtype) for x, a in zip(g, anchors)))
   if descales is None:
     return (q, k, v), lambda *g: (*(x.astype(p.dtype) for x, p in zip(g, (q, k, v))), None)
   dtype = compute_dtype(q, descales)
@@ -274,20 +277,31 @@ def watched(*operands):
   return operands
 
 
+def _watch(*operands):
+  """``operands`` with the FP8 ones ``watched`` (forward mode raises the entry points' error)."""
+  at = [i for i, x in enumerate(operands) if is_fp8(x)]
+  if not at:
+    return operands
+  with pair.forward_mode_errors():
+    watched_ops = watched(*(operands[i] for i in at))
+  out = list(operands)
+  for i, x in zip(at, watched_ops):
+    out[i] = x
+  return tuple(out)
+
+
 def _watched_fwd(*operands):
   if any(x.perturbed for x in operands):
     warnings.warn(
         "Differentiating attention with respect to FP8 q, k or v (directly or through "
         "quantize_fp8): their gradients are FP8 as well (the dequantized value's gradient times "
-        "its descale) and lose most entries to underflow. The FP8 kernels are for inference; "
-        "to train, pass 16-bit q, k and v.", stacklevel=4)
+        "its descale) and lose most entries to underflow. To train with FP8 operands, pass "
+        "16-bit q, k and v with flash_attention(..., quantize=jnp.float8_e4m3fn).")
   return tuple(x.value for x in operands), None
 
 
 def _watched_bwd(_, cts):
-  zero = lambda ct: (jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, custom_derivatives.SymbolicZero)
-                     else ct)
-  return tuple(zero(ct) for ct in cts)
+  return tuple(None if isinstance(ct, custom_derivatives.SymbolicZero) else ct for ct in cts)
 
 
 watched.defvjp(_watched_fwd, _watched_bwd, symbolic_zeros=True)

@@ -85,6 +85,19 @@ def test_quantize_trains_straight_through(backend, interpret):
     assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2e-2, rel_err(g, r)
 
 
+def test_quantize_keeps_the_inputs_sharding_on_an_explicit_mesh():
+  """Batch-sharded q, k, v on a default (Explicit) mesh: the gradients come back sharded alike."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("dp",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    q, k, v = (jax.device_put(x.astype(jnp.bfloat16), NamedSharding(mesh, P("dp")))
+               for x in _problem(11))
+    loss = lambda *x: flash_attention(*x, backend="xla", quantize=jnp.float8_e4m3fn).astype(
+        jnp.float32).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert all(g.sharding.spec[0] == "dp" and g.dtype == jnp.bfloat16 for g in grads)
+
+
 @pytest.mark.ci_cases("xla-None", "pallas_triton-True")
 @pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_tpu", True),
                                                 ("pallas_triton", True)])
@@ -170,7 +183,7 @@ MISTAKES = {
                                            v_descale=kd, out_dtype=jnp.float8_e4m3fn),
                    r"`out_dtype`=float8_e4m3fn is not an output dtype"),
     "quantize_fp8_operands": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, quantize=q8.dtype),
-                              r"`quantize` quantizes 16/32-bit floats, but `q` has dtype "
+                              r"`quantize` quantizes 16/32/64-bit floats, but `q` has dtype "
                               r"float8_e4m3fn"),
     "quantize_with_descales": (lambda q8, k8, kd: dict(
         q=q8.astype(jnp.float32), k=k8.astype(jnp.float32), v=k8.astype(jnp.float32),

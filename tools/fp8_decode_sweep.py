@@ -8,8 +8,9 @@ bfloat16 cache's and the float32 reference of the dequantized cache, then ``deco
 on the bfloat16 cache, on the FP8 cache (``quantize_fp8``, per batch row and kv head) and cuDNN
 (``jax.nn.dot_product_attention``) on the bfloat16 cache, timed interleaved as sustained batches
 and as lone calls. Prints milliseconds, GB/s of the cache bytes read and the ratio to cuDNN.
-Each ``ROW`` (``FIELD=VALUE,...`` of ``BlockSizes`` fields, and ``per_sm=N`` for N programs per
-SM, i.e. ``kv_splits`` N times the default's) adds a row of ours on the FP8 cache.
+Each ``ROW`` (``FIELD=VALUE,...`` of ``BlockSizes`` fields, and ``per_sm=N``: the ``kv_splits``
+that fill N programs per SM, as ``decode.num_splits`` picks them for the row's ``block_kv``,
+default 128) adds a row of ours on the FP8 cache.
 """
 
 from __future__ import annotations
