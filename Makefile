@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(PY) -m pallas_ring demo
 
-# Every test, as CI runs it (about 22 minutes on 2 cores, the README's number; --durations lists
+# Every test, as CI runs it (about 25 minutes on 2 cores, the README's number; --durations lists
 # the slowest): parametrized ones on their representative cases (-m "not slow": each backend, mask
 # class, layout and strategy; tests/conftest.py picks them).
 test: $(STAMP)
