@@ -30,9 +30,8 @@ def _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend):
 
 def _flash_bwd(cfg, planner, backend, res, cts):
   q, k, v, sinks, ops, anchor_dtypes, o, lse = res
-  # FP8 q, k, v: the backward runs on their dequantized values; with ``anchors`` (``quantize``)
-  # their gradients go to the anchors instead, straight through the quantization.
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, anchor_dtypes)
+  # FP8 q, k, v: the backward runs on their dequantized values
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8)
   wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
@@ -47,7 +46,10 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
-  *dqkv, danchors = cotangents(dq, dk, dv)
+  dqkv, danchors = cotangents(dq, dk, dv), None
+  if anchor_dtypes is not None:  # (``quantize``: straight through the quantization)
+    dqkv = (None,) * 3
+    danchors = tuple(g.astype(a.dtype) for g, a in zip((dq, dk, dv), anchor_dtypes))
   return (*dqkv, dsinks, pair.ops_cotangent(ops, grads), danchors)
 
 

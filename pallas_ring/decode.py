@@ -157,8 +157,9 @@ def _local_on(backend, interpret, q, k, v, q_pos, lengths, offset, terms, *,
   pack = not terms
   rows, heads = (t * (n // kh), kh) if pack else (t, n)
   tiles = tuning.resolve(backend, settings.block_sizes, rows, s, h)
-  p = settings.block_sizes.kv_splits or num_splits(  # (an FP8 cache is widened above, or read
-      impl.decode_programs(interpret), b * heads, s, tiles.block_kv)  # by a forward kernel)
+  # (an FP8 cache was widened above, or a forward kernel reads it: not ``decode_programs(fp8)``)
+  p = settings.block_sizes.kv_splits or num_splits(
+      impl.decode_programs(interpret), b * heads, s, tiles.block_kv)
   if s % p:
     raise ValueError(f"block_sizes.kv_splits={p} does not divide the cache's {s} slots (per "
                      "device); pass a divisor of it, or None to choose automatically.")

@@ -192,7 +192,8 @@ def straight_through(q, k, v, dtype, descales, out_dtype):
   Returns:
     ``(q8, k8, v8, q_descale, k_descale, v_descale, out_dtype, anchors)``: the FP8 operands
     (not differentiated) and their descales, the output dtype (default q's) and ``anchors =
-    (q, k, v)``, to which the backward's gradients go (``backward_operands``).
+    (q, k, v)``, to which ``flash_attention``'s backward gives the gradients (q, k and v
+    getting none: straight through the quantization).
   """
   if jnp.dtype(dtype) not in FP8_DTYPES:
     raise ValueError(f"`quantize`={jnp.dtype(dtype)} is not an FP8 dtype; use one of "
@@ -250,23 +251,16 @@ def dequantize(q, k, v, descales, dtype):
                for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
-def backward_operands(q, k, v, descales, anchors=None):
+def backward_operands(q, k, v, descales):
   """A custom VJP's backward operands: ``((q, k, v), cotangents)``, FP8 q, k, v dequantized
   (``compute_dtype``) where ``descales`` is given (else as they are), and ``cotangents(dq, dk,
-  dv) -> (q's, k's, v's, the anchors')``: the backward's gradients in the primal operands'
-  dtypes (FP8 ones through the dequantization's VJP: the descales are constants), or, with
-  ``anchors`` (arrays of the dtypes of the 16-bit q, k, v that ``quantize`` quantized), in the
-  anchors' dtypes, q, k and v getting none (straight through the quantization)."""
-  if anchors is not None:
-    wide = (q, k, v) if descales is None else dequantize(q, k, v, descales,
-                                                         compute_dtype(q, descales))
-    return wide, lambda *g: (None, None, None,
-                             tuple(x.astype(a.dtype) for x, a in zip(g, anchors)))
+  dv)`` casting the backward's gradients to the primal operands' dtypes (FP8 ones through the
+  dequantization's VJP: the descales are constants)."""
   if descales is None:
-    return (q, k, v), lambda *g: (*(x.astype(p.dtype) for x, p in zip(g, (q, k, v))), None)
+    return (q, k, v), lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, (q, k, v)))
   dtype = compute_dtype(q, descales)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
-  return wide, lambda *g: (*vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide))), None)
+  return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
 
 
 @jax.custom_vjp

@@ -401,7 +401,7 @@ def _ring_bwd(st, res, cts):
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(terms={name: dterms[name].astype(x.dtype) if name in dterms
                                        else None for name, x in fixed.terms.items()})
-  return (*cotangents(dq, dk, dv)[:3], dsinks, none(q_info), none(kv_info), dfixed)
+  return (*cotangents(dq, dk, dv), dsinks, none(q_info), none(kv_info), dfixed)
 
 
 pair.defvjp_symbolic(_ring, _ring_fwd, _ring_bwd)
