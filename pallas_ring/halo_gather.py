@@ -72,25 +72,40 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
   before = [p for p in pieces_ if p[0] > 0]
   after = [p for p in pieces_ if p[0] < 0]
 
+  send = lambda x, shift: lax.ppermute(x, axis_name, [(i, (i + shift) % r) for i in range(r)])
+
   def recv(x, shift, runs, axis=1):  # the slice ``runs`` of the shard ``shift`` ranks back
-    part = halo_lib.take(x, runs, halo_lib.run_length(runs), axis=axis)
-    return lax.ppermute(part, axis_name, [(i, (i + shift) % r) for i in range(r)])
+    return send(halo_lib.take(x, runs, halo_lib.run_length(runs), axis=axis), shift)
+
+  def recv_kv(shift, runs):
+    """K's and V's slices in one collective where they share a dtype (XLA:GPU runs one
+    collective at a time, each waiting for its peer: BENCHMARKS.md "Reach-limited ring")."""
+    if k.dtype != v.dtype:
+      return recv(k, shift, runs), recv(v, shift, runs)
+    width = halo_lib.run_length(runs)
+    both = jnp.concatenate([halo_lib.take(x, runs, width) for x in (k, v)], axis=-1)
+    both = send(both, shift)
+    return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
 
   src_pos = lambda shift, runs: halo_lib.take(
       layouts.positions(t * r, layout, r, (rank - shift) % r), runs, halo_lib.run_length(runs),
       axis=0)
 
-  def joined(x, axis=1):
+  def joined(x, axis=1, pieces=None):  # (``pieces``: the received slices of ``x``, in order)
     if x is None:
       return None
-    parts = [recv(x, s, runs, axis) for s, runs in before] + [x]
-    return jnp.concatenate(parts + [recv(x, s, runs, axis) for s, runs in after], axis=axis)
+    if pieces is None:
+      pieces = [recv(x, s, runs, axis) for s, runs in before + after]
+    parts = pieces[:len(before)] + [x] + pieces[len(before):]
+    return jnp.concatenate(parts, axis=axis)
 
+  kv_pieces = [recv_kv(s, runs) for s, runs in before + after]
   kv_pos = jnp.concatenate([src_pos(s, runs) for s, runs in before] + [layout_pos]
                            + [src_pos(s, runs) for s, runs in after])
   arrays = checked.arrays._replace(segment_ids=segment_ids, kv_segment_ids=joined(kv_segment_ids),
                                    q_positions=layout_pos, kv_positions=kv_pos)
-  return attention.run(q, joined(k), joined(v), checked._replace(arrays=arrays))
+  k, v = (joined(x, pieces=[p[i] for p in kv_pieces]) for i, x in enumerate((k, v)))
+  return attention.run(q, k, v, checked._replace(arrays=arrays))
 
 
 __all__ = ["pieces", "run"]

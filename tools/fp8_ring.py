@@ -16,7 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pallas_ring import (SequenceParallelConfig, bench, flash_attention, layouts, masks,
                          quantize_fp8, sharded_attention)
@@ -52,6 +52,9 @@ def main(tokens):
   q, k, v = _inputs(t, 16, 128, seed=2)
   (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in (q, k, v))
   bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  # the inputs sharded over the ring beforehand, as in training (not resharded inside the call)
+  shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+  bf, (q8, k8, v8) = [shard(x) for x in bf], [shard(x) for x in (q8, k8, v8)]
   for layout, causal in (("contiguous", False), ("zigzag", True)):
     cfg = SequenceParallelConfig(axis_name="sp", layout=layout)
     spec = masks.Causal() if causal else None
