@@ -63,14 +63,17 @@ class RingVariants:
       are less than ``halo_max_share`` of a shard in all and no operand spans the keys, receive
       them once and attend to the local K/V plus the slices in one kernel call
       (``halo_gather``) instead of ring steps.
+    forward_received: where a ring packs its sends into one buffer (GPU), each forward step
+      sends on the buffer it received; False unpacks it and packs the K/V again.
   """
 
   halo: bool = True
   halo_max_share: float = 0.75
   gather_halos: bool = True
+  forward_received: bool = True
 
   def __post_init__(self):
-    for name in ("halo", "gather_halos"):
+    for name in ("halo", "gather_halos", "forward_received"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"RingVariants.{name}={getattr(self, name)!r} is invalid: it must be a "
                          "bool. Pass True or False.")

@@ -34,15 +34,11 @@ the ring's ``plans.Planner`` builds the plans of every (rank, source) pair while
 step selects its own; otherwise each step builds its plan on device.
 
 On GPU a ``lax.cond`` costs a host round trip per step, so empty steps run the kernel (which
-skips their tiles), and XLA:GPU keeps one collective in flight, so a step's sends are one buffer.
-
-``strategy="all_gather"`` gathers K/V (and their token info) once, runs one kernel call, and
-reduce-scatters dK/dV; where the positions are the layout's own and the mask reaches only slices
-of other shards, it gathers only those, as the ring does.
-
-Internal API (no underscore; ``tools/ring_step_cost.py`` times a ring step through it):
-``RingStatic``, ``pair_forward`` / ``pair_backward`` (one step's pair), ``step_plan`` (its block
-plan) and ``rotate``, ``pack_buffers`` / ``unpack_buffers`` (its sends).
+skips their tiles), and XLA:GPU keeps one collective in flight, so a step's sends are one buffer
+(``sends``; the forward sends on the buffer it received). ``strategy="all_gather"`` gathers K/V
+(and token info) once, runs one kernel call and reduce-scatters dK/dV (only the slices a bounded
+mask reaches, as the ring). Internal API (``tools/ring_step_cost.py`` times a step through it):
+``RingStatic``, ``pair_forward`` / ``pair_backward`` (one step's pair), ``step_plan``.
 """
 
 from __future__ import annotations
@@ -61,7 +57,7 @@ from pallas_ring import halo as halo_lib
 from pallas_ring import halo_gather
 from pallas_ring import reach as reach_lib
 from pallas_ring.config import STRATEGIES, BlockSizes
-from pallas_ring.sends import pack_buffers, rotate, unpack_buffers  # noqa: F401 (internal API)
+from pallas_ring.sends import packer, rotate, send
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
@@ -89,6 +85,8 @@ class RingStatic:
   # Pack each step's sends into one byte buffer: XLA:GPU keeps one collective in flight at a
   # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
   pack_sends: bool = False
+  # With pack_sends: each forward step sends on the buffer it received (not packed again).
+  forward_received: bool = True
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
   # (forward, backward): how many hops K/V travel toward higher and lower ranks
   # (``reach.ring_reach``); None: the whole ring, (R - 1, 0).
@@ -121,18 +119,13 @@ class RingStatic:
 
 
 class _Fixed(NamedTuple):
-  """Operands that stay on this device (not rotated).
+  """Operands that stay on this device (not rotated)."""
 
-  Attributes:
-    terms: the in-kernel operands (``operands``); those that span the keys hold this shard's
-      query rows and the columns of every kv shard (layout order, each padded like K/V:
-      ``[.., Tp, R * Sp]``).
-    seeds, offsets: the dropout words (``call.Arrays``), or None.
-  """
-
+  # The in-kernel operands (``operands``); those that span the keys hold this shard's query
+  # rows and every kv shard's columns (layout order, each padded like K/V: [.., Tp, R * Sp]).
   terms: dict
-  seeds: Optional[Any]
-  offsets: Optional[Any]
+  seeds: Optional[Any]  # the dropout words (``call.Arrays``), or None
+  offsets: Optional[Any]  # (as seeds)
 
 
 def _moving_info(st: RingStatic, info: block_sparse.TokenInfo):
@@ -266,27 +259,32 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   # step's kernel, which merges its result into the running one. Each direction's first send
   # overlaps the local pair.
   local = (kv, _moving_info(st, kv_info))
-  first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
+  sent = [_sent(st, local, i) for i in range(len(st.chains))]
+  packers = [packer(x, st) for x in sent]
+  first = [send(pack(x), st, d) for x, (pack, _), (d, _) in zip(sent, packers, st.chains)]
   acc = compute(*local, rank)
-  for i, ((d, n), held) in enumerate(zip(st.chains, first)):
-    acc = _forward_chain(st, functools.partial(compute, chain=i), rank, held, d, n, acc)
+  for i, ((d, n), held, pk) in enumerate(zip(st.chains, first, packers)):
+    acc = _forward_chain(st, functools.partial(compute, chain=i), rank, held, d, n, acc, pk)
   return tuple(acc)
 
 
-def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc):
-  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's), merged into
-  ``acc``; the last step's shard is not sent on."""
+def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, packer_):
+  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's as they arrived;
+  ``packer_``: ``sends.packer``'s pair for them), merged into ``acc``; the last step's shard is
+  not sent on."""
   src = lambda step: (rank - d * step) % st.ring_size
+  pack, unpack = packer_
 
   def body(carry, step):
     acc, held = carry
-    nxt = rotate(held, st, d)
-    return (compute(*held, src(step), acc), nxt), None
+    kv = unpack(held)
+    nxt = send(held if st.forward_received else pack(kv), st, d)
+    return (compute(*kv, src(step), acc), nxt), None
 
   if n > 1:
     steps = jnp.arange(1, n, dtype=jnp.int32)  # (int32 under x64 too)
     (acc, held), _ = lax.scan(body, (acc, held), steps, unroll=st.unroll)
-  return compute(*held, src(n), acc)
+  return compute(*unpack(held), src(n), acc)
 
 
 def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
@@ -570,7 +568,8 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   # The ring goes as far as the mask reaches, where the positions are the layout's own.
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
-                  use_cond=not gpu, pack_sends=gpu, dropout_broadcast=cs.dropout_broadcast,
+                  use_cond=not gpu, pack_sends=gpu, forward_received=variants.forward_received,
+                  dropout_broadcast=cs.dropout_broadcast,
                   reach=reach)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)

@@ -45,14 +45,29 @@ def unpack_buffers(buf, like):
   return out
 
 
-def rotate(tree, st, shift: int = 1):
-  """Sends every array of ``tree`` to the device ``shift`` ranks on (one collective if
-  packed). ``st``: the ring's ``ring.RingStatic`` (its axis, size and ``pack_sends``)."""
-  send = lambda x: lax.ppermute(x, st.axis_name, _perm(st.ring_size, shift))
+def packer(tree, st):
+  """``(pack, unpack)`` for trees shaped like ``tree``: ``pack`` gives what a ring step sends
+  (one buffer where ``st.pack_sends``, else the tree itself), ``unpack`` the tree back."""
   leaves, treedef = jax.tree.flatten(tree)
   if not st.pack_sends or len(leaves) < 2:
-    return jax.tree.unflatten(treedef, [send(x) for x in leaves])
-  return jax.tree.unflatten(treedef, unpack_buffers(send(pack_buffers(leaves)), leaves))
+    return (lambda t: t), (lambda t: t)
+  like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  return (lambda t: pack_buffers(jax.tree.leaves(t)),
+          lambda buf: jax.tree.unflatten(treedef, unpack_buffers(buf, like)))
 
 
-__all__ = ["rotate", "pack_buffers", "unpack_buffers"]
+def send(payload, st, shift: int = 1):
+  """Sends every array of ``payload`` to the device ``shift`` ranks on. ``st``: the ring's
+  ``ring.RingStatic`` (its axis and size)."""
+  perm = _perm(st.ring_size, shift)
+  return jax.tree.map(lambda x: lax.ppermute(x, st.axis_name, perm), payload)
+
+
+def rotate(tree, st, shift: int = 1):
+  """Sends every array of ``tree`` to the device ``shift`` ranks on (one collective where
+  ``st.pack_sends``)."""
+  pack, unpack = packer(tree, st)
+  return unpack(send(pack(tree), st, shift))
+
+
+__all__ = ["rotate", "packer", "send", "pack_buffers", "unpack_buffers"]

@@ -68,6 +68,22 @@ def test_sharded_8_devices(layout, mask_name, strategy):
   _check(mesh, cfg, mask, *_problem(1, docs=docs))
 
 
+@pytest.mark.parametrize("forward_received", [True, False])
+def test_packed_sends_forwarded_as_received(monkeypatch, forward_received):
+  """The GPU rings' packed sends (``RingStatic.pack_sends``) on CPU: each forward step sends on
+  the buffer it received (``RingVariants.forward_received``) or packs its K/V again; with
+  documents, whose segment ids travel in the buffer too. Output and gradients as the reference."""
+  from pallas_ring import ring
+  from pallas_ring.halo import RingVariants
+  packed = lambda *a, **kw: ring_static(*a, **{**kw, "pack_sends": True})
+  ring_static = ring.RingStatic
+  monkeypatch.setattr(ring, "RingStatic", packed)
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla",
+                               ring_variants=RingVariants(forward_received=forward_received))
+  _check(mesh, cfg, masks.Causal(), *_problem(6, docs=True))
+
+
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 def test_ring_of_8_with_sinks_softcap_and_odd_shards(layout):
   # T=72 over 8 ranks: 9 tokens a shard (zigzag: two chunks of 4.5 -> use 80 there).
@@ -134,12 +150,12 @@ def test_gpu_schedule_ring_of_two_with_caller_positions():
 def test_packed_sends_round_trip_in_the_widest_word(shapes, word):
   """GPU rings send each step's arrays as one buffer of the widest word their byte sizes allow
   (XLA:GPU copies 4-byte words faster than bytes), and unpack them bit for bit."""
-  from pallas_ring import ring
+  from pallas_ring import sends
   rng = np.random.default_rng(4)
   arrays = [jnp.asarray(rng.standard_normal(shape) * 100, dtype) for shape, dtype in shapes]
-  buf = jax.jit(ring.pack_buffers)(arrays)
+  buf = jax.jit(sends.pack_buffers)(arrays)
   assert buf.dtype == word and buf.size * word(0).itemsize == sum(x.nbytes for x in arrays)
-  for got, want in zip(ring.unpack_buffers(buf, arrays), arrays):
+  for got, want in zip(sends.unpack_buffers(buf, arrays), arrays):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

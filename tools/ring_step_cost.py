@@ -13,7 +13,7 @@ interleaved (``bench.interleaved_samples``, median of 7 batches of at least 50 m
     bwd adding dq       the kernels given the running dq (``dq_acc``), then the dK/dV add: what a
                         ring step runs
     pack + unpack       the bytes of the step's sends (K/V and dK/dV) packed into one buffer and
-                        unpacked (``ring.rotate`` without its ppermute; GPU rings pack)
+                        unpacked (``sends.rotate`` without its ppermute; GPU rings pack)
     ... plan ahead      the same step with its plan selected from those built while tracing
                         (``plans.Planner``; rank and source are arguments, as under
                         ``shard_map``) instead of built on device from its positions; also for
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_ring import bench, block_sparse, layouts, masks, pair, plans, ring
+from pallas_ring import bench, block_sparse, layouts, masks, pair, plans, ring, sends
 from pallas_ring.kernels import common, tuning
 
 
@@ -114,7 +114,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
 
   def pack(k, v, dkv_acc):  # (the barrier stands in for the ppermute between the two)
     leaves = [jnp.stack([k, v]), dkv_acc]
-    return ring.unpack_buffers(lax.optimization_barrier(ring.pack_buffers(leaves)), leaves)
+    return sends.unpack_buffers(lax.optimization_barrier(sends.pack_buffers(leaves)), leaves)
 
   bwd_args = (q, k, v, do, lse, delta, dq_acc, dkv_acc)
   calls = {
