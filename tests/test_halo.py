@@ -166,6 +166,8 @@ def test_ring_variants_errors():
     RingVariants(halo=1)
   with pytest.raises(ValueError, match="RingVariants.gather_halos"):
     RingVariants(gather_halos="yes")
+  with pytest.raises(ValueError, match="RingVariants.forward_received"):
+    RingVariants(forward_received=None)
   with pytest.raises(ValueError, match="ring_variants"):
     SequenceParallelConfig(axis_name="sp", ring_variants=3)
 
