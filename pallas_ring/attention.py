@@ -14,24 +14,25 @@ from pallas_ring.config import BlockSizes
 from pallas_ring.kernels import common, tile_cache, tuning
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, sinks, ops, anchors, cfg, planner, backend):
-  return _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, sinks, ops, cfg, planner, backend, quantize):
+  return _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend, quantize)[0]
 
 
-def _flash_fwd(q, k, v, sinks, ops, anchors, cfg, planner, backend):
+def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend, quantize):
+  # ``quantize=``: q, k, v quantized here (``fp8.straight_through``); primals: their dtypes
+  (q, k, v), primals = fp8.quantized_primals(q, k, v, ops.fp8, quantize)
   plan = planner.plan(ops)
   o, lse = pair.finish_forward(*kernels.get(backend).forward(q, k, v, ops, plan, cfg), sinks,
                                cfg.out_dtype)
-  # (the anchors' dtypes only: their gradients are q's, k's and v's)
-  dtypes = None if anchors is None else tuple(jnp.zeros((0,), a.dtype) for a in anchors)
-  return (o, lse), (q, k, v, sinks, ops, dtypes, o, lse)
+  return (o, lse), (q, k, v, sinks, ops, primals, o, lse)
 
 
-def _flash_bwd(cfg, planner, backend, res, cts):
-  q, k, v, sinks, ops, anchor_dtypes, o, lse = res
+def _flash_bwd(cfg, planner, backend, quantize, res, cts):
+  del quantize
+  q, k, v, sinks, ops, primals, o, lse = res
   # FP8 q, k, v: the backward runs on their dequantized values
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8)
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, primals)
   wide = ops._replace(fp8=None)
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
@@ -46,15 +47,11 @@ def _flash_bwd(cfg, planner, backend, res, cts):
   dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
-  dqkv, danchors = cotangents(dq, dk, dv), None
-  if anchor_dtypes is not None:  # (``quantize``: straight through the quantization)
-    dqkv = (None,) * 3
-    danchors = tuple(g.astype(a.dtype) for g, a in zip((dq, dk, dv), anchor_dtypes))
-  return (*dqkv, dsinks, pair.ops_cotangent(ops, grads), danchors)
+  return (*cotangents(dq, dk, dv), dsinks, pair.ops_cotangent(ops, grads))
 
 
 pair.defvjp_symbolic(_flash, _flash_fwd, _flash_bwd)
-_flash_jit = jax.jit(_flash, static_argnums=(6, 7, 8))
+_flash_jit = jax.jit(_flash, static_argnums=(5, 6, 7, 8))
 
 
 def packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s):
@@ -145,12 +142,10 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   """
   if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
-  anchors = None
-  if quantize is not None:
-    q, k, v, q_descale, k_descale, v_descale, out_dtype, anchors = fp8.straight_through(
-        q, k, v, quantize, (q_descale, k_descale, v_descale), out_dtype)
-  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
-                                                      out_dtype)
+  descale_args = (q_descale, k_descale, v_descale)
+  q, k, v, descales, compute, out_dtype = (
+      fp8.prepare(q, k, v, *descale_args, out_dtype) if quantize is None
+      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype))
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions,
@@ -159,7 +154,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, return_lse=return_lse, dtype=compute)
+      interpret=interpret, return_lse=return_lse, dtype=compute, quantize=quantize)
   if cu_seqlens is not None:
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
@@ -167,31 +162,31 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
                                                               kv_segment_ids=kv_seg))
   # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
   # makes the output NaN instead of silently wrong.
-  out = fp8.cast_output(run(q, k, v, checked, anchors), out_dtype)
+  out = fp8.cast_output(run(q, k, v, checked), out_dtype)
   return validation.poison(out, operands.dense_mask_misuse(dense_mask))
 
 
-def run(q, k, v, checked: call.Checked, anchors=None):
-  """``flash_attention`` of a checked call (``call.check``): no argument is checked again.
-  ``anchors``: the 16-bit q, k, v that FP8 q, k, v quantize (``fp8.straight_through``), which
-  take their gradients."""
+def run(q, k, v, checked: call.Checked):
+  """``flash_attention`` of a checked call (``call.check``): no argument is checked again."""
   with pair.forward_mode_errors():
     return kernels.dispatch(functools.partial(_flash_on, settings=checked.settings),
-                            checked.per_platform, q, k, v, checked.arrays, anchors)
+                            checked.per_platform, q, k, v, checked.arrays)
 
 
-def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, anchors, *,
-              settings: call.Settings):
+def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   lowering = kernels.get(backend)
-  (q, k, v), terms, compute = fp8.for_backend(lowering, q, k, v, arrays.terms)
+  (q, k, v), terms, compute = fp8.for_backend(lowering, q, k, v, arrays.terms, settings.quantize)
+  # (``quantize=`` where the kernels read FP8: the custom VJP quantizes q, k, v)
+  quantize = settings.quantize if "fp8" in terms else None
   arrays = arrays._replace(terms=terms)
   b, t, n, _ = q.shape
   s, hv = k.shape[1], v.shape[-1]
   h = pair.kernel_head_dim(q, v)
   st = settings
   segment_ids, kv_segment_ids, q_positions, kv_positions, terms, seeds, offsets = arrays
-  tiles = tuning.resolve(backend, st.block_sizes, t, s, h, dtype=q.dtype, group=n // k.shape[2],
+  tiles = tuning.resolve(backend, st.block_sizes, t, s, h,
+                         dtype=q.dtype if quantize is None else quantize, group=n // k.shape[2],
                          mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
@@ -210,10 +205,8 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, anchors, *,
   ops = pair.kernel_operands(q_info, kv_info, operands.pad(terms, queries=tp, keys=sp), seeds,
                              offsets, b, n, broadcast=st.dropout_broadcast)
   pad = pair.pad_tokens
-  if anchors is not None:
-    anchors = (pad(anchors[0], tp, hp), pad(anchors[1], sp, hp), pad(anchors[2], sp, hvp))
   out, lse = _flash_jit(pad(q, tp, hp), pad(k, sp, hp), pad(v, sp, hvp), terms.get("sinks"),
-                        ops, anchors, cfg, planner, backend)
+                        ops, cfg, planner, backend, quantize)
   out = out[:, :t, :, :hv]
   if st.return_lse:
     return out, lse[:, :, :t]

@@ -35,6 +35,9 @@ class Settings:
   dropout_broadcast: bool  # one dropout mask for every batch row and head
   block_sizes: BlockSizes  # the user's tile overrides (and kernel variants)
   return_lse: bool  # also return the lse
+  # ``quantize=``'s FP8 dtype: 16/32-bit q, k, v quantized inside the custom VJPs by the ``fp8``
+  # operand's descales, their gradients straight through (``fp8.straight_through``); or None.
+  quantize: Optional[Any] = None
 
 
 class Arrays(NamedTuple):
@@ -90,7 +93,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
           dropout_offsets=(0, 0), dropout_broadcast: bool = False, block_sizes=None,
           backend: str = "auto", interpret=None, return_lse: bool = False,
           names=("q_positions", "kv_positions"), decode: bool = False,
-          dtype=None) -> Checked:
+          dtype=None, quantize=None) -> Checked:
   """Checks and normalizes the arguments of an attention call once.
 
   Args:
@@ -103,6 +106,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
     names: how the caller names its two position arguments (for errors).
     decode: the call is ``decode_attention``'s (``auto`` may pick another kernel).
     dtype: the dtype the kernels compute in (default q's; FP8 q, k, v: ``fp8.prepare``'s).
+    quantize: ``Settings.quantize``.
     The rest: as ``flash_attention`` (``kv_segment_ids`` default to ``segment_ids`` when
     ``T == S``); ``dropout_offsets`` are its ``dropout_batch_offset`` and
     ``dropout_head_offset``.
@@ -131,7 +135,7 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, decode,
                                                pair.kernel_head_dim(q, v), dtype)
   settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
-                      bool(return_lse))
+                      bool(return_lse), None if quantize is None else jnp.dtype(quantize))
   arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, terms,
                   dropout.seeds(dropout_rng) if on else None,
                   jnp.asarray(dropout_offsets, jnp.int32) if on else None)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_ring import pair
+from pallas_ring.kernels.common import dequantize
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -184,16 +185,21 @@ def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=N
   return Prepared(*_widened((q, k, v), scales.values(), compute), None, compute, out_dtype)
 
 
-def straight_through(q, k, v, dtype, descales, out_dtype):
-  """A call's ``quantize=dtype``: float (16/32-bit, or 64 under x64) q, k, v quantized to FP8
-  (``quantize_fp8``) for a forward on FP8 operands, differentiated straight through the
-  quantization.
+def straight_through(q, k, v, dtype, descales, out_dtype, axis_name=None) -> Prepared:
+  """A call's ``quantize=dtype``: float (16/32-bit, or 64 under x64) q, k, v to be quantized to
+  FP8 inside the custom VJPs (``quantize``) for a forward on FP8 operands, their gradients
+  straight through the quantization (the backward's, at the quantized values, in q's, k's and
+  v's own dtypes: ``backward_operands``).
+
+  Args:
+    q, k, v: the call's operands; dtype: ``quantize``; descales: the call's three descale
+      arguments (all None); out_dtype: the call's (None: q's).
+    axis_name: a mesh axis the sequence is sharded over (``ring_attention``): the maxima are
+      taken over it too, so that every shard has the same descales.
 
   Returns:
-    ``(q8, k8, v8, q_descale, k_descale, v_descale, out_dtype, anchors)``: the FP8 operands
-    (not differentiated) and their descales, the output dtype (default q's) and ``anchors =
-    (q, k, v)``, to which ``flash_attention``'s backward gives the gradients (q, k and v
-    getting none: straight through the quantization).
+    ``Prepared``: q, k, v as given, their descales per query head (``quantize_fp8``'s scales
+    per batch row and head, not differentiated), bfloat16 compute and the output dtype.
   """
   if jnp.dtype(dtype) not in FP8_DTYPES:
     raise ValueError(f"`quantize`={jnp.dtype(dtype)} is not an FP8 dtype; use one of "
@@ -206,9 +212,21 @@ def straight_through(q, k, v, dtype, descales, out_dtype):
   if any(d is not None for d in descales):
     raise ValueError("`quantize` makes the descales itself: drop `q_descale`, `k_descale` and "
                      "`v_descale`, or drop `quantize` and pass FP8 operands with them.")
-  quantized = [quantize_fp8(jax.lax.stop_gradient(x), dtype) for x in (q, k, v)]
+  scales = [descale_of(jax.lax.stop_gradient(x), dtype) for x in (q, k, v)]  # [B, heads]
+  if axis_name is not None:
+    scales = [jax.lax.pmax(d, axis_name) for d in scales]
+  descales = kernel_descales(*(d[:, None, :, None] for d in scales), np.shape(q)[2])
   out_dtype = jnp.result_type(q) if out_dtype is None else out_dtype
-  return (*(x8 for x8, _ in quantized), *(d for _, d in quantized), out_dtype, (q, k, v))
+  return Prepared(q, k, v, descales, jnp.dtype(jnp.bfloat16), out_dtype)
+
+
+def quantize(q, k, v, descales, dtype):
+  """``dequantize``'s inverse: q, k, v divided by their descales (``[Bs, N, 3]``) in the FP8
+  ``dtype``, values beyond its range saturated."""
+  group, top = q.shape[2] // k.shape[2], float(jnp.finfo(dtype).max)
+  d = descales[:, None]  # [Bs, 1, N, 3]
+  return tuple(jnp.clip(x.astype(jnp.float32) / d[:, :, ::g, i:i + 1], -top, top).astype(dtype)
+               for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
 def kernel_descales(q_scale, k_scale, v_scale, n: int):
@@ -220,10 +238,12 @@ def kernel_descales(q_scale, k_scale, v_scale, n: int):
   return jnp.stack([jnp.broadcast_to(d, (bs, n)) for d in per_head], axis=-1)
 
 
-def for_backend(lowering, q, k, v, terms):
+def for_backend(lowering, q, k, v, terms, quantize_to=None):
   """A call's FP8 q, k, v (``prepare``; their descales the ``fp8`` operand of its ``terms``)
   as one resolved backend takes them: as they are where it reads FP8
-  (``Backend.forward_reads_fp8``), else dequantized (and the operand dropped).
+  (``Backend.forward_reads_fp8``), else dequantized (and the operand dropped). With
+  ``quantize_to`` (``straight_through``'s 16/32-bit q, k, v): as they are (the custom VJPs
+  quantize them), else at their quantized values, their gradients straight through.
 
   Returns:
     ``((q, k, v), terms, compute)``: ``compute`` the dtype the call computes in.
@@ -233,7 +253,11 @@ def for_backend(lowering, q, k, v, terms):
   if descales is None or lowering.forward_reads_fp8:
     return (q, k, v), terms, compute
   rest = {name: x for name, x in terms.items() if name != "fp8"}
-  return dequantize(q, k, v, descales, compute), rest, compute
+  if quantize_to is None:
+    return dequantize(q, k, v, descales, compute), rest, compute
+  at = dequantize(*quantize(q, k, v, descales, quantize_to), descales, jnp.float32)
+  through = lambda x, y: (x + jax.lax.stop_gradient(y - x)).astype(compute)
+  return tuple(through(x.astype(jnp.float32), y) for x, y in zip((q, k, v), at)), rest, compute
 
 
 def compute_dtype(q, descales):
@@ -242,25 +266,30 @@ def compute_dtype(q, descales):
   return jnp.dtype(q.dtype if descales is None else jnp.bfloat16)
 
 
-def dequantize(q, k, v, descales, dtype):
-  """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
-  (``kernel_descales``' ``[Bs, N, 3]``) in ``dtype``."""
-  group = q.shape[2] // k.shape[2]
-  d = descales[:, None]  # [Bs, 1, N, 3]
-  return tuple((x.astype(jnp.float32) * d[:, :, ::g, i:i + 1]).astype(dtype)
-               for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
-
-
-def backward_operands(q, k, v, descales):
+def backward_operands(q, k, v, descales, primals=None):
   """A custom VJP's backward operands: ``((q, k, v), cotangents)``, FP8 q, k, v dequantized
   (``compute_dtype``) where ``descales`` is given (else as they are), and ``cotangents(dq, dk,
   dv)`` casting the backward's gradients to the primal operands' dtypes (FP8 ones through the
-  dequantization's VJP: the descales are constants)."""
-  if descales is None:
-    return (q, k, v), lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, (q, k, v)))
+  dequantization's VJP: the descales are constants). ``primals``: arrays of the dtypes of the
+  16/32-bit operands that the VJP quantized itself (``straight_through``), whose gradients are
+  the backward's, cast."""
+  if descales is None or primals is not None:
+    primals = (q, k, v) if primals is None else primals
+    wide = (q, k, v) if descales is None else dequantize(q, k, v, descales,
+                                                         compute_dtype(q, descales))
+    return wide, lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, primals))
   dtype = compute_dtype(q, descales)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
   return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
+
+
+def quantized_primals(q, k, v, descales, dtype):
+  """A custom VJP's forward under ``quantize=`` (``dtype``; None: off, or the backend took the
+  quantized values already: ``for_backend``): ``((q8, k8, v8), primals)``, ``primals`` the
+  dtypes ``backward_operands`` casts the gradients to; else ``((q, k, v), None)``."""
+  if dtype is None or descales is None:
+    return (q, k, v), None
+  return quantize(q, k, v, descales, dtype), tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))
 
 
 @jax.custom_vjp
@@ -339,5 +368,6 @@ def cast_output(result, out_dtype, scale=None):
 
 
 __all__ = ["quantize_fp8", "descale_of", "quantize_with", "prepare", "Prepared",
-           "kernel_descales", "for_backend", "compute_dtype", "dequantize", "backward_operands",
+           "kernel_descales", "for_backend", "compute_dtype", "dequantize", "quantize",
+           "straight_through", "quantized_primals", "backward_operands",
            "fold", "cast_output", "is_fp8", "FP8_DTYPES"]

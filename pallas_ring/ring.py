@@ -38,7 +38,8 @@ skips their tiles), and XLA:GPU keeps one collective in flight, so a step's send
 (``sends``; the forward sends on the buffer it received). ``strategy="all_gather"`` gathers K/V
 (and token info) once, runs one kernel call and reduce-scatters dK/dV (only the slices a bounded
 mask reaches, as the ring). Internal API (``tools/ring_step_cost.py`` times a step through it):
-``RingStatic``, ``pair_forward`` / ``pair_backward`` (one step's pair), ``step_plan``.
+``RingStatic`` and ``pair_forward`` / ``pair_backward`` (one step's pair; its block plan:
+``RingStatic.planner.plan(ops, backward, rank, source)``).
 """
 
 from __future__ import annotations
@@ -82,12 +83,12 @@ class RingStatic:
   # Skip steps with no live block by lax.cond. On GPU a conditional costs a host round trip per
   # step, so the Triton backend runs the kernel, which skips empty tiles itself.
   use_cond: bool = True
-  # Pack each step's sends into one byte buffer: XLA:GPU keeps one collective in flight at a
-  # time, so separate permutes of K/V, dK/dV and segment ids would not all overlap the kernel.
+  # Pack each step's sends into one buffer (XLA:GPU keeps one collective in flight at a time,
+  # so separate permutes would not all overlap the kernel); forward steps send on what came.
   pack_sends: bool = False
-  # With pack_sends: each forward step sends on the buffer it received (not packed again).
   forward_received: bool = True
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
+  quantize: Any = None  # ``call.Settings.quantize`` where the kernels read FP8, else None
   # (forward, backward): how many hops K/V travel toward higher and lower ranks
   # (``reach.ring_reach``); None: the whole ring, (R - 1, 0).
   reach: Optional[Tuple[int, int]] = None
@@ -134,8 +135,7 @@ def _moving_info(st: RingStatic, info: block_sparse.TokenInfo):
 
 
 def _step_info(st: RingStatic, moving, src, padded_len: int, halo=None) -> block_sparse.TokenInfo:
-  """Token info of kv shard ``src`` (its slice ``halo``, or all of it) from what travelled with
-  it."""
+  """Token info of kv shard ``src`` (its slice ``halo``, or all of it) from what came with it."""
   pos, seg = moving
   if pos is None:
     t, layout = st.layout_positions
@@ -172,12 +172,6 @@ def _step_ops(st: RingStatic, q, q_info, kv_info, fixed: _Fixed, src, width: int
                             lambda x, axis: _cols(x, axis, src, width, halo))
   return pair.kernel_operands(q_info, kv_info, terms, fixed.seeds, fixed.offsets, q.shape[0],
                               q.shape[2], broadcast=st.dropout_broadcast)
-
-
-def step_plan(st: RingStatic, ops: common.Operands, rank, src, backward: bool = False):
-  """The block plan of (q shard ``rank``, kv shard ``src``; 0 when gathered), from the ring's
-  planner: selected from the plans built ahead, or built on device from ``ops``."""
-  return st.planner.plan(ops, backward, rank, src)
 
 
 def pair_forward(st: RingStatic, q, k, v, ops: common.Operands,
@@ -248,12 +242,12 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
     return pair_forward(st, q, _gather(kv[0], st), _gather(kv[1], st), ops,
-                         plan=step_plan(st, ops, rank, 0))
+                         plan=st.planner.plan(ops, False, rank, 0))
 
   def compute(kv, moving, src, acc=None, chain=None):
     sub, h = st.for_pair(chain), st.halo(chain)
     ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
-    return pair_forward(sub, q, kv[0], kv[1], ops, acc, step_plan(sub, ops, rank, src))
+    return pair_forward(sub, q, kv[0], kv[1], ops, acc, sub.planner.plan(ops, False, rank, src))
 
   # Each step first sends its K/V on (a chain's halo: only its slice), so the send overlaps this
   # step's kernel, which merges its result into the running one. Each direction's first send
@@ -269,9 +263,8 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
 
 
 def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, packer_):
-  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's as they arrived;
-  ``packer_``: ``sends.packer``'s pair for them), merged into ``acc``; the last step's shard is
-  not sent on."""
+  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's as they came,
+  ``packer_``: ``sends.packer``'s pair), merged into ``acc``; the last one is not sent on."""
   src = lambda step: (rank - d * step) % st.ring_size
   pack, unpack = packer_
 
@@ -296,7 +289,7 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
     dq, dk, dv, dterms = pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
-                                        delta, ops, plan=step_plan(st, ops, rank, 0, True))
+                                        delta, ops, plan=st.planner.plan(ops, True, rank, 0))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
     return dq, scatter(dk), scatter(dv), dterms
@@ -316,7 +309,7 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
     sub, h = st.for_pair(chain), st.halo(chain)
     ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
     dq, dk, dv, step = pair_backward(sub, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
-                                     step_plan(sub, ops, rank, src, True), dkv)
+                                     sub.planner.plan(ops, True, rank, src), dkv)
     dterms = {name: put(full, name, step[name], src, h) for name, full in dterms.items()}
     return dq, None if dk is None else (dk, dv), dterms
 
@@ -378,24 +371,25 @@ def _ring(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 
 def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
+  descales = fixed.terms.get("fp8")
+  # ``quantize=``: q, k, v quantized here, so K/V travel as FP8; primals: their dtypes
+  (q, k, v), primals = fp8.quantized_primals(q, k, v, descales, st.quantize)
   o, lse = _ring_forward(st, q, (k, v), q_info, kv_info, fixed)
-  o, lse = pair.finish_forward(o, lse, sinks, fp8.compute_dtype(q, fixed.terms.get("fp8")))
-  return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, o, lse)
+  o, lse = pair.finish_forward(o, lse, sinks, fp8.compute_dtype(q, descales))
+  return (o, lse), (q, k, v, sinks, q_info, kv_info, fixed, primals, o, lse)
 
 
 def _ring_bwd(st, res, cts):
-  q, k, v, sinks, q_info, kv_info, fixed, o, lse = res
+  q, k, v, sinks, q_info, kv_info, fixed, primals, o, lse = res
   # FP8 q, k, v: the backward ring runs on their dequantized values
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, fixed.terms.get("fp8"))
+  (q, k, v), cotangents = fp8.backward_operands(q, k, v, fixed.terms.get("fp8"), primals)
   wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
       q, (k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, wide)
-  dsinks = None
-  if sinks is not None:
-    # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
-    dsinks = pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
+  # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
+  dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
   dfixed = none(fixed)._replace(terms={name: dterms[name].astype(x.dtype) if name in dterms
                                        else None for name, x in fixed.terms.items()})
@@ -413,7 +407,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                    dropout_rate: float = 0.0, dropout_rng=None, cu_seqlens=None,
                    dropout_broadcast: bool = False, dropout_batch_offset=0,
                    dropout_head_offset=0, ring_variants: Optional[halo_lib.RingVariants] = None,
-                   q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                   q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
+                   quantize=None):
   """Attention of this device's query shard against the K/V shards of the whole ring.
 
   Call inside ``shard_map`` (or any context where ``axis_name`` is bound).
@@ -445,6 +440,8 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
       ``segment_ids``.
     q_descale, k_descale, v_descale, out_dtype: as ``flash_attention``; FP8 operands are
       dequantized here, as each device's descales may differ (not so in sharded_attention).
+    quantize: as ``flash_attention``; the scales are the maxima over the whole ring, so that
+      K/V travel and are attended as FP8.
     ring_variants: a ``RingVariants`` (None: its defaults: halos on, small halos gathered once,
       ``halo_gather``); e.g. ``RingVariants(halo=False)`` sends whole shards every step.
 
@@ -465,16 +462,20 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
         "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
     ) from e
-  q, k, v, _, _, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale, out_dtype,
-                                         read_fp8=False)
+  descale_args = (q_descale, k_descale, v_descale)
+  q, k, v, descales, compute, out_dtype = (
+      fp8.prepare(q, k, v, *descale_args, out_dtype, read_fp8=False) if quantize is None
+      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype, axis_name))
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
       q_positions=positions, kv_positions=positions,
-      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks),
+      operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                    fp8_descales=descales),
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_offsets=(dropout_batch_offset, dropout_head_offset),
       dropout_broadcast=dropout_broadcast, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, return_lse=return_lse, names=("positions", "positions"))
+      interpret=interpret, return_lse=return_lse, names=("positions", "positions"),
+      dtype=compute, quantize=quantize)
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"ring_attention needs equal q and k/v shard lengths (self-attention over "
@@ -540,11 +541,13 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs, r, derived = settings, ring_size, derived_positions
   impl = kernels.get(backend)
-  (q, k, v), terms, _ = fp8.for_backend(impl, q, k, v, terms)
+  (q, k, v), terms, _ = fp8.for_backend(impl, q, k, v, terms, cs.quantize)
+  quantize = cs.quantize if "fp8" in terms else None  # (``_ring_fwd`` quantizes q, k, v)
   b, t, _, _ = q.shape
   h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"
-  tiles = tuning.resolve(backend, cs.block_sizes, t, t * r if gather else t, h, dtype=q.dtype,
+  tiles = tuning.resolve(backend, cs.block_sizes, t, t * r if gather else t, h,
+                         dtype=q.dtype if quantize is None else quantize,
                          group=q.shape[2] // k.shape[2],
                          mask_class=tile_cache.mask_class(cs.mask, segment_ids is not None))
   info = block_sparse.make_token_info(t, b, positions, segment_ids)
@@ -569,8 +572,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, forward_received=variants.forward_received,
-                  dropout_broadcast=cs.dropout_broadcast,
-                  reach=reach)
+                  dropout_broadcast=cs.dropout_broadcast, quantize=quantize, reach=reach)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)
                   for c in st.chains)

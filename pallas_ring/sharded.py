@@ -87,7 +87,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                       scale=None, interpret=None, return_lse: bool = False, bias=None,
                       alibi_slopes=None, dropout_rate: float = 0.0, dropout_rng=None,
                       cu_seqlens=None, dropout_broadcast: bool = False, q_descale=None,
-                      k_descale=None, v_descale=None, out_dtype=None):
+                      k_descale=None, v_descale=None, out_dtype=None, quantize=None):
   """Sequence-parallel attention over global arrays in layout order.
 
   Args:
@@ -121,6 +121,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       ordered sequence (B must be 1); excludes ``segment_ids``.
     q_descale, k_descale, v_descale, out_dtype: as ``flash_attention`` (FP8 q, k, v of one
       dtype: the ring's forward steps in FP8 on Hopper, and K/V sent in FP8).
+    quantize: as ``flash_attention`` (scales over the whole sequence): FP8 training, every
+      strategy.
 
   Returns:
     ``[B, T, N, Hv]`` in layout order, in ``out_dtype`` (and lse).
@@ -137,8 +139,10 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
     placement, positions = positions, positions.positions
-  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
-                                                      out_dtype)
+  descale_args = (q_descale, k_descale, v_descale)
+  q, k, v, descales, compute, out_dtype = (
+      fp8.prepare(q, k, v, *descale_args, out_dtype) if quantize is None
+      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype))
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
       operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -146,7 +150,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       softcap=softcap, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_broadcast=dropout_broadcast, block_sizes=config.block_sizes,
       backend=config.backend, interpret=interpret, return_lse=return_lse,
-      names=("positions", "positions"), dtype=compute)
+      names=("positions", "positions"), dtype=compute, quantize=quantize)
   r = mesh.shape[config.axis_name]
   b, t, n, _ = q.shape
   if config.strategy == "auto":

@@ -166,6 +166,92 @@ def test_sharded_ring_on_fp8_operands():
   assert rel_err(layouts.unpermute(out, "zigzag", 4), ref) < 2e-2
 
 
+SHARDED_QUANTIZE = {
+    "ring-zigzag-causal": ("ring", "zigzag", masks.Causal()),
+    "all_gather-contiguous-causal": ("all_gather", "contiguous", masks.Causal()),
+    "ulysses-zigzag-causal": ("ulysses", "zigzag", masks.Causal()),
+    "ring-contiguous-window": ("ring", "contiguous", masks.SlidingWindow(8)),  # halo_gather
+    "ring-contiguous-chunks": ("ring", "contiguous", masks.ChunkedCausal(16)),  # local shards
+}
+
+
+@pytest.mark.ci_cases("ring-zigzag-causal-xla-None", "ulysses-zigzag-causal-xla-None",
+                      "ring-contiguous-window-pallas_triton-True")
+@pytest.mark.parametrize("backend, interpret", [("xla", None), ("pallas_triton", True)])
+@pytest.mark.parametrize("case", list(SHARDED_QUANTIZE))
+def test_sharded_quantize_trains_straight_through(case, backend, interpret):
+  """``sharded_attention(quantize=)`` on 4 devices, GQA 4/2: the forward at the quantized values
+  (scales over the whole sequence), gradients straight through in the inputs' dtype (xla reads
+  FP8: the custom VJPs quantize; Triton: the quantized values in bfloat16), for every path the
+  ring takes (ring steps, gathered K/V, Ulysses, halos, shards that see only themselves)."""
+  strategy, layout, mask = SHARDED_QUANTIZE[case]
+  q, k, v = (x.astype(jnp.bfloat16) for x in _problem(12, b=1))
+  do = jnp.asarray(np.random.default_rng(13).standard_normal(q.shape), jnp.float32)
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy,
+                               backend=backend)
+  perm = lambda x: layouts.permute(x, layout, 4)
+
+  def f(*x):
+    out = sharded_attention(*map(perm, x), mesh=mesh, config=cfg, mask=mask,
+                            interpret=interpret, quantize=jnp.float8_e4m3fn)
+    return layouts.unpermute(out, layout, 4)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # (no FP8 operand is differentiated)
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    grads = vjp(do.astype(out.dtype))
+  deq = [_dequantized(*quantize_fp8(x)) for x in (q, k, v)]
+  ref, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, mask=mask)[0], *deq)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 2e-2
+  for g, r in zip(grads, ref_vjp(do)):
+    assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2e-2, rel_err(g, r)
+
+
+def test_quantized_ring_sends_fp8_and_its_gradients_wide():
+  """Under ``quantize=`` the ring's forward steps send K/V as FP8 bytes; the backward ring
+  (on the dequantized values) sends bfloat16 K/V with their float32 dK/dV."""
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, quantize=jnp.float8_e4m3fn)
+  x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  sent = lambda jaxpr: {str(v.aval.dtype) for e in _eqns(jaxpr) if e.primitive.name == "ppermute"
+                        for v in e.invars}
+  assert sent(jax.make_jaxpr(f)(x, x, x).jaxpr) == {"float8_e4m3fn"}
+  assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "bfloat16", "float32"}
+
+
+def test_ring_attention_quantize_shares_scales_over_the_ring():
+  """``ring_attention(quantize=)`` under ``shard_map``: each shard's K/V of another range (v:
+  x1 to x1000), quantized with the ring's maxima, so a step reads another device's FP8 K/V at
+  their scale."""
+  from jax.sharding import PartitionSpec as P
+  from pallas_ring import ring_attention
+  q, k, v = _problem(14, b=1)
+  ranges = lambda *r: jnp.repeat(jnp.asarray(r), 16)[None, :, None, None]  # per shard of 16
+  k, v = k * ranges(1.0, 2.0, 3.0, 4.0), v * ranges(1.0, 10.0, 100.0, 1000.0)
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  f = jax.shard_map(lambda *x: ring_attention(*x, axis_name="sp", backend="xla",
+                                              quantize=jnp.float8_e4m3fn),
+                    mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
+                    check_vma=False)
+  out = jax.jit(f)(q, k, v)
+  ref = reference.attention(*(_dequantized(*quantize_fp8(x)) for x in (q, k, v)))[0]
+  assert out.dtype == jnp.float32 and rel_err(out, ref) < 2e-2, rel_err(out, ref)
+
+
+def _eqns(jaxpr):
+  """Every equation of a jaxpr and of its inner jaxprs."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+
+
 MISTAKES = {
     "no_descale": (lambda q8, k8, kd: dict(q=q8, k=k8, v=k8, k_descale=kd, v_descale=kd),
                    r"`q` is float8_e4m3fn but `q_descale` is None"),

@@ -95,7 +95,7 @@ def main(tokens=8192, backend="pallas_mosaic_gpu", trace_dir=None):
     pos = lambda rank: block_sparse.make_token_info(
         tokens, b, layouts.positions(r * tokens, layout, r, rank))
     dev = lambda rank, src: common.Operands(pos(rank), pos(src), None, None, None, None)
-    plan = lambda rank, src, bwd=False: ring.step_plan(s, dev(rank, src), rank, src, bwd)
+    plan = lambda rank, src, bwd=False: s.planner.plan(dev(rank, src), bwd, rank, src)
     return s, dev, plan
 
   def fwd_ahead(mask, layout, device):

@@ -158,7 +158,8 @@ class Backend:
   # ``decode_attention``'s chunked path then hands it the FP8 cache unwidened.
   forward_reads_fp8_kv: ClassVar[bool] = False
   # Whether ``forward`` takes q, k and v of one FP8 dtype with their descales (``Operands.fp8``)
-  # and runs its matmuls in FP8; else FP8 operands are widened in XLA first.
+  # (and runs its matmuls in FP8, or widens them as it reads them); else FP8 operands are
+  # widened in XLA first.
   forward_reads_fp8: ClassVar[bool] = False
 
   def __repr__(self) -> str:

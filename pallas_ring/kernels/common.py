@@ -353,6 +353,15 @@ def merge_reduced(o, lse, reduce_max: Callable, reduce_sum: Callable):
   return reduce_sum(o * rows(w)) / rows(jnp.where(empty, 1.0, total)), lse
 
 
+def dequantize(q, k, v, descales, dtype):
+  """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
+  (``Operands.fp8``: ``[Bs, N, 3]``) in ``dtype``."""
+  group = q.shape[2] // k.shape[2]
+  d = descales[:, None]  # [Bs, 1, N, 3]
+  return tuple((x.astype(jnp.float32) * d[:, :, ::g, i:i + 1]).astype(dtype)
+               for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
+
+
 def merged(acc: Optional[Partial], o, lse):
   """A forward pass's ``(o, lse)`` merged into ``acc`` (unchanged when ``acc`` is None)."""
   return (o, lse) if acc is None else merge(acc.o, acc.lse, o, lse)

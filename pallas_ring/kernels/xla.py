@@ -219,7 +219,11 @@ def _q_rows(x, kh):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=None):
-  """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp])``."""
+  """See ``kernels.common``: returns ``(o [B, Tp, N, H], lse [B, N, Tp])``; FP8 q, k, v
+  (``ops.fp8``) are widened to bfloat16 as they are read."""
+  if ops.fp8 is not None:
+    q, k, v = common.dequantize(q, k, v, ops.fp8, jnp.bfloat16)
+    ops = ops._replace(fp8=None)
   b, tp, n, h = q.shape
   q5, k5, v5, lists, head_args, sizes = _head_major(
       q, k, v, ops, (plan.kv_index, plan.kv_class, plan.kv_count))
@@ -311,6 +315,7 @@ class XlaBackend(backend.Backend):
 
   name = "xla"
   computes_float64 = True
+  forward_reads_fp8 = True  # (widened as they are read: the FP8 path's bytes, not its speed)
   forward = staticmethod(forward)
   backward = staticmethod(backward)
 

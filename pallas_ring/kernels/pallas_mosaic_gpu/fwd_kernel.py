@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_ring import fp8 as fp8_args
 from pallas_ring import kernels
 from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
@@ -236,7 +235,7 @@ def _triton_forward(q, k, v, ops, plan, cfg, acc):
   default."""
   hp, hv = q.shape[-1], v.shape[-1]
   if ops.fp8 is not None:
-    q, k, v = fp8_args.dequantize(q, k, v, ops.fp8, jnp.bfloat16)
+    q, k, v = common.dequantize(q, k, v, ops.fp8, jnp.bfloat16)
     ops = ops._replace(fp8=None)
   if acc is not None:
     acc = acc._replace(o=common.widen(acc.o, hp))
