@@ -220,6 +220,26 @@ def test_the_ring_sends_fp8_and_runs_fp8_kernels(h):
                        for line in sends), sends
 
 
+def test_the_quantized_ring_sends_fp8_to_fp8_kernels():
+  """``sharded_attention(quantize=)`` on bfloat16 lowered for CUDA over 2 devices: the custom VJP
+  quantizes, every forward step's kernel reads FP8 and the forward's sends are FP8 bytes; the
+  gradients are bfloat16."""
+  from jax.sharding import Mesh
+  from pallas_ring import SequenceParallelConfig, sharded_attention
+  mesh = Mesh(jax.devices()[:2], ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="pallas_mosaic_gpu")
+  ring = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                      interpret=False, quantize=F8)
+  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  text = _lower(ring, x, x, x)
+  calls = _mosaic_calls(text)
+  assert len(calls) >= 2 and all("xf8E4M3FN>" in c for c in calls)
+  sends = [line for line in text.splitlines() if "collective_permute" in line]
+  assert sends and all(f"tensor<{2 * 512 * 2 * 128 // 4}xui32>" in line for line in sends)
+  grad = jax.grad(lambda *a: jnp.sum(ring(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  assert [g.dtype for g in jax.eval_shape(grad, x, x, x)] == [jnp.bfloat16] * 3
+
+
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
 def test_fp8_on_an_explicit_mesh(strategy):
@@ -346,3 +366,29 @@ def test_native_quantize_trains_straight_through():
   assert rel_err(out, ref) < FP8_TOL
   for g, r in zip(vjp(do), ref_vjp(do.astype(jnp.float32))):
     assert g.dtype == jnp.bfloat16 and rel_err(g, r) < FP8_TOL, rel_err(g, r)
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("strategy, layout", [("ring", "zigzag"), ("ulysses", "contiguous")])
+def test_native_sharded_quantize_trains_straight_through(strategy, layout):
+  """``sharded_attention(quantize=)`` over every local GPU: FP8 forward steps (the ring's K/V
+  sent as FP8), gradients in bfloat16 against the dequantized reference."""
+  from jax.sharding import AxisType
+  from pallas_ring import SequenceParallelConfig, layouts, sharded_attention
+  r = jax.device_count()
+  rng = np.random.default_rng(11)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                 for s in ((1, 1024, 8, 128), (1, 1024, 8, 128), (1, 1024, 8, 128),
+                           (1, 1024, 8, 128)))
+  mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy)
+  perm = lambda x: layouts.permute(x, layout, r)
+  f = jax.jit(lambda *x: layouts.unpermute(sharded_attention(
+      *map(perm, x), mesh=mesh, config=cfg, mask=masks.Causal(), quantize=F8), layout, r))
+  out, vjp = jax.vjp(f, q, k, v)
+  deq = [x8.astype(jnp.float32) * d[:, None, :, None] for x8, d in map(quantize_fp8, (q, k, v))]
+  ref, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, mask=masks.Causal())[0], *deq)
+  assert rel_err(out, ref) < FP8_TOL
+  for g, r_ in zip(vjp(do), ref_vjp(do.astype(jnp.float32))):
+    assert g.dtype == jnp.bfloat16 and rel_err(g, r_) < FP8_TOL, rel_err(g, r_)
