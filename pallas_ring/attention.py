@@ -142,10 +142,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
   """
   if kv_cu_seqlens is not None and cu_seqlens is None:
     raise ValueError("`kv_cu_seqlens` needs `cu_seqlens` (the packing of the queries).")
-  descale_args = (q_descale, k_descale, v_descale)
-  q, k, v, descales, compute, out_dtype = (
-      fp8.prepare(q, k, v, *descale_args, out_dtype) if quantize is None
-      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype))
+  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
+                                                      out_dtype, quantize_to=quantize)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions,

@@ -5,9 +5,9 @@ An FP8 operand ``x8`` (``float8_e4m3fn`` or ``float8_e5m2``) stands for
 and kv head ``[B, K]`` (a query's descale is its kv head group's; ``[B, N]``, one per query head,
 is accepted too, as ``quantize_fp8(q)`` makes it). Descales are constants: gradients reach the
 FP8 operands (in their FP8 dtype, where most values flush to zero: differentiating them
-warns, ``watched``), not the descales. To train, ``flash_attention(quantize=...)`` quantizes
-16-bit q, k, v itself and returns their gradients straight through the quantization
-(``straight_through``).
+warns, ``watched``), not the descales. To train, ``quantize=...`` (flash, sharded and ring
+attention) keeps 16-bit q, k, v to the custom VJPs, which quantize them (scales over the whole
+sequence) and return their gradients straight through the quantization (``straight_through``).
 
 ``flash_attention`` and ``sharded_attention`` ``prepare`` their q, k, v: of one FP8 dtype they
 stay FP8, their descales per query head become the ``fp8`` operand (``operands``: sharded and
@@ -15,7 +15,8 @@ handed to Ulysses' heads like the others), and each resolved backend takes them 
 where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
 dequantized (``for_backend``); the backward always runs on the dequantized values
 (``backward_operands``). ``ring_attention`` dequantizes them first: each device's descales may
-differ there, and a ring step reads another device's K/V. Any other mix of FP8 and 16-bit
+differ there, and a ring step reads another device's K/V (its ``quantize=`` takes the maxima
+over the ring instead). Any other mix of FP8 and 16-bit
 operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead ``fold``s
 the descales into q and the output, so that a backend whose decode kernels read an FP8 cache
 (``Backend.decode_reads_fp8``: the GPU decode kernel; ``Backend.forward_reads_fp8_kv``: the TPU
@@ -168,12 +169,16 @@ class Prepared(NamedTuple):
 
 
 def prepare(q, k, v, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
-            read_fp8: bool = True):
+            read_fp8: bool = True, quantize_to=None, axis_name=None):
   """Checks a call's FP8 arguments and prepares its operands for kernels that may read FP8
   (``read_fp8``; False: every FP8 operand is widened here): q, k and v of one FP8 dtype stay
   FP8, with their descales per query head (``kernel_descales``: the ``fp8`` operand,
   ``operands``), for a backend with ``forward_reads_fp8`` (``for_backend`` dequantizes them for
-  the others); any other mix is widened here."""
+  the others); any other mix is widened here. ``quantize_to``: the call's ``quantize``
+  (``straight_through``, with ``axis_name``)."""
+  if quantize_to is not None:
+    return straight_through(q, k, v, quantize_to, (q_descale, k_descale, v_descale), out_dtype,
+                            axis_name)
   scales, compute, out_dtype = _scales(q, k, v, (q_descale, k_descale, v_descale), out_dtype,
                                        ("q", "k", "v"))
   dtypes = {jnp.result_type(x) for x in (q, k, v)}
@@ -222,10 +227,9 @@ def straight_through(q, k, v, dtype, descales, out_dtype, axis_name=None) -> Pre
 
 def quantize(q, k, v, descales, dtype):
   """``dequantize``'s inverse: q, k, v divided by their descales (``[Bs, N, 3]``) in the FP8
-  ``dtype``, values beyond its range saturated."""
-  group, top = q.shape[2] // k.shape[2], float(jnp.finfo(dtype).max)
-  d = descales[:, None]  # [Bs, 1, N, 3]
-  return tuple(jnp.clip(x.astype(jnp.float32) / d[:, :, ::g, i:i + 1], -top, top).astype(dtype)
+  ``dtype``, values beyond its range saturated (``quantize_with``)."""
+  group = q.shape[2] // k.shape[2]
+  return tuple(quantize_with(x, descales[:, ::g, i], dtype)
                for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
 
 
@@ -273,12 +277,12 @@ def backward_operands(q, k, v, descales, primals=None):
   dequantization's VJP: the descales are constants). ``primals``: arrays of the dtypes of the
   16/32-bit operands that the VJP quantized itself (``straight_through``), whose gradients are
   the backward's, cast."""
-  if descales is None or primals is not None:
-    primals = (q, k, v) if primals is None else primals
-    wide = (q, k, v) if descales is None else dequantize(q, k, v, descales,
-                                                         compute_dtype(q, descales))
-    return wide, lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, primals))
+  cast = lambda dtypes: lambda *g: tuple(x.astype(p.dtype) for x, p in zip(g, dtypes))
+  if descales is None:
+    return (q, k, v), cast((q, k, v))
   dtype = compute_dtype(q, descales)
+  if primals is not None:
+    return dequantize(q, k, v, descales, dtype), cast(primals)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
   return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
 

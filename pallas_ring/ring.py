@@ -462,10 +462,9 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
         f"`jax.shard_map(..., mesh=mesh)` over a mesh with a {axis_name!r} axis. For global arrays "
         "call pallas_ring.sharded_attention(q, k, v, mesh=mesh, config=...), which does that."
     ) from e
-  descale_args = (q_descale, k_descale, v_descale)
-  q, k, v, descales, compute, out_dtype = (
-      fp8.prepare(q, k, v, *descale_args, out_dtype, read_fp8=False) if quantize is None
-      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype, axis_name))
+  q, k, v, descales, compute, out_dtype = fp8.prepare(
+      q, k, v, q_descale, k_descale, v_descale, out_dtype, read_fp8=False, quantize_to=quantize,
+      axis_name=axis_name)
   checked = call.check(
       q, k, v, kv_shards=r, mask=mask, segment_ids=segment_ids, kv_segment_ids=segment_ids,
       q_positions=positions, kv_positions=positions,

@@ -139,10 +139,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
     placement, positions = positions, positions.positions
-  descale_args = (q_descale, k_descale, v_descale)
-  q, k, v, descales, compute, out_dtype = (
-      fp8.prepare(q, k, v, *descale_args, out_dtype) if quantize is None
-      else fp8.straight_through(q, k, v, quantize, descale_args, out_dtype))
+  q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
+                                                      out_dtype, quantize_to=quantize)
   checked = call.check(
       q, k, v, mask=mask, segment_ids=segment_ids, q_positions=positions, kv_positions=positions,
       operands=dict(dense_mask=dense_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
