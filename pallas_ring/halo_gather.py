@@ -74,8 +74,8 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
 
   send = lambda x, shift: lax.ppermute(x, axis_name, [(i, (i + shift) % r) for i in range(r)])
 
-  def recv(x, shift, runs, axis=1):  # the slice ``runs`` of the shard ``shift`` ranks back
-    return send(halo_lib.take(x, runs, halo_lib.run_length(runs), axis=axis), shift)
+  def recv(x, shift, runs):  # the slice ``runs`` of the shard ``shift`` ranks back
+    return send(halo_lib.take(x, runs, halo_lib.run_length(runs)), shift)
 
   def recv_kv(shift, runs):
     """K's and V's slices in one collective where they share a dtype (XLA:GPU runs one
@@ -91,20 +91,19 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
       layouts.positions(t * r, layout, r, (rank - shift) % r), runs, halo_lib.run_length(runs),
       axis=0)
 
-  def joined(x, axis=1, pieces=None):  # (``pieces``: the received slices of ``x``, in order)
+  def joined(x, received=None):  # (``received``: the slices of ``x`` that came, in order)
     if x is None:
       return None
-    if pieces is None:
-      pieces = [recv(x, s, runs, axis) for s, runs in before + after]
-    parts = pieces[:len(before)] + [x] + pieces[len(before):]
-    return jnp.concatenate(parts, axis=axis)
+    if received is None:
+      received = [recv(x, s, runs) for s, runs in before + after]
+    return jnp.concatenate(received[:len(before)] + [x] + received[len(before):], axis=1)
 
   kv_pieces = [recv_kv(s, runs) for s, runs in before + after]
   kv_pos = jnp.concatenate([src_pos(s, runs) for s, runs in before] + [layout_pos]
                            + [src_pos(s, runs) for s, runs in after])
   arrays = checked.arrays._replace(segment_ids=segment_ids, kv_segment_ids=joined(kv_segment_ids),
                                    q_positions=layout_pos, kv_positions=kv_pos)
-  k, v = (joined(x, pieces=[p[i] for p in kv_pieces]) for i, x in enumerate((k, v)))
+  k, v = (joined(x, [p[i] for p in kv_pieces]) for i, x in enumerate((k, v)))
   return attention.run(q, k, v, checked._replace(arrays=arrays))
 
 

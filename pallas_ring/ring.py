@@ -1,8 +1,8 @@
 """Ring attention: the kernel contract run over the R shards of a sequence-parallel mesh axis.
 
 ``ring_attention`` is called per shard inside ``shard_map``. Forward: ``lax.scan`` over ring steps;
-each step first issues the ``ppermute`` of the next K/V (one stacked buffer, with the segment ids
-and caller-given positions beside it; layout positions are derived from the source rank), then
+each step first issues the ``ppermute`` of the next K/V (with the segment ids and caller-given
+positions; on GPU one packed buffer; layout positions are derived from the source rank), then
 takes that step's block plan of *global* positions and runs the kernel on the current K/V,
 which merges its ``(o, lse)`` into the running float32 result (``common.merge``, guarded for
 ``-inf``; the Mosaic GPU kernel merges in its epilogue); a step with no live block is skipped
@@ -257,16 +257,16 @@ def _ring_forward(st: RingStatic, q, kv, q_info, kv_info, fixed: _Fixed):
   packers = [packer(x, st) for x in sent]
   first = [send(pack(x), st, d) for x, (pack, _), (d, _) in zip(sent, packers, st.chains)]
   acc = compute(*local, rank)
-  for i, ((d, n), held, pk) in enumerate(zip(st.chains, first, packers)):
-    acc = _forward_chain(st, functools.partial(compute, chain=i), rank, held, d, n, acc, pk)
+  for i, ((d, n), held, (pack, unpack)) in enumerate(zip(st.chains, first, packers)):
+    acc = _forward_chain(st, functools.partial(compute, chain=i), rank, held, d, n, acc, pack,
+                         unpack)
   return tuple(acc)
 
 
-def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, packer_):
-  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's as they came,
-  ``packer_``: ``sends.packer``'s pair), merged into ``acc``; the last one is not sent on."""
+def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, pack, unpack):
+  """Steps 1 .. n of the K/V travelling in direction ``d`` (``held``: step 1's as they came;
+  ``pack``, ``unpack``: ``sends.packer``'s), merged into ``acc``; the last is not sent on."""
   src = lambda step: (rank - d * step) % st.ring_size
-  pack, unpack = packer_
 
   def body(carry, step):
     acc, held = carry

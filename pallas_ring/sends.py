@@ -1,6 +1,8 @@
-"""A ring step's sends: ``rotate`` a tree of arrays over the ring's axis, as one packed byte
-buffer where the ring asks for it (``RingStatic.pack_sends``: XLA:GPU keeps one collective in
-flight at a time, so separate permutes would not all overlap the kernel)."""
+"""A ring step's sends: a tree of arrays sent over the ring's axis (``send``; ``rotate``: sent and
+received as a tree), as one buffer of the widest word their bytes allow where the ring asks for
+it (``RingStatic.pack_sends``: XLA:GPU keeps one collective in flight at a time, so separate
+permutes would not all overlap the kernel). ``packer`` packs and unpacks, so that a forward step
+can send on the buffer it received as it came."""
 
 from __future__ import annotations
 

@@ -71,17 +71,23 @@ def test_sharded_8_devices(layout, mask_name, strategy):
 @pytest.mark.parametrize("forward_received", [True, False])
 def test_packed_sends_forwarded_as_received(monkeypatch, forward_received):
   """The GPU rings' packed sends (``RingStatic.pack_sends``) on CPU: each forward step sends on
-  the buffer it received (``RingVariants.forward_received``) or packs its K/V again; with
-  documents, whose segment ids travel in the buffer too. Output and gradients as the reference."""
-  from pallas_ring import ring
+  the buffer it received (``RingVariants.forward_received``: the forward packs once, before its
+  scan) or packs its K/V again (also in the scan's body); with documents, whose segment ids
+  travel in the buffer too. Output and gradients as the reference."""
+  from pallas_ring import ring, sends
   from pallas_ring.halo import RingVariants
   packed = lambda *a, **kw: ring_static(*a, **{**kw, "pack_sends": True})
-  ring_static = ring.RingStatic
+  ring_static, pack_buffers, packs = ring.RingStatic, sends.pack_buffers, []
   monkeypatch.setattr(ring, "RingStatic", packed)
+  monkeypatch.setattr(sends, "pack_buffers", lambda x: packs.append(len(x)) or pack_buffers(x))
   mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="xla",
                                ring_variants=RingVariants(forward_received=forward_received))
-  _check(mesh, cfg, masks.Causal(), *_problem(6, docs=True))
+  q, k, v, seg = _problem(6, docs=True)
+  jax.make_jaxpr(lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                              segment_ids=seg))(q, k, v)
+  assert packs == ([3] if forward_received else [3, 3])  # (K, V and segment ids)
+  _check(mesh, cfg, masks.Causal(), q, k, v, seg)
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
