@@ -3,9 +3,10 @@
     PYTHONPATH=. python tools/fp8_ring.py [TOKENS_PER_GPU]
 
 First ``sharded_attention`` (ring, zigzag, causal) on ``quantize_fp8``'s operands against the
-float32 xla backend on the same dequantized values (4096 tokens, N=4), forward. Then, at TOKENS_PER_GPU (default 32768) per GPU, N=16, H=128: the forward of the ring
-(contiguous dense and zigzag causal) on bfloat16 against the same on FP8 (each step's kernel in
-FP8, K/V sent as FP8 bytes), device clock, batches.
+float32 xla backend on the same dequantized values (4096 tokens, N=4), forward. Then, at
+TOKENS_PER_GPU (default 32768) per GPU, N=16, H=128, inputs sharded beforehand: the forward of
+the ring (contiguous dense and zigzag causal) on bfloat16 against the same on FP8 (each step's
+kernel in FP8, K/V sent as FP8 bytes), device clock, batches.
 """
 
 from __future__ import annotations

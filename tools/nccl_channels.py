@@ -6,8 +6,9 @@ NCCL runs a send/receive as CTAs of its own (one per channel) beside the attenti
 overlap, so fewer channels leave the kernel more SMs but may slow the transfer. For each NCCL
 setting below (each in its own process: NCCL reads its environment when its communicators
 start) this times, on all local GPUs, ``bench.ring``'s rows for the dense contiguous ring at
-each TOKENS_PER_GPU (default 8192,32768), MHA 16/16, H=128, bf16, forward and forward+backward, against
-all-gather + cuDNN and one GPU doing the same work, on the device clock.
+each TOKENS_PER_GPU (default 8192,32768), MHA 16/16, H=128, bf16, forward and
+forward+backward, against all-gather + cuDNN and one GPU doing the same work, on the device
+clock.
 """
 
 from __future__ import annotations
