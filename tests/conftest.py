@@ -71,6 +71,17 @@ def pytest_collection_modifyitems(config, items):
         case.add_marker(pytest.mark.ci)
 
 
+def jaxpr_eqns(jaxpr):
+  """Every equation of a jaxpr and of its inner jaxprs (each once, whatever its scan length)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from jaxpr_eqns(sub)
+
+
 def rel_err(got, ref):
   """Relative error ||got - ref|| / ||ref|| in float64."""
   got = np.asarray(got, np.float64)

@@ -11,7 +11,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import (SequenceParallelConfig, decode_attention, flash_attention, layouts,
                          masks, quantize_fp8, reference, sharded_attention)
-from conftest import rel_err
+from conftest import jaxpr_eqns, rel_err
 
 
 def _problem(seed, b=2, t=64, n=4, kh=2, h=32):
@@ -216,8 +216,8 @@ def test_quantized_ring_sends_fp8_and_its_gradients_wide():
   f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, quantize=jnp.float8_e4m3fn)
   x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  sent = lambda jaxpr: {str(v.aval.dtype) for e in _eqns(jaxpr) if e.primitive.name == "ppermute"
-                        for v in e.invars}
+  sent = lambda jaxpr: {str(v.aval.dtype) for e in jaxpr_eqns(jaxpr)
+                        if e.primitive.name == "ppermute" for v in e.invars}
   assert sent(jax.make_jaxpr(f)(x, x, x).jaxpr) == {"float8_e4m3fn"}
   assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "bfloat16", "float32"}
 
@@ -239,17 +239,6 @@ def test_ring_attention_quantize_shares_scales_over_the_ring():
   out = jax.jit(f)(q, k, v)
   ref = reference.attention(*(_dequantized(*quantize_fp8(x)) for x in (q, k, v)))[0]
   assert out.dtype == jnp.float32 and rel_err(out, ref) < 2e-2, rel_err(out, ref)
-
-
-def _eqns(jaxpr):
-  """Every equation of a jaxpr and of its inner jaxprs."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _eqns(sub)
 
 
 MISTAKES = {

@@ -17,7 +17,7 @@ from pallas_ring import SequenceParallelConfig, layouts, masks, reference, ring_
 from pallas_ring import halo_gather, sharded_attention
 from pallas_ring.halo import RingVariants, halo_runs
 from pallas_ring.reach import ring_reach
-from conftest import rel_err
+from conftest import jaxpr_eqns, rel_err
 from test_reach import sent_bytes
 
 C = 16  # tokens per device (T = 128 over 8 devices)
@@ -111,14 +111,7 @@ def test_halo_ring_matches_the_reference(name, variants):
 
 def _permutes(jaxpr) -> int:
   """The ``ppermute`` ops of a jaxpr and its inner jaxprs (each counted once)."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    total += eqn.primitive.name == "ppermute"
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        sub = getattr(sub, "jaxpr", sub)
-        total += _permutes(sub) if hasattr(sub, "eqns") else 0
-  return total
+  return sum(eqn.primitive.name == "ppermute" for eqn in jaxpr_eqns(jaxpr))
 
 
 def _ring_bytes(layout, mask, variants, c=64, h=32, count=False):
