@@ -185,7 +185,8 @@ def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: cal
   segment_ids, kv_segment_ids, q_positions, kv_positions, terms, seeds, offsets = arrays
   tiles = tuning.resolve(backend, st.block_sizes, t, s, h,
                          dtype=q.dtype if quantize is None else quantize, group=n // k.shape[2],
-                         mask_class=tile_cache.mask_class(st.mask, segment_ids is not None))
+                         mask_class=tile_cache.mask_class(st.mask, segment_ids is not None),
+                         value_dim=hv)
   tp = tuning.padded_len(t, tiles.block_q, tiles.block_q_bwd)
   sp = tuning.padded_len(s, tiles.block_kv, tiles.block_kv_bwd)
   hp = lowering.padded_head_dim(h)

@@ -116,6 +116,20 @@ def test_head_dims_pad_to_a_multiple_of_64_only():
     assert "tensor<2x384x4x128xbf16>" in kernel and kernel.endswith(outs)
 
 
+def test_forward_key_tiles_are_the_widest_that_fit():
+  """The default key tile is the widest of 256, 128, 64 whose two K/V slots fit beside the q
+  tiles: MLA's narrower v makes room for 128 keys at q/k head dim 192, which its output stages
+  through the q tiles (no tile of its own)."""
+  rule = lambda h, hv, dt: pallas_mosaic_gpu.BACKEND.default_block_sizes(
+      h, "H100", dt, value_dim=hv).block_kv
+  bf16, f8 = jnp.bfloat16, jnp.float8_e4m3fn
+  assert [rule(h, hv, bf16) for h, hv in ((64, 64), (128, 128), (128, 64), (192, 192),
+                                          (192, 128), (256, 128))] == [256, 128, 128, 64, 128, 64]
+  assert [rule(h, hv, f8) for h, hv in ((128, 128), (192, 192), (192, 128), (256, 256))] == [
+      256, 128, 256, 64]
+  assert rule(192, None, bf16) == 64  # (v as wide as q)
+
+
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("h, hv", [(128, 128), (128, 64), (192, 192), (192, 128), (192, 64),
                                    (256, 256), (256, 128)])
@@ -497,6 +511,9 @@ def test_slots_fill_shared_memory_with_at_least_two():
   assert pallas_mosaic_gpu.slots(cfg(64), 128, 2, staged=32 * 1024) == 4
   assert pallas_mosaic_gpu.slots(cfg(64), 128, 2, staged=96 * 1024) == 2
   assert tiles.fwd_smem(cfg(128), 128, 2, staged=32 * 1024) == 192 * 1024  # (room: 223 KiB)
+  # MLA 192/128: 48 KiB q (o staged in it) + 2 x 80 KiB K/V; FP8: 24 KiB q + 32 KiB o staging
+  assert tiles.fwd_smem(cfg(128), 192, 2, value_dim=128) == 208 * 1024
+  assert tiles.fwd_smem(cfg(256), 192, 1, value_dim=128, out_itemsize=2) == 216 * 1024
   assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(), 2, 64, 128) == 32 * 1024
   assert tiles.staged_bias_bytes(jnp.float32, Variants(), 2, 64, 128) == 0
   assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(stage_bias=False), 2, 64, 128) == 0

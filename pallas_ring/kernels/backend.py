@@ -69,10 +69,11 @@ class Backend:
 
   # -- tiles -------------------------------------------------------------------------------------
 
-  def default_block_sizes(self, head_dim: int, device_kind: str, dtype=None) -> BlockSizes:
-    """The heuristic tiles for a (padded) head dim on a device kind, for inputs of ``dtype``
-    (None: 16-bit)."""
-    del head_dim, device_kind, dtype
+  def default_block_sizes(self, head_dim: int, device_kind: str, dtype=None,
+                          value_dim: Optional[int] = None) -> BlockSizes:
+    """The heuristic tiles for a head dim on a device kind, for inputs of ``dtype`` (None:
+    16-bit) and v of head dim ``value_dim`` (None: ``head_dim``)."""
+    del head_dim, device_kind, dtype, value_dim
     return BlockSizes(128, 128, 128, 128, None, None)
 
   def block_size_error(self, field: str, value: int) -> Optional[str]:

@@ -458,7 +458,8 @@ class TritonBackend(backend.Backend):
   name = "pallas_triton"
   platform = "gpu"
 
-  def default_block_sizes(self, head_dim, device_kind, dtype=None):
+  def default_block_sizes(self, head_dim, device_kind, dtype=None, value_dim=None):
+    del value_dim  # (v is padded to q's head dim)
     if head_dim <= 64:
       return BlockSizes(128, 128, 64, 64, 4, 3)
     if head_dim <= 128:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pallas_ring import kernels
 from pallas_ring.block_sizes import BlockSizes
@@ -84,7 +84,8 @@ def _tuned(impl: backend_lib.Backend, bs: BlockSizes, kind: str, shape: dict
 
 
 def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, kv_len: int,
-            head_dim: int, *, dtype=None, group: int = 1, mask_class: str = "other") -> Tiles:
+            head_dim: int, *, dtype=None, group: int = 1, mask_class: str = "other",
+            value_dim: Optional[int] = None) -> Tiles:
   """Tile sizes for a call: user overrides, the tuning cache or shipped table, the heuristic;
   clamped to the sequence lengths.
 
@@ -95,6 +96,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
     q_len, kv_len, head_dim: the call's (unpadded) shape.
     dtype, group, mask_class: the rest of the shape class the cache is keyed by (``dtype=None``
       skips the cache and table).
+    value_dim: v's head dim where it differs (MLA), for the heuristic.
   """
   impl = kernels.get(backend)
   bs = kernels.for_backend(backend, as_block_sizes(block_sizes))  # (another's variants: dropped)
@@ -102,7 +104,7 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
   shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
                length=max(q_len, kv_len))
   bs, src_fwd, src_bwd = _tuned(impl, bs, kind, shape)
-  d = impl.default_block_sizes(head_dim, kind, dtype)
+  d = impl.default_block_sizes(head_dim, kind, dtype, value_dim)
   pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
   tiles = impl.clamp(tuple(pick(f) for f in backend_lib.TILE_FIELDS), q_len, kv_len)
   return Tiles(*tiles, pick("num_warps"), pick("num_stages"), src_fwd, src_bwd,

@@ -54,7 +54,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.bwd_kernels import backward
 from pallas_ring.kernels.pallas_mosaic_gpu.fp8 import is_fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import forward
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles,
+    BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles, key_tile,
     padded_head_dim, slots, unsupported)
 
 
@@ -99,13 +99,13 @@ class MosaicGpuBackend(backend.Backend):
     # where Triton's 16-row tiles stream the cache faster (BENCHMARKS.md, "Decode").
     return not call.decode
 
-  def default_block_sizes(self, head_dim, device_kind, dtype=None):
-    # 2 x 64 rows per CTA; the backward kernels take 128 x 128. FP8 tiles are half the bytes:
-    # twice the keys (BENCHMARKS.md, "FP8 forward").
-    fp8 = dtype is not None and is_fp8(dtype)
-    wide, mid = (128, 192) if fp8 else (64, 128)  # head dims up to which 256 / 128 keys fit
-    block_kv = 256 if head_dim <= wide else 128 if head_dim <= mid else 64
-    return BlockSizes(128, block_kv, BWD_BLOCK, BWD_BLOCK, None, None)
+  def default_block_sizes(self, head_dim, device_kind, dtype=None, value_dim=None):
+    # 2 x 64 rows per CTA, key tiles as wide as fit (``key_tile``); the backward kernels take
+    # 128 x 128.
+    hp = padded_head_dim(head_dim)
+    hv = self.padded_value_dim(head_dim if value_dim is None else value_dim, hp)
+    itemsize = 1 if dtype is not None and is_fp8(dtype) else 2  # (the output: 16-bit)
+    return BlockSizes(128, key_tile(hp, hv, itemsize, 2), BWD_BLOCK, BWD_BLOCK, None, None)
 
   def block_size_error(self, field, value):
     low = MIN_TILE[field]

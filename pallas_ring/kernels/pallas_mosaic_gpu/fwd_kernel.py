@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import kernels
-from pallas_ring.kernels import common
+from pallas_ring.kernels import backend, common
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_epilogue import epilogue
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import (
@@ -47,10 +47,15 @@ def _refs(refs, g: FwdGeometry) -> FwdRefs:
   *acc_refs, o_ref, lse_ref, scoped = io
   smem, bars, stage, o_stage = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
+  if isinstance(o_stage, tuple):  # staged in the q tiles (where merging: not staged)
+    if g.value_dim != g.head_dim and not g.merge:  # (their union with a view at Hv columns)
+      q_tiles, o_view = smem[0]
+      smem, o_stage = (q_tiles, *smem[1:]), o_view.at[:, pl.ds(0, g.bq)]
+    else:
+      o_stage = smem[0]
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  descales, tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free,
-                 v_free, TermStage(*stage) if g.terms.staged else None,
-                 smem[0] if isinstance(o_stage, tuple) else o_stage)
+                 v_free, TermStage(*stage) if g.terms.staged else None, o_stage)
 
 
 def _fwd_kernel(*refs, cfg, g: FwdGeometry):
@@ -194,7 +199,14 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   regs=variants.regs)
   smem = functools.partial(swizzled_smem, q.dtype)
   v_tile = (hv, g.bk) if fp8_mode else (g.bk, hv)  # (``fp8.v_source``)
-  scratch = (smem(COMPUTE_WGS, g.bq, hp), smem(g.slots, g.bk, hp), smem(g.slots, *v_tile),
+  own_stage = stages_o(itemsize, out_itemsize) and not g.merge
+  q_tiles = smem(COMPUTE_WGS, g.bq, hp)
+  if hv != hp and not own_stage and not g.merge:
+    # o's staging: each consumer's q tile seen as rows of Hv columns, its first bq rows (``o_view``
+    # rows per consumer: its tile's bytes, so that each view starts inside its own q tile)
+    o_view = backend.round_up(-(-g.bq * hp // hv), 8)
+    q_tiles = plgpu.RefUnion(q_tiles, swizzled_smem(o_dtype, COMPUTE_WGS, o_view, hv))
+  scratch = (q_tiles, smem(g.slots, g.bk, hp), smem(g.slots, *v_tile),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
              plgpu.SMEM((g.slots, g.key_rows, g.bk), jnp.int32),
@@ -207,7 +219,6 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
   stage = stage_scratch(term_dt, COMPUTE_WGS, (bq, g.bk)) if staged else ()
-  own_stage = stages_o(hp, hv, itemsize, out_itemsize) and not g.merge
   o_stage = swizzled_smem(o_dtype, COMPUTE_WGS, g.bq, hv) if own_stage else ()
 
   def entry(*refs):

@@ -106,22 +106,35 @@ def unsupported(call: backend.Call) -> Optional[str]:
   return None
 
 
-def stages_o(head_dim: int, value_dim: int, itemsize: int, out_itemsize: int) -> bool:
-  """Whether the forward stages its output in a tile of its own: where the q tile does not fit
-  it (a narrower v, or FP8 inputs)."""
-  return value_dim != head_dim or out_itemsize != itemsize
+def stages_o(itemsize: int, out_itemsize: int) -> bool:
+  """Whether the forward stages its output in a tile of its own: where the q tile's dtype is
+  not the output's (FP8 inputs). Otherwise the q tile's first Hv columns stage it."""
+  return out_itemsize != itemsize
 
 
-def _tile_bytes(cfg: common.KernelConfig, head_dim: int, itemsize: int,
+def _tile_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int,
                 value_dim: Optional[int], out_itemsize: Optional[int]) -> tuple[int, int]:
   """Bytes of the forward's fixed tiles (q [block_q, H], and where ``stages_o`` the output's
   staging [block_q, Hv]) and of one K/V slot ([block_kv, H] + [block_kv, Hv])."""
   hv = head_dim if value_dim is None else value_dim
   out_itemsize = itemsize if out_itemsize is None else out_itemsize
-  fixed = cfg.block_q * head_dim * itemsize
-  if stages_o(head_dim, hv, itemsize, out_itemsize):
-    fixed += cfg.block_q * hv * out_itemsize
-  return fixed, cfg.block_kv * (head_dim + hv) * itemsize
+  fixed = block_q * head_dim * itemsize
+  if stages_o(itemsize, out_itemsize):
+    fixed += block_q * hv * out_itemsize
+  return fixed, block_kv * (head_dim + hv) * itemsize
+
+
+def key_tile(head_dim: int, value_dim: int, itemsize: int, out_itemsize: int) -> int:
+  """The forward's default keys per tile: the most of 256, 128 or 64 whose two K/V slots fit
+  beside the q tiles of 128 rows. FP8 tiles are half the bytes, so twice the keys; a narrower
+  v leaves room for 128 keys at q/k head dim 192 (BENCHMARKS.md, "FP8 forward", "MLA head
+  dims")."""
+  for block_kv in (256, 128):
+    fixed, kv_bytes = _tile_bytes(COMPUTE_WGS * WG_ROWS, block_kv, head_dim, itemsize,
+                                  value_dim, out_itemsize)
+    if fixed + 2 * kv_bytes <= SMEM_BYTES:
+      return block_kv
+  return 64
 
 
 def check_value_dim(value_dim: int, head_dim: int) -> None:
@@ -140,7 +153,7 @@ def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 
   inputs') and ``staged`` bytes of staged tile-term windows (at least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
-  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim, out_itemsize)
+  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim, out_itemsize)
   return max(2, min(4, (SMEM_BYTES - fixed - staged) // kv_bytes))
 
 
@@ -148,7 +161,7 @@ def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int
              value_dim: Optional[int] = None, out_itemsize: Optional[int] = None) -> int:
   """Shared memory of the forward's q tile (and output staging), K/V slots and ``staged``
   bytes."""
-  fixed, kv_bytes = _tile_bytes(cfg, head_dim, itemsize, value_dim, out_itemsize)
+  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim, out_itemsize)
   n = slots(cfg, head_dim, itemsize, staged, value_dim, out_itemsize)
   return fixed + n * kv_bytes + staged
 

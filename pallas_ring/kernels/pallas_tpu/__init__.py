@@ -52,7 +52,8 @@ class TpuBackend(backend.Backend):
   variants_cls = Variants
   forward_reads_fp8_kv = True  # (an FP8 cache's blocks in place, widened as they are staged)
 
-  def default_block_sizes(self, head_dim, device_kind, dtype=None):
+  def default_block_sizes(self, head_dim, device_kind, dtype=None, value_dim=None):
+    del value_dim  # (v is padded to q's head dim)
     kind = device_kind.lower()
     if any(f"v{g}" in kind for g in (2, 3, 4)):  # 16 MiB of VMEM: 8-head programs need less
       # (4-byte kernels, which float16 inputs run too, need half the keys per tile there.)
