@@ -40,7 +40,7 @@ def _pad_last(x, n):
 
 def _block_start(idx_ref, j, block):
   """Row offset of the j-th listed block. (Addressing the plan's consecutive FULL run as
-  ``idx_ref[0] + j`` measured slower on the sparse cases on an H100: BENCHMARKS.md's history.)"""
+  ``idx_ref[0] + j`` measured slower on the sparse cases: BENCHMARKS.md, "Kernel rules".)"""
   return pl.multiple_of(idx_ref[j] * block, block)
 
 
@@ -286,8 +286,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
       functools.partial(_fwd_kernel, cfg=cfg), grid=(tp // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg),
       interpret=cfg.interpret, name="pallas_ring_fwd")(*list_args, *info_args, q, k, v)
-  # (Merging in the kernel's epilogue measured slower on an H100 for a ring step at 8k tokens:
-  # BENCHMARKS.md's history.)
+  # (Merging in the kernel's epilogue measured slower: BENCHMARKS.md, "Kernel rules".)
   return common.merged(acc, o, lse)
 
 

@@ -7,10 +7,8 @@ accumulates across CTAs, so results are bitwise reproducible:
 * ``dq_kernel`` runs first: a CTA owns 128 query rows of one head and walks K/V; given delta as
   a ``common.RowTerm`` it computes delta and hands it to dK/dV;
 * ``dkv_kernel``: a CTA owns 128 keys of one kv head and walks q, dO, lse and delta of each
-  query head of its group. Its consumers alternate their matmuls like the forward's (H100,
-  T=16k: dK/dV 5% faster unmasked, 8% causal; the same schedule made the dQ kernel slower,
-  4.4 -> 5.4 ms unmasked with 64-key tiles, forward+backward 0.89x -> 0.86x cuDNN with 128, so
-  it has none).
+  query head of its group. Its consumers alternate their matmuls like the forward's (the dQ
+  kernel's do not: that measured slower; BENCHMARKS.md, "Kernel rules").
 
 Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
 registers, so the dK/dV kernel owns 64 rows per CTA, which its two consumers share, splitting
@@ -156,8 +154,7 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
 def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc):
   """The dQ kernel: ``(dq, delta)``. Its owned tiles are q, dO, lse, delta (and token info), the
   walked ones K/V. Given a RowTerm it computes delta from o and returns it for the dK/dV kernel
-  (H100, 16 causal documents of 1024: forward+backward 0.800 ms against 0.848 with XLA's
-  separate pass)."""
+  (``Variants.delta_in_dq``)."""
   b, tp, n, hp = q.shape
   hv, rows, f32, i32, out_dt = c.value_dim, BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
   smem = functools.partial(swizzled_smem, c.dtype)

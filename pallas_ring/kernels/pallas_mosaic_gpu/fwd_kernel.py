@@ -159,8 +159,8 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   tile's shared memory, or its own tile: ``tiles.stages_o``) and is cast to ``cfg.out_dtype``.
   Given ``acc`` (the ring's running result) the kernel merges into it instead: each consumer
   reads its rows of ``acc`` once it has finished its walk and writes the merged float32 rows
-  (measured faster than merging after the kernel for a ring step at 8k tokens per H100, though
-  the read after the walk stalls each CTA).
+  (measured faster than merging after the kernel, though the read after the walk stalls each
+  CTA).
   """
   if cfg.interpret:  # no Mosaic GPU interpreter for this kernel: Triton's emulates the plan walk
     return _triton_forward(q, k, v, ops, plan, cfg, acc)

@@ -100,11 +100,9 @@ def keep_alive(x, layout=plgpu.Layout.WGMMA):
 
 
 # The forward's consumers schedule their matmuls on two hardware ("named") barriers, id
-# ``NamedBarrier.SCHEDULE + w`` for consumer warpgroup w. H100, T=16k, bf16, against meetings
-# at a shared-memory barrier (as the backward's): unmasked 0.900x vs 0.877x cuDNN, causal 0.978x
-# vs 0.953x, documents 0.210 vs 0.220 ms. The backward's meetings got slower on hardware
-# barriers (unmasked forward+backward 0.897x vs 0.931x), so they stay on shared-memory ones
-# (``meet``).
+# ``NamedBarrier.SCHEDULE + w`` for consumer warpgroup w: faster than meeting at a
+# shared-memory barrier. The backward's meetings measured slower on hardware barriers, so they
+# stay on shared-memory ones (``meet``; BENCHMARKS.md, "Kernel rules").
 
 
 class NamedBarrier(enum.IntEnum):

@@ -153,7 +153,8 @@ def slots(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int = 
   inputs') and ``staged`` bytes of staged tile-term windows (at least 2)."""
   if cfg.num_stages:
     return cfg.num_stages
-  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim, out_itemsize)
+  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim,
+                                out_itemsize)
   return max(2, min(4, (SMEM_BYTES - fixed - staged) // kv_bytes))
 
 
@@ -161,7 +162,8 @@ def fwd_smem(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: int
              value_dim: Optional[int] = None, out_itemsize: Optional[int] = None) -> int:
   """Shared memory of the forward's q tile (and output staging), K/V slots and ``staged``
   bytes."""
-  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim, out_itemsize)
+  fixed, kv_bytes = _tile_bytes(cfg.block_q, cfg.block_kv, head_dim, itemsize, value_dim,
+                                out_itemsize)
   n = slots(cfg, head_dim, itemsize, staged, value_dim, out_itemsize)
   return fixed + n * kv_bytes + staged
 
@@ -199,11 +201,9 @@ def check_tiles(cfg: common.KernelConfig, head_dim: int, itemsize: int, staged: 
 # FlashAttention-3's intra-warpgroup overlap: each step issues tile j's q.k^T and tile j-1's
 # p.v together, waits for q.k^T only and runs tile j's softmax while p.v runs, then rescales the
 # accumulator. It keeps a second 16-bit p tile and the q.k^T accumulator live beside the output
-# accumulator, so it runs where those fit the registers (``overlaps``). H100, bf16, same runs:
-# dense T=16k 0.977x and 1.031x cuDNN against 0.893x and 0.904x serial, causal 1.009x and
-# 1.061x against 0.988x and 1.013x, H=256 T=8k 1.023x against 0.929x. ``Variants.overlap_pv``:
-# None: that rule; True/False force it (``tools/mosaic_gpu_sweep.py variants
-# overlap_pv=False,True``).
+# accumulator, so it runs where those fit the registers (``overlaps``); it is 2-14% faster
+# there (BENCHMARKS.md, "Kernel rules"). ``Variants.overlap_pv``: None: that rule; True/False force
+# it.
 
 
 def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants,
@@ -213,10 +213,9 @@ def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants,
   A consumer thread then holds the float32 output (value_dim / 2 registers: v's head dim), the
   float32 logits (block_kv / 2) and two 16-bit p tiles (block_kv / 4 each) at once, which must
   fit beside the rest. Calls with segment ids (documents) keep the serial walk: their rows are
-  short, and the overlapped walk's unpaired first and last tiles cost more than the overlap saves
-  (H100, 16 causal documents of 1024: 0.227 against 0.207 ms). Nor does the FP8 mode: its
-  matmuls are short beside the softmax, and the serial walk measured faster at every key tile
-  (BENCHMARKS.md, "FP8 forward").
+  short, and the overlapped walk's unpaired first and last tiles cost more than the overlap saves.
+  Nor does the FP8 mode: its matmuls are short beside the softmax, and the serial walk measured
+  faster at every key tile (BENCHMARKS.md, "FP8 forward").
   """
   if variants.overlap_pv is not None:
     return variants.overlap_pv
@@ -228,15 +227,10 @@ def overlaps(block_kv: int, value_dim: int, segments: bool, variants: Variants,
 # turn, so the producer streams the next item's first K/V tiles while the consumers finish the
 # current one, and a CTA starts once per SM instead of once per item. It pays where rows are
 # short and alike: sliding windows of at most ``Variants.persistent_window`` keys, in the
-# overlapped walk.
-# H100, T=16k, bf16, causal window 1024: 0.325-0.340 ms against 0.352-0.357 in five runs (cuDNN
-# 0.332-0.354), 0.339 against 0.340 in a sixth; windows of 2048 and 4096 keys: a wash
-# (0.528-0.548 against 0.538-0.560 ms; 0.914-0.933 against 0.886-0.938). Where rows differ it loses:
-# items go to CTAs round-robin, while one CTA per item lets the hardware hand the next item to
-# whichever SM is free (causal 1.98 against 1.89-1.93 ms; 16 causal documents of 1024, serial
-# walk, 0.252-0.267 against 0.212 ms). ``Variants.persistent``: None: that rule; True/False force
+# overlapped walk; wider windows gain nothing. Where rows differ it loses: items go to CTAs
+# round-robin, while one CTA per item lets the hardware hand the next item to whichever SM is
+# free (BENCHMARKS.md, "Kernel rules"). ``Variants.persistent``: None: that rule; True/False force
 # it; an int sets the CTA count (tests: several items per CTA at small sizes).
-# ``tools/mosaic_gpu_sweep.py variants window persistent=None,False``.
 
 
 def persistent_ctas(items: int, mask, overlap: bool, variants: Variants) -> int:
@@ -268,13 +262,8 @@ def sm_count() -> int:
 #   "blocks": q blocks vary fastest, then heads: CTAs that run at the same time read the same
 #     head's K/V, which L2 then serves to all of them.
 # ``Variants.item_order``; None: "blocks" from ``Variants.blocks_first_keys`` keys on, else
-# "heads". H200, bf16, N=16, H=128 (``tools/mosaic_gpu_sweep.py spans ... item_order=heads,
-# blocks``), in batches / one call:
-#   dense T=64k   68.5 / 61.7 ms heads, 55.3 / 53.6 ms blocks (cuDNN 58.4 / 60.9)
-#   causal T=64k  29.3 / 27.4 ms heads, 27.6 / 27.5 ms blocks (cuDNN 29.8 / 31.2)
-#   T=16k dense and causal: the same within the spread; shorter rows lose with "blocks", whose
-#   last heads start their longest rows late: causal T=4k 0.127 / 0.123 ms heads against
-#   0.150 / 0.144, GQA 32/8 and H=256 at T=8k 4-5%, 16 documents of 1024 2.5%.
+# "heads": long rows read K/V from L2 with "blocks", and shorter rows lose with it, whose last
+# heads start their longest rows late (BENCHMARKS.md, "Kernel rules").
 
 
 def item_order(keys: int, variants: Variants) -> str:
@@ -287,17 +276,13 @@ def item_order(keys: int, variants: Variants) -> str:
 BWD_ROWS = WG_ROWS  # rows of an owned tile per warpgroup
 BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = block_kv_bwd)
 # Rows of a walked tile (``Variants``). dK/dV walks q tiles of ``dkv_walk_rows``, 128 at head
-# dims <= 64 (H100: 0.97x cuDNN forward+backward at H=64 against 0.92x with 64): above, its
-# float32 dK, dV, s^T and dp^T fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` up to
-# head dim 128 and of 64 rows above (its float32 dQ takes 96-128 registers beside s and dp; and
-# where two slots would not fit). dQ is wide above 192 only: at 192 two consumers' q and dO still
-# fit beside two K/V slots (BENCHMARKS.md, "MLA head dims": 7-10% faster forward+backward than
-# one consumer).
-# ``Variants.delta_in_dq``: whether the dQ kernel computes delta from a RowTerm (False: XLA's
-# separate pass computes it; ``tools/mosaic_gpu_sweep.py bwd delta_in_dq=True,False``). H100,
-# T=16k: documents 0.814 vs 0.854 ms forward+backward; dense and causal take the same GPU time
-# either way (profiler traces of alternating runs: the dQ kernel's 15-25 us more against XLA's
-# 48 us pass), although wall-clock medians of causal read 2-4% slower with it.
+# dims <= 64 (faster there: BENCHMARKS.md, "Kernel rules"): above, its float32 dK, dV, s^T and dp^T
+# fill the registers. dQ walks K/V tiles of ``dq_walk_rows`` up to head dim 128 and of 64 rows above
+# (its float32 dQ takes 96-128 registers beside s and dp; and where two slots would not fit). dQ is
+# wide above 192 only: at 192 two consumers' q and dO still fit beside two K/V slots (BENCHMARKS.md,
+# "MLA head dims": 7-10% faster forward+backward than one consumer). ``Variants.delta_in_dq``:
+# whether the dQ kernel computes delta from a RowTerm (False: XLA's separate pass computes it): it
+# saves documents' short rows a pass and costs dense and causal rows nothing on the device clock.
 
 
 # Few kv heads (MQA, K=1-2) leave the dK/dV kernel with few CTAs (one per 128 keys of a kv
@@ -306,13 +291,9 @@ BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = b
 # ``d`` CTAs gives d times the CTAs, each walking ``group / d`` heads into float32 partials that
 # are summed after the kernel in a fixed order (bitwise reproducible); the partials cost a
 # float32 write and read of d x dK/dV. ``Variants.dkv_head_splits``; None: below
-# ``dkv_min_waves`` waves of CTAs, the largest divisor of the group up to ``dkv_max_splits``.
-# H100, bf16, causal, forward+backward / cuDNN in batches and one call at a time
-# (``tools/mosaic_gpu_sweep.py spans bwd mqa gqa gqa32k dkv_head_splits=...``):
-#   MQA 16/1 T=16k (128 CTAs): d=1 0.70x / 0.66x, 2 0.95 / 0.99, 4 0.98 / 0.99, 8 0.94 / 0.98,
-#     16 0.96 / 0.98;
-#   GQA 32/8 T=8k (512 CTAs): d=1 0.93 / 0.96, 2 0.95 / 0.98, 4 0.97 / 1.00;
-#   GQA 32/8 T=32k (2048 CTAs): d=1 0.93 / 0.94, 2 0.93 / 0.92, 4 0.94 / 0.93 (no gain).
+# ``dkv_min_waves`` waves of CTAs, the largest divisor of the group up to ``dkv_max_splits``
+# (MQA 16/1: 1.4x faster forward+backward; from 2048 CTAs on, no gain: BENCHMARKS.md, "Kernel
+# rules").
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
