@@ -174,9 +174,8 @@ def run(q, k, v, checked: call.Checked):
 def _flash_on(backend, interpret, q, k, v, arrays: call.Arrays, *, settings: call.Settings):
   """``flash_attention`` on one resolved backend: pads to its tiles, runs, un-pads."""
   lowering = kernels.get(backend)
-  (q, k, v), terms, compute = fp8.for_backend(lowering, q, k, v, arrays.terms, settings.quantize)
-  # (``quantize=`` where the kernels read FP8: the custom VJP quantizes q, k, v)
-  quantize = settings.quantize if "fp8" in terms else None
+  (q, k, v), terms, compute, quantize = fp8.for_backend(lowering, q, k, v, arrays.terms,
+                                                       settings.quantize)
   arrays = arrays._replace(terms=terms)
   b, t, n, _ = q.shape
   s, hv = k.shape[1], v.shape[-1]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_ring import pair
-from pallas_ring.kernels.common import dequantize
+from pallas_ring.kernels.common import dequantize, dequantize_kv
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -250,18 +250,21 @@ def for_backend(lowering, q, k, v, terms, quantize_to=None):
   quantize them), else at their quantized values, their gradients straight through.
 
   Returns:
-    ``((q, k, v), terms, compute)``: ``compute`` the dtype the call computes in.
+    ``((q, k, v), terms, compute, quantize)``: ``compute`` the dtype the call computes in,
+    ``quantize`` the FP8 dtype its custom VJP quantizes q, k, v to (``quantize_to`` where the
+    backend reads FP8, else None): the dtype its tiles are chosen for where given.
   """
   descales = terms.get("fp8")
   compute = compute_dtype(q, descales)
   if descales is None or lowering.forward_reads_fp8:
-    return (q, k, v), terms, compute
+    return (q, k, v), terms, compute, None if descales is None else quantize_to
   rest = {name: x for name, x in terms.items() if name != "fp8"}
   if quantize_to is None:
-    return dequantize(q, k, v, descales, compute), rest, compute
+    return dequantize(q, k, v, descales, compute), rest, compute, None
   at = dequantize(*quantize(q, k, v, descales, quantize_to), descales, jnp.float32)
   through = lambda x, y: (x + jax.lax.stop_gradient(y - x)).astype(compute)
-  return tuple(through(x.astype(jnp.float32), y) for x, y in zip((q, k, v), at)), rest, compute
+  widened = tuple(through(x.astype(jnp.float32), y) for x, y in zip((q, k, v), at))
+  return widened, rest, compute, None
 
 
 def compute_dtype(q, descales):
@@ -285,6 +288,20 @@ def backward_operands(q, k, v, descales, primals=None):
     return dequantize(q, k, v, descales, dtype), cast(primals)
   wide, vjp = jax.vjp(lambda *x: dequantize(*x, descales, dtype), q, k, v)
   return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
+
+
+def ring_operands(q, k, v, descales, primals=None):
+  """``backward_operands`` for a backward ring: ``((q, (k, v), widen), cotangents)`` with FP8 k
+  and v kept as they are, so that they travel as FP8 bytes, and ``widen((k, v))`` dequantizing
+  a step's pair (the identity without ``descales``). The ring's shards share their descales
+  (``quantize=``'s are the ring's maxima; FP8 inputs' are the caller's, for the whole
+  sequence)."""
+  (q_wide, k_wide, v_wide), cotangents = backward_operands(q, k, v, descales, primals)
+  if descales is None:
+    return (q_wide, (k_wide, v_wide), lambda kv: kv), cotangents
+  group = q.shape[2] // k.shape[2]
+  widen = lambda kv: dequantize_kv(*kv, descales, group, q_wide.dtype)
+  return (q_wide, (k, v), widen), cotangents
 
 
 def quantized_primals(q, k, v, descales, dtype):

@@ -280,15 +280,16 @@ def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, pac
   return compute(*unpack(held), src(n), acc)
 
 
-def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed):
+def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed, widen):
   """``(dq, dk, dv, dterms)``; dterms: ``{name: cotangent}`` of the differentiable operands of
-  ``fixed.terms``, in their full-width layout."""
+  ``fixed.terms``, in their full-width layout. ``widen``: a step's K/V as the kernels take them
+  (FP8 ones travel as they are: ``fp8.ring_operands``)."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    dq, dk, dv, dterms = pair_backward(st, q, _gather(kv[0], st), _gather(kv[1], st), do, lse,
+    dq, dk, dv, dterms = pair_backward(st, q, *widen([_gather(x, st) for x in kv]), do, lse,
                                         delta, ops, plan=st.planner.plan(ops, True, rank, 0))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
@@ -308,7 +309,7 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
     dq and dterms, or only dk and dv)."""
     sub, h = st.for_pair(chain), st.halo(chain)
     ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
-    dq, dk, dv, step = pair_backward(sub, q, kv[0], kv[1], do, lse, delta, ops, dq, parts,
+    dq, dk, dv, step = pair_backward(sub, q, *widen(kv), do, lse, delta, ops, dq, parts,
                                      sub.planner.plan(ops, True, rank, src), dkv)
     dterms = {name: put(full, name, step[name], src, h) for name, full in dterms.items()}
     return dq, None if dk is None else (dk, dv), dterms
@@ -381,13 +382,13 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, primals, o, lse = res
-  # FP8 q, k, v: the backward ring runs on their dequantized values
-  (q, k, v), cotangents = fp8.backward_operands(q, k, v, fixed.terms.get("fp8"), primals)
+  # FP8 q, k, v: the backward ring runs on their dequantized values, K/V sent in FP8
+  (q, kv, widen), cotangents = fp8.ring_operands(q, k, v, fixed.terms.get("fp8"), primals)
   wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
-  dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st))(
-      q, (k, v), do.astype(q.dtype), lse, delta, q_info, kv_info, wide)
+  dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st, widen=widen))(
+      q, kv, do.astype(q.dtype), lse, delta, q_info, kv_info, wide)
   # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
@@ -540,8 +541,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   """``ring_attention`` on one resolved backend: pads to its tiles, runs the ring, un-pads."""
   cs, r, derived = settings, ring_size, derived_positions
   impl = kernels.get(backend)
-  (q, k, v), terms, _ = fp8.for_backend(impl, q, k, v, terms, cs.quantize)
-  quantize = cs.quantize if "fp8" in terms else None  # (``_ring_fwd`` quantizes q, k, v)
+  (q, k, v), terms, _, quantize = fp8.for_backend(impl, q, k, v, terms, cs.quantize)
   b, t, _, _ = q.shape
   h, hv = pair.kernel_head_dim(q, v), v.shape[-1]
   gather = strategy == "all_gather"

@@ -356,10 +356,18 @@ def merge_reduced(o, lse, reduce_max: Callable, reduce_sum: Callable):
 def dequantize(q, k, v, descales, dtype):
   """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
   (``Operands.fp8``: ``[Bs, N, 3]``) in ``dtype``."""
-  group = q.shape[2] // k.shape[2]
-  d = descales[:, None]  # [Bs, 1, N, 3]
-  return tuple((x.astype(jnp.float32) * d[:, :, ::g, i:i + 1]).astype(dtype)
-               for i, (x, g) in enumerate(((q, 1), (k, group), (v, group))))
+  return (_descaled(q, descales, 0, 1, dtype),
+          *dequantize_kv(k, v, descales, q.shape[2] // k.shape[2], dtype))
+
+
+def dequantize_kv(k, v, descales, group: int, dtype):
+  """``dequantize``'s k and v alone (``group`` query heads per kv head)."""
+  return _descaled(k, descales, 1, group, dtype), _descaled(v, descales, 2, group, dtype)
+
+
+def _descaled(x, descales, i: int, group: int, dtype):
+  d = descales[:, None, ::group, i:i + 1]  # [Bs, 1, heads, 1]
+  return (x.astype(jnp.float32) * d).astype(dtype)
 
 
 def merged(acc: Optional[Partial], o, lse):
