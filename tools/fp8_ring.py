@@ -1,12 +1,14 @@
 """The ring on FP8 q, k, v over every local GPU: accuracy, and forward time against bfloat16.
 
-    PYTHONPATH=. python tools/fp8_ring.py [TOKENS_PER_GPU]
+    PYTHONPATH=. python tools/fp8_ring.py [TOKENS_PER_GPU] [--train]
 
 First ``sharded_attention`` (ring, zigzag, causal) on ``quantize_fp8``'s operands against the
 float32 xla backend on the same dequantized values (4096 tokens, N=4), forward. Then, at
 TOKENS_PER_GPU (default 32768) per GPU, N=16, H=128, inputs sharded beforehand: the forward of
 the ring (contiguous dense and zigzag causal) on bfloat16 against the same on FP8 (each step's
-kernel in FP8, K/V sent as FP8 bytes), device clock, batches.
+kernel in FP8, K/V sent as FP8 bytes), device clock, batches. ``--train``: forward+backward
+instead, of ``sharded_attention(quantize=float8_e4m3fn)`` on the bfloat16 inputs (FP8 forward
+steps, K/V sent as FP8 bytes both ways) against plain bfloat16.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _inputs(t, n, h, seed):
   return [jax.random.normal(key, (1, t, n, h), jnp.float32) for key in ks]
 
 
-def main(tokens):
+def main(tokens, train=False):
   r = jax.device_count()
   print(jax.__version__, jax.devices()[0].device_kind, f"x{r}", flush=True)
   mesh = jax.make_mesh((r,), ("sp",), axis_types=(AxisType.Auto,))
@@ -67,14 +69,25 @@ def main(tokens):
       return sharded_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, mesh=mesh,
                                config=cfg, mask=spec)
 
-    calls = {"bf16": (jax.jit(ring16), bf), "fp8": (jax.jit(ring8), (q8, k8, v8, qd, kd, vd))}
+    def quantized(q, k, v, cfg=cfg, spec=spec):
+      return sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=spec,
+                               quantize=jnp.float8_e4m3fn)
+
+    if train:
+      do = shard(jax.random.normal(jax.random.key(3), bf[0].shape, jnp.bfloat16))
+      calls = {"bf16": (bench.fwd_bwd(ring16), (*bf, do)),
+               "fp8": (bench.fwd_bwd(quantized), (*bf, do))}
+    else:
+      calls = {"bf16": (jax.jit(ring16), bf), "fp8": (jax.jit(ring8), (q8, k8, v8, qd, kd, vd))}
     with bench.clock("device"):
       samples = bench.interleaved_samples(calls, reps=6)
     med = {name: statistics.median(s) for name, s in samples.items()}
     for name, secs in med.items():
       print(f"{tokens} tokens/GPU x{r} {layout:10s} {'causal' if causal else 'dense':6s} "
-            f"fwd {name:5s} {secs * 1e3:8.3f} ms  {med['bf16'] / secs:.3f}x bf16", flush=True)
+            f"{'fwd+bwd' if train else 'fwd'} {name:5s} {secs * 1e3:8.3f} ms  "
+            f"{med['bf16'] / secs:.3f}x bf16", flush=True)
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]) if len(sys.argv) > 1 else 32768)
+  args = [a for a in sys.argv[1:] if a != "--train"]
+  main(int(args[0]) if args else 32768, train="--train" in sys.argv)
