@@ -514,6 +514,9 @@ def test_slots_fill_shared_memory_with_at_least_two():
   # MLA 192/128: 48 KiB q (o staged in it) + 2 x 80 KiB K/V; FP8: 24 KiB q + 32 KiB o staging
   assert tiles.fwd_smem(cfg(128), 192, 2, value_dim=128) == 208 * 1024
   assert tiles.fwd_smem(cfg(256), 192, 1, value_dim=128, out_itemsize=2) == 216 * 1024
+  # a q tile of 64 x 256 seen as 88 rows of 192 columns (its bytes, rounded to 8 rows)
+  assert tiles.o_view_rows(64, 256, 192) == 88 and tiles.o_view_rows(64, 192, 128) == 96
+  assert tiles.fwd_smem(cfg(64), 256, 2, value_dim=192) == 2 * 88 * 192 * 2 + 2 * 64 * 448 * 2
   assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(), 2, 64, 128) == 32 * 1024
   assert tiles.staged_bias_bytes(jnp.float32, Variants(), 2, 64, 128) == 0
   assert tiles.staged_bias_bytes(jnp.bfloat16, Variants(stage_bias=False), 2, 64, 128) == 0
@@ -580,6 +583,47 @@ def test_interpret_on_cpu_emulates_the_plan_walk(h, hv, bias):
   assert len(got) == len(ref) == 4 + bias
   for a, r in zip(got, ref):
     assert a.shape == r.shape and rel_err(a, r) < 2e-2
+
+
+NARROW_V = [(192, 128), (256, 192), (128, 64)]  # (H, Hv): the output staged in the q tiles
+
+
+def _narrow_v_forward(h, hv, ctas):
+  """``f(q, k, v) -> (o, lse)``: the Mosaic GPU forward at (H, Hv) under a sliding window, with
+  ``ctas`` persistent CTAs (False: one per item), and its argument structs."""
+  sd, bs = jax.ShapeDtypeStruct, BlockSizes(variants=Variants(persistent=ctas))
+  structs = [sd((2, 384, 4, h), jnp.bfloat16), sd((2, 384, 2, h), jnp.bfloat16),
+             sd((2, 384, 2, hv), jnp.bfloat16)]
+  f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal() & masks.SlidingWindow(100),
+                                      backend="pallas_mosaic_gpu", interpret=False,
+                                      block_sizes=bs, return_lse=True)
+  return f, structs
+
+
+@pytest.mark.parametrize("h, hv", NARROW_V)
+def test_narrow_v_forward_lowers_with_its_output_in_the_q_tiles(h, hv):
+  for ctas in (False, 3):
+    f, structs = _narrow_v_forward(h, hv, ctas)
+    assert _lower(f, *structs).count(MOSAIC) == 1
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("h, hv", NARROW_V)
+def test_native_narrow_v_forward_matches(h, hv):
+  """A narrower v's output staged in the q tiles: one CTA per item and 3 persistent CTAs (the
+  next item's q loading into the tile that staged the last output) give the same bits and
+  match the reference."""
+  rng = np.random.default_rng(5)
+  f, structs = _narrow_v_forward(h, hv, False)
+  args = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in structs]
+  one = jax.jit(f)(*args)
+  three = jax.jit(_narrow_v_forward(h, hv, 3)[0])(*args)
+  for a, b in zip(one, three):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref = reference.attention(*(x.astype(jnp.float32) for x in args),
+                            mask=masks.Causal() & masks.SlidingWindow(100))
+  assert rel_err(one[0], ref[0]) < 1e-2 and rel_err(one[1], ref[1]) < 1e-3
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

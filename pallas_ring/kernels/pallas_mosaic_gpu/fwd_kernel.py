@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import kernels
-from pallas_ring.kernels import backend, common
+from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_epilogue import epilogue
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_mainloop import (
@@ -31,7 +31,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, check_value_dim, fwd_smem,
-    item_order, overlaps, persistent_ctas, slots, stages_o, unsupported)
+    item_order, o_view_rows, overlaps, persistent_ctas, slots, stages_o, unsupported)
 
 
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
@@ -201,11 +201,9 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   v_tile = (hv, g.bk) if fp8_mode else (g.bk, hv)  # (``fp8.v_source``)
   own_stage = stages_o(itemsize, out_itemsize) and not g.merge
   q_tiles = smem(COMPUTE_WGS, g.bq, hp)
-  if hv != hp and not own_stage and not g.merge:
-    # o's staging: each consumer's q tile seen as rows of Hv columns, its first bq rows (``o_view``
-    # rows per consumer: its tile's bytes, so that each view starts inside its own q tile)
-    o_view = backend.round_up(-(-g.bq * hp // hv), 8)
-    q_tiles = plgpu.RefUnion(q_tiles, swizzled_smem(o_dtype, COMPUTE_WGS, o_view, hv))
+  if hv != hp and not own_stage and not g.merge:  # o staged in the q tiles: their view at Hv
+    q_tiles = plgpu.RefUnion(q_tiles, swizzled_smem(o_dtype, COMPUTE_WGS,
+                                                    o_view_rows(g.bq, hp, hv), hv))
   scratch = (q_tiles, smem(g.slots, g.bk, hp), smem(g.slots, *v_tile),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),

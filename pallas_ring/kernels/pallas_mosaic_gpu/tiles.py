@@ -121,7 +121,17 @@ def _tile_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int,
   fixed = block_q * head_dim * itemsize
   if stages_o(itemsize, out_itemsize):
     fixed += block_q * hv * out_itemsize
+  elif hv != head_dim:  # (the q tiles' union with their view at Hv columns: ``o_view_rows``)
+    rows = o_view_rows(block_q // COMPUTE_WGS, head_dim, hv)
+    fixed = max(fixed, COMPUTE_WGS * rows * hv * itemsize)
   return fixed, block_kv * (head_dim + hv) * itemsize
+
+
+def o_view_rows(rows: int, head_dim: int, value_dim: int) -> int:
+  """Rows of a consumer's q tile (``[rows, H]``) seen as a tile of ``Hv`` columns, the first
+  ``rows`` of which stage its output where v is narrower: at least the q tile's bytes, so that
+  each consumer's view starts inside its own q tile, and a multiple of 8 (swizzled tiles)."""
+  return backend.round_up(-(-rows * head_dim // value_dim), 8)
 
 
 def key_tile(head_dim: int, value_dim: int, itemsize: int, out_itemsize: int) -> int:
