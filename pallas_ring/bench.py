@@ -200,7 +200,7 @@ def model_shapes(log=print):
 
 def extras_cost(t=16384, b=1, n=16, h=128, log=print):
   """Causal forward+backward with attention dropout 0.1 and with ALiBi, against the same call
-  without them (issue 15's cost targets: <= 1.15x and <= 1.05x)."""
+  without them (BENCHMARKS.md, "Bias, ALiBi and dropout")."""
   q, k, v, do = random_inputs(b, t, n, h, seed=4)
   slopes = jnp.asarray(2.0 ** (-8.0 * (np.arange(n) + 1) / n), jnp.float32)
   key = jax.random.key(0)

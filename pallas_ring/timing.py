@@ -92,13 +92,11 @@ def balanced_orders(n: int) -> list:
 
 def interleaved_samples(calls, iters=10, reps=5, min_batch_s=MIN_BATCH_S, batches=None) -> dict:
   """Seconds per call of each ``name: (jitted fn, args)``, one sample per repetition, the
-  repetitions interleaved across the calls, so that clock and thermal drift during a run
-  (measured at 5-15% on an H100 between back-to-back timings of one kernel) hit every
-  implementation alike. The repetitions run the calls in ``balanced_orders``, ``reps`` rounded
-  up to whole rounds of them, so that no implementation takes one place more often than
-  another (on an H100 two builds of one kernel timed first and second of four in every
-  repetition read 3.54 and 3.77 ms). Identical builds still differed by up to 6% within one
-  run in these orders, so that is the noise of a single run. Each sample is a batch of at least
+  repetitions interleaved across the calls, so that clock and thermal drift during a run hit
+  every implementation alike. The repetitions run the calls in ``balanced_orders``, ``reps``
+  rounded up to whole rounds of them, so that no implementation takes one place more often than
+  another (a call's place in a round moves its time; BENCHMARKS.md's opening says how much,
+  and what noise remains). Each sample is a batch of at least
   ``iters`` calls lasting at least ``min_batch_s`` (0: exactly ``iters``; ``_batch``), or
   ``batches[name]`` calls where given (1: lone calls, timed beside sustained batches in the same
   trace: on several GPUs the first call after a profiler trace stops can fail, jax#40260)."""
