@@ -108,14 +108,16 @@ def unsupported(call: backend.Call) -> Optional[str]:
 
 def stages_o(itemsize: int, out_itemsize: int) -> bool:
   """Whether the forward stages its output in a tile of its own: where the q tile's dtype is
-  not the output's (FP8 inputs). Otherwise the q tile's first Hv columns stage it."""
+  not the output's (FP8 inputs). Otherwise the q tiles stage it (at a narrower v, seen as
+  ``o_view_rows`` rows of Hv columns)."""
   return out_itemsize != itemsize
 
 
 def _tile_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int,
                 value_dim: Optional[int], out_itemsize: Optional[int]) -> tuple[int, int]:
-  """Bytes of the forward's fixed tiles (q [block_q, H], and where ``stages_o`` the output's
-  staging [block_q, Hv]) and of one K/V slot ([block_kv, H] + [block_kv, Hv])."""
+  """Bytes of the forward's fixed tiles (q [block_q, H], at least its view at a narrower v, and
+  where ``stages_o`` the output's staging [block_q, Hv]) and of one K/V slot ([block_kv, H] +
+  [block_kv, Hv])."""
   hv = head_dim if value_dim is None else value_dim
   out_itemsize = itemsize if out_itemsize is None else out_itemsize
   fixed = block_q * head_dim * itemsize
