@@ -216,13 +216,20 @@ def test_dkv_head_splits_rule_fills_the_gpu_with_few_kv_heads():
 
 def test_register_split_is_a_checked_variant():
   """The setmaxnreg split is ``Variants(consumer_regs, producer_regs)``: it reaches every kernel's
-  lowering (the PTX asks for it), and one that cannot fit the register file is refused."""
-  sd = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  lowering (the PTX asks for it), and one that cannot fit the register file is refused. The dQ
+  kernel's lone consumer above head dim 192 takes ``lone_consumer_regs`` instead (no other
+  kernel has a lone consumer)."""
   grad = lambda v: jax.grad(lambda *a: jnp.sum(flash_attention(
       *a, mask=masks.Causal(), backend="pallas_mosaic_gpu", interpret=False,
       block_sizes=BlockSizes(variants=v)).astype(jnp.float32)), argnums=(0, 1, 2))
-  text = lambda v: jax.jit(grad(v)).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+
+  def text(v, h=128):
+    sd = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
+    return jax.jit(grad(v)).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+
   assert text(Variants()) != text(Variants(consumer_regs=224, producer_regs=56))
+  assert text(Variants()) == text(Variants(lone_consumer_regs=232))
+  assert text(Variants(), 256) != text(Variants(lone_consumer_regs=232), 256)
   with pytest.raises(ValueError, match=r"consumer_regs=240, producer_regs=40\) is invalid"):
     Variants(consumer_regs=240)
   with pytest.raises(ValueError, match="multiple of 8"):

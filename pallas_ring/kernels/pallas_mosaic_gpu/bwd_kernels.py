@@ -113,7 +113,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to,
-                     regs=variants.regs)
+                     regs=(variants.lone_consumer_regs, variants.producer_regs)
+                     if owners == 1 and not dkv else variants.regs)
 
 
 def _infos(c: _Call, ops: common.Operands, cfg, dkv: bool) -> tuple:

@@ -65,9 +65,13 @@ class Variants:
   dense_visibility: bool = True
   # Registers per thread after setmaxnreg (``plgpu.set_max_registers``) of each consumer
   # warpgroup and of the producer: (COMPUTE_WGS x consumer + producer) x 128 threads must fit
-  # the register file; asking for more never returns (240 per consumer hung).
+  # the register file; asking for more never returns (240 per consumer hung). 240 and 24 spill
+  # less but starve the producer (BENCHMARKS.md, "Kernel rules").
   consumer_regs: int = 232
   producer_regs: int = 40
+  # ... of the one consumer of a kernel that has one (the dQ kernel above ``wide_dq_above``):
+  # its float32 dQ of 64 x 256 alone takes 128 registers per thread.
+  lone_consumer_regs: int = 256
 
   @property
   def regs(self) -> tuple[int, int]:
@@ -76,7 +80,7 @@ class Variants:
 
   def __post_init__(self):
     regs = self.regs
-    if (any(r % 8 or not 24 <= r <= 256 for r in regs)
+    if (any(r % 8 or not 24 <= r <= 256 for r in (*regs, self.lone_consumer_regs))
         or (COMPUTE_WGS * regs[0] + regs[1]) * 128 > REGISTER_FILE):
       raise ValueError(f"Variants(consumer_regs={regs[0]}, producer_regs={regs[1]}) is invalid: "
                        "each must be a multiple of 8 in [24, 256], and (2 x consumer_regs + "

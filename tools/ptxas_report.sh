@@ -1,0 +1,21 @@
+#!/bin/bash
+# ptxas's spill report for the Mosaic GPU kernels of one forward+backward (run on a device
+# machine; MOSAIC_GPU_DUMP_PTXAS=1):
+#
+#   tools/ptxas_report.sh SHAPE ["FIELD=VALUE ..." ...]
+#
+# SHAPE is the first word of a backward shape of tools/mosaic_gpu_sweep.py (dense, causal, gqa,
+# h64, h256, docs, dense4k, causal4k); each further argument is one pallas_mosaic_gpu.Variants
+# setting ("" or none: the defaults). Prints, per setting, one line per kernel in the order
+# compiled (forward, dQ, dK/dV; forward and the fused kernel with deterministic=False): its spill
+# stores and loads. ptxas's "Used N registers" is the launch bound (65536 / threads), not what
+# each warpgroup holds after setmaxnreg, so it is left out.
+set -u
+shape=$1; shift
+[ $# -eq 0 ] && set -- ""
+for setting in "$@"; do
+  echo "== $shape ${setting:-defaults}"
+  MOSAIC_GPU_DUMP_PTXAS=1 python3 tools/mosaic_gpu_sweep.py calls "$shape" $setting 2>&1 \
+    | grep -E "bytes spill stores|Error|error:" | grep -v "^ptxas warning" \
+    | awk '{print "  kernel " NR ": " $0}'
+done
