@@ -390,5 +390,5 @@ def cast_output(result, out_dtype, scale=None):
 
 __all__ = ["quantize_fp8", "descale_of", "quantize_with", "prepare", "Prepared",
            "kernel_descales", "for_backend", "compute_dtype", "dequantize", "quantize",
-           "straight_through", "quantized_primals", "backward_operands",
+           "straight_through", "quantized_primals", "backward_operands", "ring_operands",
            "fold", "cast_output", "is_fp8", "FP8_DTYPES"]

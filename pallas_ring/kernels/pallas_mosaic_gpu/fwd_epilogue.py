@@ -1,5 +1,5 @@
 """The forward's epilogue: a consumer normalises its rows of a work item and writes them with
-their lse (through its staging tile: the q tile's shared memory where it fits), or merges them
+their lse (through its staging tile: ``FwdGeometry.o_staging``), or merges them
 into the ring's running result (``common.Partial``, in global memory); either way the next
 item's q rows load meanwhile."""
 

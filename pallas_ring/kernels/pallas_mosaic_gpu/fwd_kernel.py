@@ -31,15 +31,14 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, check_value_dim, fwd_smem,
-    item_order, o_view_rows, overlaps, persistent_ctas, slots, stages_o, unsupported)
+    item_order, o_view_rows, overlaps, persistent_ctas, slots, unsupported)
 
 
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
   """``FwdRefs`` of the kernel's refs: the plan's lists, both sides' token info, ``g.terms``'
   inputs (``TermRefs``), the FP8 descales in FP8 mode, q, k, v, the earlier passes' (o, lse)
   when merging, o, lse, then the scoped scratch ``(tiles, barriers, a staged tile term's
-  TermStage, the output's staging)`` (the last ``()`` where the q tile stages it:
-  ``tiles.stages_o``)."""
+  TermStage, the output's staging)`` (the last ``()`` unless ``g.o_staging`` is "own")."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, refs = g.terms.refs(refs)
   descales, refs = (refs[0], refs[1:]) if g.fp8 else (None, refs)
@@ -47,12 +46,11 @@ def _refs(refs, g: FwdGeometry) -> FwdRefs:
   *acc_refs, o_ref, lse_ref, scoped = io
   smem, bars, stage, o_stage = scoped
   (k_bar, v_bar, q_bar), (k_free, v_free) = bars
-  if isinstance(o_stage, tuple):  # staged in the q tiles (where merging: not staged)
-    if g.value_dim != g.head_dim and not g.merge:  # (their union with a view at Hv columns)
-      q_tiles, o_view = smem[0]
-      smem, o_stage = (q_tiles, *smem[1:]), o_view.at[:, pl.ds(0, g.bq)]
-    else:
-      o_stage = smem[0]
+  if g.o_staging == "q_view":  # (the q tiles' union with their view at Hv columns)
+    q_tiles, o_view = smem[0]
+    smem, o_stage = (q_tiles, *smem[1:]), o_view.at[:, pl.ds(0, g.bq)]
+  elif g.o_staging != "own":  # the q tiles (merging stages nothing)
+    o_stage = smem[0]
   return FwdRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  descales, tuple(acc_refs), o_ref, lse_ref, *smem, k_bar, v_bar, q_bar, k_free,
                  v_free, TermStage(*stage) if g.terms.staged else None, o_stage)
@@ -156,7 +154,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
   one FP8 dtype with their descales (``ops.fp8``) run the FP8 mode (``fp8``).
 
   ``o`` leaves the kernel in the inputs' 16-bit dtype, bfloat16 for FP8 (staged through the q
-  tile's shared memory, or its own tile: ``tiles.stages_o``) and is cast to ``cfg.out_dtype``.
+  tiles, or its own tile: ``FwdGeometry.o_staging``) and is cast to ``cfg.out_dtype``.
   Given ``acc`` (the ring's running result) the kernel merges into it instead: each consumer
   reads its rows of ``acc`` once it has finished its walk and writes the merged float32 rows
   (measured faster than merging after the kernel, though the read after the walk stalls each
@@ -199,11 +197,13 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   regs=variants.regs)
   smem = functools.partial(swizzled_smem, q.dtype)
   v_tile = (hv, g.bk) if fp8_mode else (g.bk, hv)  # (``fp8.v_source``)
-  own_stage = stages_o(itemsize, out_itemsize) and not g.merge
   q_tiles = smem(COMPUTE_WGS, g.bq, hp)
-  if hv != hp and not own_stage and not g.merge:  # o staged in the q tiles: their view at Hv
-    q_tiles = plgpu.RefUnion(q_tiles, swizzled_smem(o_dtype, COMPUTE_WGS,
-                                                    o_view_rows(g.bq, hp, hv), hv))
+  if g.o_staging == "q_view":  # o staged in the q tiles: their view at Hv columns
+    # A RefUnion lays its members out from one address, so consumer w's view [rows, Hv] starts
+    # w * rows * Hv elements in; its first bq rows must lie inside its own q tile [bq, H].
+    rows = o_view_rows(g.bq, hp, hv)
+    assert rows * hv >= g.bq * hp and (rows + g.bq) * hv <= COMPUTE_WGS * g.bq * hp, (hp, hv)
+    q_tiles = plgpu.RefUnion(q_tiles, swizzled_smem(o_dtype, COMPUTE_WGS, rows, hv))
   scratch = (q_tiles, smem(g.slots, g.bk, hp), smem(g.slots, *v_tile),
              plgpu.SMEM((COMPUTE_WGS, g.bq), jnp.float32),
              plgpu.SMEM((COMPUTE_WGS, g.info_rows, g.bq), jnp.int32),
@@ -217,7 +217,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
               (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),) * 2)
 
   stage = stage_scratch(term_dt, COMPUTE_WGS, (bq, g.bk)) if staged else ()
-  o_stage = swizzled_smem(o_dtype, COMPUTE_WGS, g.bq, hv) if own_stage else ()
+  o_stage = swizzled_smem(o_dtype, COMPUTE_WGS, g.bq, hv) if g.o_staging == "own" else ()
 
   def entry(*refs):
     pl.run_scoped(

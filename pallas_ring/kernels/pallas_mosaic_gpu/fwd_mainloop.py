@@ -51,7 +51,7 @@ class FwdRefs(NamedTuple):
   k_free: Any  # per slot: both consumers are done with K
   v_free: Any  # per slot: both consumers are done with V
   stage: Optional[TermStage]  # a staged tile term's windows
-  o_smem: Any  # [COMPUTE_WGS, bq, Hv]: each consumer's o staging (its q tile when it fits)
+  o_smem: Any  # [COMPUTE_WGS, bq, Hv]: each consumer's o staging (``FwdGeometry.o_staging``)
 
 
 class Consumer(NamedTuple):
@@ -62,7 +62,7 @@ class Consumer(NamedTuple):
   r: FwdRefs
   wg: Any  # this warpgroup's index
   q_smem: Any  # [bq, H]
-  o_smem: Any  # [bq, Hv]: o staging (``q_smem`` when it fits)
+  o_smem: Any  # [bq, Hv]: o staging (``FwdGeometry.o_staging``)
   lse_smem: Any  # [bq]
   qinfo_smem: Any  # [info_rows, bq]
   rkey_smem: Any  # [bq]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import head_view
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import Terms
-from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import Variants, stages_o
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,17 @@ class FwdGeometry:
   def fp8(self) -> bool:
     """Whether the kernel runs its FP8 mode (``fp8``)."""
     return fp8.is_fp8(self.dtype)
+
+  @property
+  def o_staging(self) -> str:
+    """Where a consumer stages its output rows: "none" when merging (into the ring's result, in
+    global memory), "own" (a tile of its own: ``tiles.stages_o``), "q" (its q tile) or "q_view"
+    (its q tile seen at a narrower v's Hv columns: ``tiles.o_view_rows``)."""
+    if self.merge:
+      return "none"
+    if stages_o(jnp.dtype(self.dtype).itemsize, jnp.dtype(self.out_dtype).itemsize):
+      return "own"
+    return "q" if self.value_dim == self.head_dim else "q_view"
 
   @property
   def key_rows(self) -> int:
