@@ -234,6 +234,8 @@ def test_register_split_is_a_checked_variant():
     Variants(consumer_regs=240)
   with pytest.raises(ValueError, match="multiple of 8"):
     Variants(producer_regs=20)
+  with pytest.raises(ValueError, match=r"lone_consumer_regs=260\) is invalid"):
+    Variants(lone_consumer_regs=260)
 
 
 @pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])

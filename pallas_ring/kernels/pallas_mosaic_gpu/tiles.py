@@ -80,7 +80,11 @@ class Variants:
 
   def __post_init__(self):
     regs = self.regs
-    if (any(r % 8 or not 24 <= r <= 256 for r in (*regs, self.lone_consumer_regs))
+    lone = self.lone_consumer_regs
+    if lone % 8 or not 24 <= lone <= 256:
+      raise ValueError(f"Variants(lone_consumer_regs={lone}) is invalid: it must be a multiple "
+                       "of 8 in [24, 256], e.g. 256.")
+    if (any(r % 8 or not 24 <= r <= 256 for r in regs)
         or (COMPUTE_WGS * regs[0] + regs[1]) * 128 > REGISTER_FILE):
       raise ValueError(f"Variants(consumer_regs={regs[0]}, producer_regs={regs[1]}) is invalid: "
                        "each must be a multiple of 8 in [24, 256], and (2 x consumer_regs + "
