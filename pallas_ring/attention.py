@@ -31,9 +31,12 @@ def _flash_fwd(q, k, v, sinks, ops, cfg, planner, backend, quantize):
 def _flash_bwd(cfg, planner, backend, quantize, res, cts):
   del quantize
   q, k, v, sinks, ops, primals, o, lse = res
-  # FP8 q, k, v: the backward runs on their dequantized values
+  # FP8 q, k, v: the backward's gradients are their dequantized values' (a backend that reads
+  # FP8 in its backward takes them as they are)
+  given = (q, k, v)
   (q, k, v), cotangents = fp8.backward_operands(q, k, v, ops.fp8, primals)
   wide = ops._replace(fp8=None)
+  reads_fp8 = ops.fp8 is not None and kernels.get(backend).backward_reads_fp8
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   # [B, N, Tp]; left to the kernel (fused into a pass that reads do) unless needed out here.
   delta = common.RowTerm(o, dlse)
@@ -44,7 +47,9 @@ def _flash_bwd(cfg, planner, backend, quantize, res, cts):
     plan = planner.plan(ops, backward=True)
     return kernels.get(backend).backward(q, k, v, do, lse, delta, ops, plan, cfg)
 
-  dq, dk, dv = pair.first_order_only(backward)(q, k, v, do.astype(q.dtype), lse, delta, wide)
+  dq, dk, dv = pair.first_order_only(backward)(
+      *(given if reads_fp8 else (q, k, v)), do.astype(q.dtype), lse, delta,
+      ops if reads_fp8 else wide)
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   grads = pair.ops_grad(q, k, v, do, lse, delta, wide, cfg)
   return (*cotangents(dq, dk, dv), dsinks, pair.ops_cotangent(ops, grads))

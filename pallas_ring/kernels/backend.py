@@ -162,6 +162,9 @@ class Backend:
   # (and runs its matmuls in FP8, or widens them as it reads them); else FP8 operands are
   # widened in XLA first.
   forward_reads_fp8: ClassVar[bool] = False
+  # Whether ``backward`` takes them too (its gradients are the dequantized values'); else the
+  # custom VJP dequantizes them first.
+  backward_reads_fp8: ClassVar[bool] = False
 
   def __repr__(self) -> str:
     return f"<backend {self.name}>"

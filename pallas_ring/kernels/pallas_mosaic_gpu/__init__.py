@@ -82,6 +82,7 @@ class MosaicGpuBackend(backend.Backend):
   variants_cls = Variants
   fallback = "pallas_triton"
   forward_reads_fp8 = True
+  backward_reads_fp8 = True  # (its FP8 mode where it serves, else dequantized: ``backward``)
 
   def supports(self, call):
     why = unsupported(call)

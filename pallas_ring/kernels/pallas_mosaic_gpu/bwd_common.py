@@ -47,6 +47,9 @@ class BwdGeometry:
   fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
+  # FP8 mode: q, k, v and dO's FP8 dtype (``fp8.backward_operands``: q.k^T, dO.v^T and the dK/dV
+  # kernel's p^T dO in FP8; ds's products in ``dtype``); else None
+  fp8: Any = None
   regs: tuple = Variants().regs  # registers per thread: consumer, producer
 
   rows = BWD_ROWS  # owned rows per warpgroup
@@ -169,11 +172,12 @@ def tile_terms(cfg, g: BwdGeometry, masked, q_info, k_info, k_index, row_keys, s
                    (lambda: keep(cfg, row_keys, k_info[-1])) if g.terms.dropout else None, tile)
 
 
-def probs(s_raw, lse2, terms: TileTerms, cfg, row_axis: int):
+def probs(s_raw, lse2, terms: TileTerms, cfg, row_axis: int, descale=None):
   """``(p, dlogits)`` of a tile from raw ``q.k`` products: ``lse2`` (base 2) is a vector along
   axis ``row_axis`` of the tile's query rows (0 for dQ's ``[q, k]`` tiles, 1 for dK/dV's
-  transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without)."""
-  s, c = logits(s_raw, cfg)
+  transposed ``[k, q]`` ones); ``dlogits`` is the soft-cap's derivative (None without);
+  ``descale``: the FP8 factor of the raw products (``terms.logits``)."""
+  s, c = logits(s_raw, cfg, descale)
   dlogits = None if cfg.softcap is None else common.softcap_grad(s * common.LN2, cfg)
   s = with_terms(s, c, terms.position, terms.tile)
   if terms.lse_shift is not None:

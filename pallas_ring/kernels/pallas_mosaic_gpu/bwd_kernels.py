@@ -40,6 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring import kernels
 from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import BwdGeometry, owned_tiles
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import fused_call
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import dkv_kernel
@@ -49,7 +50,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, unsupported)
+    dkv_head_splits, fp8_backward, unsupported)
 
 
 class _Call(NamedTuple):
@@ -65,6 +66,7 @@ class _Call(NamedTuple):
   terms: Terms
   term_dtype: Any  # the tile term's (``terms.tile_term_dtype``)
   variants: Variants
+  fp8: Any = None  # FP8 mode: q's, k's, v's (and the quantized dO's) FP8 dtype (``fp8_mode``)
 
   @property
   def drop(self) -> int:
@@ -81,7 +83,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   the fused dK/dV kernel's."""
   hp, hv, dt, rows, variants = c.head_dim, c.value_dim, c.dtype, BWD_ROWS, c.variants
   staged = c.out_dtype if staged is None else staged
-  pair_bytes = rows * (hp + hv) * dt.itemsize  # an owned [64, H] tile and its [64, Hv] one
+  it = 1 if c.fp8 else dt.itemsize  # owned tiles and walked q/k, v/dO tiles
+  pair_bytes = rows * (hp + hv) * it  # an owned [64, H] tile and its [64, Hv] one
   wide = hp > (variants.wide_dkv_above if dkv else variants.wide_dq_above)
   owners = owned_tiles(wide)
   if walk is None:  # (dQ above 128: 64-key tiles, its float32 dQ takes 96+ registers)
@@ -100,7 +103,9 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   owned += term_bytes
   # one [64, H] tile per owner (dK/dV: per consumer; dV's [64, Hv] ones alias them)
   staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
-  per_slot = walk * ((hp + hv) * dt.itemsize + 4 * (2 + c.info_rows + c.drop))
+  per_slot = walk * ((hp + hv) * it + 4 * (2 + c.info_rows + c.drop))
+  if c.fp8:  # 16-bit q (dK/dV) or K (dQ) for ds's product; dK/dV: dO^T for p^T dO
+    per_slot += walk * (hp * dt.itemsize + (hv if dkv else 0))
   room = SMEM_BYTES - owned
   n_slots = min(4, room // per_slot)
   if n_slots < 2 and walk > rows:  # shorter walked tiles
@@ -112,7 +117,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
-                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to,
+                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to, fp8=c.fp8,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -152,13 +157,13 @@ def _bwd_call(kernel, consumers: int, scratch, out_shapes, grid, grid_names, arg
   return fused_call(entry, out_shapes, mesh, params, args)
 
 
-def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc):
+def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, f8=None):
   """The dQ kernel: ``(dq, delta)``. Its owned tiles are q, dO, lse, delta (and token info), the
-  walked ones K/V. Given a RowTerm it computes delta from o and returns it for the dK/dV kernel
-  (``Variants.delta_in_dq``)."""
+  walked ones K/V (FP8 mode: and the 16-bit K of ``f8``, ``fp8.BwdOperands``). Given a RowTerm
+  it computes delta from o and returns it for the dK/dV kernel (``Variants.delta_in_dq``)."""
   b, tp, n, hp = q.shape
   hv, rows, f32, i32, out_dt = c.value_dim, BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
-  smem = functools.partial(swizzled_smem, c.dtype)
+  smem = functools.partial(swizzled_smem, c.fp8 or c.dtype)
   from_o = isinstance(delta, common.RowTerm)
   row_in = delta.dlse if from_o else delta  # the owned row input: delta, dlse or None
   row_in = () if row_in is None else (row_in.astype(f32),)
@@ -170,26 +175,30 @@ def _dq_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc):
       ((smem(owners, rows, hp), smem(owners, rows, hv), plgpu.SMEM((owners, rows), f32),
         plgpu.SMEM((owners, rows), f32), plgpu.SMEM((owners, c.info_rows, rows), i32),
         plgpu.SMEM((owners, rows if c.drop else 8), i32), _stage_of(c, g)),  # (row keys)
-       (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, g.key_rows, w), i32)),
+       (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, g.key_rows, w), i32),
+        *([swizzled_smem(c.dtype, sl, w, hp)] if c.fp8 else [])),
        (swizzled_smem(out_dt, owners, rows, hp),),
-       (_barriers(4 + len(row_in) + c.drop, owners), _barriers(2, sl), _barriers(1, sl),
+       (_barriers(4 + len(row_in) + c.drop, owners), _barriers(2, sl),
+        _barriers(1 + bool(c.fp8), sl),
         _barriers(owners, sl), _barriers(owners, 1) if owners > 1 else None)),
       (jax.ShapeDtypeStruct(q.shape, out_dt), *([jax.ShapeDtypeStruct((b, n, tp), f32)]
                                                 if from_o else [])),
       (n, g.blocks, b), ("heads", "q_seq", "batch"),
-      (plan.kv_index, plan.kv_count, plan.kv_full, *_infos(c, ops, cfg, False), q, k, v, do,
+      (plan.kv_index, plan.kv_count, plan.kv_full, *_infos(c, ops, cfg, False),
+       *((f8.descales, f8.k) if c.fp8 else ()), q, k, v, do,
        lse2, *([delta.o] if from_o else []), *row_in,
        *([] if dq_acc is None else [dq_acc.astype(out_dt)])), cfg=cfg, g=g)
   return out if from_o else (out[0], *row_in)
 
 
-def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused):
+def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused, f8=None):
   """The dK/dV kernel (``fused``: adding to dQ too): ``(dq or None, dk, dv)``. Its owned tiles
-  are K/V, the walked ones q, dO, lse, delta (and q token info)."""
+  are K/V, the walked ones q, dO, lse, delta (and q token info; FP8 mode: the 16-bit q and dO^T
+  of ``f8``, ``fp8.BwdOperands``)."""
   b, _, _, hp = q.shape
   sp, kh, hv = k.shape[1], k.shape[2], c.value_dim
   rows, f32, i32, out_dt = BWD_ROWS, jnp.float32, jnp.int32, c.out_dtype
-  smem = functools.partial(swizzled_smem, c.dtype)
+  smem = functools.partial(swizzled_smem, c.fp8 or c.dtype)
   group = c.heads // kh
   g = _geometry(c, True, sp, group, fused=fused)
   splits = dkv_head_splits(group, kh * g.blocks * b, c.variants)
@@ -211,14 +220,17 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
       ((smem(*own, rows, hp), smem(*own, rows, hv), plgpu.SMEM((*own, g.key_rows, rows), i32),
         smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
        (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
-        plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32)),
+        plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32),
+        *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ())),
        staging,
-       (_barriers(3, two), _barriers(3 + c.drop, sl), _barriers(2, sl), _barriers(two, sl),
+       (_barriers(3, two), _barriers(3 + c.drop + bool(c.fp8), sl), _barriers(2 + bool(c.fp8), sl),
+        _barriers(two, sl),
         _barriers(two, 1), _barriers(1, 2) if wide else None,
         _barriers(1, 2) if wide else None)),
       (dkv_shape(hp), dkv_shape(hv)), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
-      (plan.q_index, plan.q_count, plan.q_full, *_infos(c, ops, cfg, True), q, k, v, do, lse2,
-       delta, *dq_in), cfg=cfg, g=g)
+      (plan.q_index, plan.q_count, plan.q_full, *_infos(c, ops, cfg, True),
+       *((f8.descales, f8.q, f8.do_t) if c.fp8 else ()), q, k, v, do, lse2, delta, *dq_in),
+      cfg=cfg, g=g)
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
     total = lambda x: functools.reduce(jnp.add, [x[i] for i in range(splits)])
     dk, dv = (total(x).astype(cfg.out_dtype) for x in (dk, dv))
@@ -251,20 +263,31 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
 
   Backward tiles other than 128 x 128 (``backward_unsupported``) and interpret mode run the
   ``pallas_triton`` backward on the same plan instead (``_triton_backward``).
+
+  FP8 q, k, v (with ``ops.fp8``) run the FP8 mode where it serves (``tiles.fp8_backward``), else
+  are dequantized first; the gradients are those of the dequantized values.
   """
   b, tp, n, hp = q.shape
+  variants = cfg.variants or Variants()
+  f8 = None
+  if ops.fp8 is not None and fp8_backward(cfg, hp, variants):
+    f8 = fp8.backward_operands(q, k, v, do, ops.fp8, jnp.bfloat16)
+    delta = common.delta_array(delta, f8.do_wide)  # (of the quantized dO, as dp is)
+  elif ops.fp8 is not None:
+    q, k, v = common.dequantize(q, k, v, ops.fp8, jnp.bfloat16)
+    ops = ops._replace(fp8=None)
   if cfg.interpret or backward_unsupported(cfg, hp) is not None:
     return _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc)
   want_dq, want_dkv = common.wants(parts)
   check_value_dim(v.shape[-1], hp)
   why = unsupported(ops_call(q, ops))
-  variants = cfg.variants or Variants()
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
-  c = _Call(heads=n, kv_heads=k.shape[2], head_dim=hp, value_dim=v.shape[-1], dtype=q.dtype,
+  c = _Call(heads=n, kv_heads=k.shape[2], head_dim=hp, value_dim=v.shape[-1],
+            dtype=jnp.dtype(jnp.bfloat16) if f8 else q.dtype,
             out_dtype=jnp.dtype(cfg.out_dtype),
             info_rows=1 if ops.q_info.segment_ids is None else 2, terms=terms_of(ops, cfg),
-            term_dtype=tile_term_dtype(ops), variants=variants)
+            term_dtype=tile_term_dtype(ops), variants=variants, fp8=f8 and q.dtype)
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # dQ first (``_dq_pass``). Fused (``Variants.deterministic=False``): no dQ kernel; the dK/dV
   # kernel adds to dQ.
@@ -272,12 +295,12 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
            hp <= variants.wide_dkv_above)
   if not variants.delta_in_dq or not want_dq or fused:
     delta = common.delta_array(delta, do)
-  dq = None
+  dq, do = None, do if f8 is None else f8.do
   if want_dq and not fused:
-    dq, delta = _dq_pass(c, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc)
+    dq, delta = _dq_pass(c, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, f8)
   if not want_dkv:
     return dq, None, None
-  dq_fused, dk, dv = _dkv_pass(c, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused)
+  dq_fused, dk, dv = _dkv_pass(c, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused, f8)
   if fused:
     dq = dq_fused.astype(cfg.out_dtype)
   return common.accumulated(None, (dq, dk, dv), dkv_acc)

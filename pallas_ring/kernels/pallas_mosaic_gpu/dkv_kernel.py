@@ -69,6 +69,11 @@ class DkvRefs(NamedTuple):
   sched: Any  # the consumers' meetings (``pipeline.meet``)
   p_full: Any  # wide: per p^T buffer: written
   p_free: Any  # wide: per p^T buffer: read
+  descales: Any = None  # FP8 mode: float32 [B, N, 4] (``fp8.backward_operands``)
+  q16: Any = None  # FP8 mode: 16-bit q [B, Tp, N, H] for ds^T q
+  do_t: Any = None  # FP8 mode: dO in ``fp8.v_layout`` [B, N, Hv, Tp] for p^T dO
+  q16_smem: Any = None  # FP8 mode: [slots, walk, H], 16-bit (arrives with q)
+  do_t_smem: Any = None  # FP8 mode: [slots, Hv, walk] (arrives with dO)
 
 
 def _refs(refs, g: BwdGeometry) -> DkvRefs:
@@ -76,13 +81,16 @@ def _refs(refs, g: BwdGeometry) -> DkvRefs:
   inputs, q, k, v, dO, lse, delta, (fused) dQ, dK, dV, then the scratch."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, refs = g.terms.refs(refs)
+  fp8_in, refs = (refs[:3], refs[3:]) if g.fp8 else ((None,) * 3, refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   dq_ref = refs.pop(0) if g.fused_dq else None
   dk_ref, dv_ref, owned, walked, *out, bars = refs
   *owned, stage = owned
+  walked, fp8_smem = (walked[:6], walked[6:]) if g.fp8 else (walked, (None, None))
   return DkvRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *owned,
-                 TermStage(*stage) if g.terms.staged else None, *walked, out[0], out[-1], *bars)
+                 TermStage(*stage) if g.terms.staged else None, *walked, out[0], out[-1], *bars,
+                 *fp8_in, *fp8_smem)
 
 
 class OwnedKeys(NamedTuple):
@@ -160,9 +168,9 @@ class DkvCta(NamedTuple):
     anchor = r.k_info[self.k_info_b, 0, k0]
     return own, OwnedKeys(k0, k_info, k_index, (load_ref(self.kinfo_own.at[0], ROWS), anchor))
 
-  def tile_terms(self, h, start, slot, masked, keys: OwnedKeys) -> TileTerms:
+  def tile_terms(self, h, start, slot, masked, keys: OwnedKeys, descale=None) -> TileTerms:
     """The ``TileTerms`` of the walked tile in ``slot`` (query head rank ``h``, queries from
-    ``start``)."""
+    ``start``; ``descale``: the FP8 factor of its raw ``q.k``)."""
     g, r, tile = self.g, self.r, self.tile
     window = term_window(g.terms, r.terms.tile_term, masked, self.batch, self.q_head(h), keys.k0,
                          start, tile, r.stage, self.wg)
@@ -172,7 +180,7 @@ class DkvCta(NamedTuple):
     row_keys = (broadcast(load_ref(r.rkey_smem.at[slot], COLS), tile, 1) if g.terms.dropout
                 else None)
     slope, separable = position_slope(r.terms.slopes, self.batch, self.q_head(h)), None
-    k_slope = logit_slope(slope, self.cfg)
+    k_slope = logit_slope(slope, self.cfg, descale)
     if keys.separable is not None:
       k_pos, anchor = keys.separable
       separable = (broadcast(position_term(k_slope, k_pos, anchor), tile, 0),
@@ -229,6 +237,10 @@ def _producer(c: DkvCta):
       plgpu.copy_gmem_to_smem(head_view(r.terms.row_keys, batch, qh).at[seq],
                               r.rkey_smem.at[slot], r.q_bar.at[slot])
     plgpu.copy_gmem_to_smem(r.do.at[batch, seq, qh], r.do_smem.at[slot], r.do_bar.at[slot])
+    if g.fp8:
+      plgpu.copy_gmem_to_smem(r.q16.at[batch, seq, qh], r.q16_smem.at[slot], r.q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(r.do_t.at[batch, qh, :, seq], r.do_t_smem.at[slot],
+                              r.do_bar.at[slot])
     plgpu.copy_gmem_to_smem(r.delta.at[batch, qh, seq], r.delta_smem.at[slot],
                             r.do_bar.at[slot])
     copy_tile_term(g.terms, r.terms.tile_term, r.stage, g.owners, masked, batch, qh,

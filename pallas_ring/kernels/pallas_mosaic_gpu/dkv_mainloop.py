@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     accumulate, finish, grad_logits, probs, products, signed_grad_logits, zeros)
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import add_dq, stage_ds
@@ -44,7 +45,10 @@ def consumer(c: DkvCta) -> None:
   finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
   if g.narrow_v:  # (a narrower dV's staging aliases both consumers' dK staging)
     meet(r.sched)
-  finish(None, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * cfg.keep_scale))
+  dv_scale = cfg.keep_scale
+  if g.fp8:  # (dO's descale is its kv head's: the group's first query head's)
+    dv_scale = dv_scale * fp8.dv_descale(r.descales, c.batch, c.q_head(0))
+  finish(None, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * dv_scale))
 
 
 def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
@@ -57,12 +61,23 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   plgpu.barrier_wait(r.do_bar.at[slot])
   # s^T = K q^T, dp^T = V dO^T
   s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched))
-  terms = c.tile_terms(h, start, slot, masked, keys)
-  p, dlogits = probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1)
+  descale, dp_scale = (fp8.bwd_descales(r.descales, c.batch, c.q_head(h)) if g.fp8 else
+                       (None, None))
+  terms = c.tile_terms(h, start, slot, masked, keys, descale)
+  p, dlogits = probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1,
+                     descale=descale)
+  if g.fp8:
+    dp = dp * dp_scale
   keep_mask = terms.keep_mask()
   ds = grad_logits(p, dp, kept_delta(load_ref(r.delta_smem.at[slot], COLS), cfg), dlogits,
                    row_axis=1, keep_mask=keep_mask)
-  p, ds = lax.optimization_barrier((kept(p, keep_mask).astype(g.dtype), ds.astype(g.dtype)))
+  p = kept(p, keep_mask)
+  if g.fp8:  # p^T dO in FP8: p^T scaled into FP8's normal range, relabelled (``fp8``)
+    p = fp8.a_operand(fp8.p_tile(p * (2.0 ** fp8.P_LOG2), g.fp8), g.fp8)
+    do, q = fp8.v_operand(r.do_t_smem.at[slot], True), r.q16_smem.at[slot]
+  else:
+    p = p.astype(g.dtype)
+  p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
   with_dkv = (stage_ds(c, ds),) if g.dq_with_dkv else ()

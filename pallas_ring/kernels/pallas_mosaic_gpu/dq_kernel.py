@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
+from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     BwdGeometry, TileTerms, accumulate, finish, grad_logits, probs, products, tile_terms, walk,
     zeros)
@@ -59,6 +60,9 @@ class DqRefs(NamedTuple):
   v_bar: Any  # per slot: V landed
   free: Any  # per slot: the consumers are done with it
   done: Any  # both consumers are done with the slots (None with one consumer)
+  descales: Any = None  # FP8 mode: float32 [B, N, 4] (``fp8.backward_operands``)
+  k16: Any = None  # FP8 mode: 16-bit K [B, Sp, K, H] for ds K
+  k16_smem: Any = None  # FP8 mode: [slots, walk, H], 16-bit
 
 
 def _refs(refs, g: BwdGeometry) -> DqRefs:
@@ -66,8 +70,11 @@ def _refs(refs, g: BwdGeometry) -> DqRefs:
   inputs, q, k, v, dO and lse; the row term's refs: delta in, or (``g.delta_from_o``) o and
   optionally dlse in, delta out; dq_acc in (``g.add_dq``); then the scratch."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
-  extra, (q_ref, k_ref, v_ref, do_ref, lse_ref, *refs) = g.terms.refs(refs)
+  extra, refs = g.terms.refs(refs)
+  fp8_in, refs = (refs[:2], refs[2:]) if g.fp8 else ((None, None), refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, *refs = refs
   *io, owned, walked, out2, bars = refs
+  walked, k16_smem = (walked[:3], walked[3]) if g.fp8 else (walked, None)
   outs = 2 if g.delta_from_o else 1
   ins, (dq_ref, *delta_out) = io[:-outs], io[-outs:]
   acc_ref = ins[-1] if g.add_dq else None
@@ -80,7 +87,8 @@ def _refs(refs, g: BwdGeometry) -> DqRefs:
   *owned, stage = owned
   return DqRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, o_ref, row_in, acc_ref, dq_ref, delta_out, *owned,
-                TermStage(*stage) if g.terms.staged else None, *walked, out2, *bars)
+                TermStage(*stage) if g.terms.staged else None, *walked, out2, *bars, *fp8_in,
+                k16_smem)
 
 
 class DqCta(NamedTuple):
@@ -125,6 +133,8 @@ class DqRows(NamedTuple):
   row_keys: Any  # [64] dropout's row keys, or None
   anchor: Any  # separable position term: its anchor (the first owned row's position)
   q_term: Any  # separable position term: the rows' query term (base 2)
+  descale: Any = None  # FP8 mode: the raw q.k's factor (a scalar)
+  dp_scale: Any = None  # FP8 mode: the raw dO.v's factor (a scalar)
 
 
 def dq_kernel(*refs, cfg, g: BwdGeometry):
@@ -187,14 +197,18 @@ def _open_rows(c: DqCta) -> DqRows:
   else:
     delta = load_ref(delta_own, ROWS)
   delta = kept_delta(delta, cfg)
+  descale = dp_scale = None
+  if g.fp8:
+    descale, dp_scale = fp8.bwd_descales(r.descales, batch, head)
   slope = position_slope(r.terms.slopes, batch, head)
-  k_slope = logit_slope(slope, cfg)  # (the keys' side, in the units of ``with_terms``)
+  k_slope = logit_slope(slope, cfg, descale)  # (the keys' side, in ``with_terms``' units)
   row_keys = load_ref(r.rkey_own.at[wg], ROWS) if g.terms.dropout else None
   anchor = q_term = None
   if g.terms.separable:  # (``terms``: the anchor is the first owned row's position)
     anchor = r.q_info[c.q_info_b, 0, q0]
     q_term = position_term(slope, load_ref(r.qinfo_own.at[wg].at[0], ROWS), anchor)
-  return DqRows(q0, own, q_own, do_own, q_info, lse2, delta, k_slope, row_keys, anchor, q_term)
+  return DqRows(q0, own, q_own, do_own, q_info, lse2, delta, k_slope, row_keys, anchor, q_term,
+                descale, dp_scale)
 
 
 def _step(c: DqCta, rows: DqRows, h, start, masked, carry):
@@ -222,9 +236,12 @@ def _step(c: DqCta, rows: DqRows, h, start, masked, carry):
     terms = tile_terms(cfg, g, masked, rows.q_info, k_info, k_index,
                        None if rows.row_keys is None else broadcast(rows.row_keys, tile, 0),
                        rows.k_slope, separable, window)
-  p, dlogits = probs(s, rows.lse2, terms, cfg, row_axis=0)
+  p, dlogits = probs(s, rows.lse2, terms, cfg, row_axis=0, descale=rows.descale)
+  if g.fp8:
+    dp = dp * rows.dp_scale
   ds = grad_logits(p, dp, rows.delta, dlogits, row_axis=0, keep_mask=terms.keep_mask())
-  (dq,) = accumulate(((dq, ds.astype(g.dtype), k),))  # dq += ds K
+  k16 = r.k16_smem.at[slot] if g.fp8 else k
+  (dq,) = accumulate(((dq, ds.astype(g.dtype), k16),))  # dq += ds K
   plgpu.barrier_arrive(r.free.at[slot])
   return n + 1, dq
 
@@ -251,6 +268,8 @@ def _producer(c: DqCta):
     else:
       plgpu.barrier_arrive(r.k_bar.at[slot])  # the phase's second arrival, without data
     plgpu.copy_gmem_to_smem(r.v.at[src], r.v_smem.at[slot], r.v_bar.at[slot])
+    if g.fp8:
+      plgpu.copy_gmem_to_smem(r.k16.at[src], r.k16_smem.at[slot], r.v_bar.at[slot])
     copy_tile_term(g.terms, r.terms.tile_term, r.stage, g.owners, masked, c.batch, c.head,
                    c.qi * g.cta_rows, start, (g.rows, g.walk))
     return n + 1

@@ -16,9 +16,16 @@ row max, which the lse undoes) so that small probabilities keep FP8's normal ran
 
 Descales (``common.Operands.fp8``, float32 ``[Bs, N, 3]``: q's, k's and v's per batch row and
 query head) multiply the logits' scale and the output's normalisation (``descales``).
+
+The backward (``backward_operands``) runs the products that read q, k, v and dO K-major in FP8:
+``q.k^T`` and ``dO.v^T`` in both kernels, and the dK/dV kernel's ``p^T dO`` (p^T relabelled as
+above, dO in ``v_layout``). dO is quantized once per batch row and kv head. ``ds`` is not: its
+products (``ds K``, ``ds^T q``) read 16-bit k and q, dequantized in XLA.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 from jax import lax
 import jax.numpy as jnp
@@ -117,5 +124,44 @@ def descales(ref, batch, head):
   return ref[b, head, 0] * ref[b, head, 1], ref[b, head, 2]
 
 
+class BwdOperands(NamedTuple):
+  """What the FP8 backward reads beside FP8 q, k, v (``backward_operands``)."""
+
+  descales: Any  # float32 [B, N, 4]: q's, k's, v's and dO's descales per query head
+  do: Any  # FP8 dO [B, Tp, N, Hv]: dO.v^T (its rows)
+  do_t: Any  # the same in ``v_layout``, [B, N, Hv, Tp]: the dK/dV kernel's p^T dO
+  q: Any  # q dequantized, 16-bit [B, Tp, N, H]: dK = ds^T q
+  k: Any  # k dequantized, 16-bit [B, Sp, K, H]: dQ = ds K
+  do_wide: Any  # dO as its FP8 values stand for, float32: delta = sum(o * dO)
+
+
+def backward_operands(q, k, v, do, descales, dtype) -> BwdOperands:
+  """The FP8 backward's operands: ``do [B, Tp, N, Hv]`` quantized to q's FP8 dtype with one
+  descale per batch row and kv head (the amax of its query heads), so that dV's sum over a
+  group's heads takes one factor; q and k dequantized to the 16-bit ``dtype``."""
+  b, t, n, _ = do.shape
+  kv_heads, f8, f32 = k.shape[2], q.dtype, jnp.float32
+  top = float(jnp.finfo(f8).max)
+  amax = jnp.max(jnp.abs(do.astype(f32)).reshape(b, t, kv_heads, -1), axis=(1, 3))  # [B, K]
+  scale = jnp.repeat(jnp.where(amax > 0, amax / top, 1.0), n // kv_heads, axis=1)  # [B, N]
+  wide = scale[:, None, :, None]
+  do8 = jnp.clip(do.astype(f32) / wide, -top, top).astype(f8)
+  all4 = jnp.concatenate([jnp.broadcast_to(descales, (b, n, 3)), scale[..., None]], axis=-1)
+  q16, k16, _ = common.dequantize(q, k, v, descales, dtype)
+  return BwdOperands(all4, do8, v_layout(do8), q16, k16, do8.astype(f32) * wide)
+
+
+def bwd_descales(ref, batch, head):
+  """``(logit, dp)`` float32 scalars of (batch, query head) in the FP8 backward: the factors of
+  the raw ``q.k`` and ``dO.v`` (``backward_operands``' descales)."""
+  return ref[batch, head, 0] * ref[batch, head, 1], ref[batch, head, 3] * ref[batch, head, 2]
+
+
+def dv_descale(ref, batch, head):
+  """The factor of the FP8 backward's ``p^T dO`` sum: dO's descale over p's ``2 ** P_LOG2``."""
+  return ref[batch, head, 3] * (2.0 ** -P_LOG2)
+
+
 __all__ = ["KEY_ORDER", "P_LOG2", "is_fp8", "v_layout", "v_source", "v_operand", "p_tile",
-           "p_tile_dtype", "a_operand", "a_layout", "row_max_shift", "descales"]
+           "p_tile_dtype", "a_operand", "a_layout", "row_max_shift", "descales", "BwdOperands",
+           "backward_operands", "bwd_descales", "dv_descale"]

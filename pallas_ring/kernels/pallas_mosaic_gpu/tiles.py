@@ -72,6 +72,9 @@ class Variants:
   # ... of the one consumer of a kernel that has one (the dQ kernel above ``wide_dq_above``):
   # its float32 dQ of 64 x 256 alone takes 128 registers per thread.
   lone_consumer_regs: int = 256
+  # FP8 q, k, v (with their descales): the backward's FP8 mode (``fp8.backward_operands``) where
+  # it serves (``fp8_backward``); False: q, k, v dequantized for the 16-bit kernels.
+  fp8_backward: bool = True
 
   @property
   def regs(self) -> tuple[int, int]:
@@ -326,6 +329,14 @@ def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
   if ctas >= variants.dkv_min_waves * sm_count():
     return 1
   return max(d for d in range(1, min(group, variants.dkv_max_splits) + 1) if group % d == 0)
+
+
+def fp8_backward(cfg: common.KernelConfig, head_dim: int, variants: Variants) -> bool:
+  """Whether FP8 q, k, v run the backward's FP8 mode: in the two deterministic kernels of head
+  dims up to ``wide_dkv_above`` (the wide and fused kernels, and the Triton backward, take them
+  dequantized)."""
+  return (variants.fp8_backward and variants.deterministic and not cfg.interpret and
+          head_dim <= variants.wide_dkv_above and backward_unsupported(cfg, head_dim) is None)
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:

@@ -1,0 +1,159 @@
+"""The FP8 backward on one Hopper GPU: gradients' accuracy, and speed against our bfloat16
+backward, the dequantized 16-bit kernels and cuDNN.
+
+    PYTHONPATH=. python tools/fp8_backward_sweep.py [T ...] [--skip-check] [--gqa]
+
+Accuracy first (T=2048, N=4, H=128 unless named): the gradients of ``flash_attention(q, k, v,
+quantize=float8_e4m3fn)`` (the FP8 forward and backward, gradients straight through the
+quantization) against those of the float32 ``xla`` backend on the same dequantized values, for a
+random cotangent; beside them the same call with ``Variants(fp8_backward=False)`` (the backward
+on dequantized values in the 16-bit kernels) and our bfloat16 call on the dequantized values
+rounded to bfloat16. Then per T (default 8192 16384), N=16, H=128 (``--gqa``: 32/8), dense and
+causal: the backward alone (``jax.vjp``'s function of the saved residuals) and forward+backward
+of ours in bfloat16, ours FP8 (``quantize=``), ours FP8 with the dequantized backward, cuDNN
+bfloat16, and cuDNN FP8 (JAX's private ``use_fp8=True`` API; per-tensor scales; its backward
+where it runs), interleaved on the device clock, batches and lone calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_ring import BlockSizes, bench, masks, quantize_fp8
+from pallas_ring.attention import flash_attention
+from pallas_ring.kernels.pallas_mosaic_gpu import Variants
+
+F8 = jnp.float8_e4m3fn
+DEQUANTIZED = BlockSizes(variants=Variants(fp8_backward=False))
+
+
+def rel(got, ref):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _inputs(b, t, n, kv, h, seed):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
+             for key, heads in zip(ks, (n, kv, kv)))
+  return q, k, v, jax.random.normal(ks[3], (b, t, n, h), jnp.float32)
+
+
+def _grads(f, args, g):
+  out, vjp = jax.vjp(f, *args)
+  return vjp(g.astype(out.dtype))
+
+
+def check(t=2048, n=4):
+  cases = {"dense": dict(), "causal": dict(mask=masks.Causal()),
+           "window 256": dict(mask=masks.SlidingWindow(256)),
+           "softcap 30": dict(mask=masks.Causal(), softcap=30.0),
+           "documents": dict(segment_ids=jnp.repeat(jnp.arange(4), t // 4)[None]),
+           "alibi": dict(mask=masks.Causal(), alibi_slopes=jnp.linspace(0.1, 0.8, n))}
+  shapes = {"H=128": (n, n, 128), "GQA 4/1 H=128": (n, 1, 128), "H=64": (n, n, 64)}
+  for sname, (heads, kv, h) in shapes.items():
+    q, k, v, g = _inputs(1, t, heads, kv, h, seed=1)
+    deq = [x8.astype(jnp.float32) * d[:, None, :, None]
+           for x8, d in (quantize_fp8(x, F8) for x in (q, k, v))]
+    for cname, kw in cases.items():
+      if sname != "H=128" and cname != "causal":
+        continue
+      ref = _grads(lambda *a: flash_attention(*a, backend="xla", **kw), deq, g)
+      bf = [x.astype(jnp.bfloat16) for x in deq]
+      rows = {
+          "fp8": jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, quantize=F8, **kw),
+                                           a[:3], a[3]))(*bf, g),
+          "fp8 dequantized bwd": jax.jit(lambda *a: _grads(
+              lambda *x: flash_attention(*x, quantize=F8, block_sizes=DEQUANTIZED, **kw),
+              a[:3], a[3]))(*bf, g),
+          "bf16": jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, **kw),
+                                            a[:3], a[3]))(*bf, g),
+      }
+      errs = "  ".join(f"{name} " + "/".join(f"{rel(x, r):.2e}" for x, r in zip(got, ref))
+                       for name, got in rows.items())
+      print(f"check {sname:14s} {cname:11s} dq/dk/dv: {errs}", flush=True)
+      assert max(rel(x, r) for x, r in zip(rows["fp8"], ref)) < 0.15, (sname, cname)
+
+
+def _cudnn_fp8(causal, scales):
+  """cuDNN's FP8 forward as ``f(q8, k8, v8)`` with per-tensor ``scales``, or None."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+  except ImportError:
+    return None
+  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+  params = {key: one(1.0) for key in fa.fp8_params_keys}
+  params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]))
+
+  def run(q8, k8, v8):
+    return fa.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5,
+        mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, use_fp8=True)[0]
+
+  return run
+
+
+def time_shape(t, n=16, kv=16, h=128):
+  q, k, v, g = _inputs(1, t, n, kv, h, seed=2)
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  g16 = g.astype(jnp.bfloat16)
+  for mask in ("dense", "causal"):
+    causal = mask == "causal"
+    spec = masks.Causal() if causal else None
+    fns = {
+        "ours bf16": lambda q, k, v: flash_attention(q, k, v, mask=spec),
+        "ours fp8": lambda q, k, v: flash_attention(q, k, v, mask=spec, quantize=F8),
+        "ours fp8, dequantized bwd": lambda q, k, v: flash_attention(
+            q, k, v, mask=spec, quantize=F8, block_sizes=DEQUANTIZED),
+        "cudnn bf16": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"),
+    }
+    calls = {}
+    for name, f in fns.items():
+      _, vjp = jax.jit(lambda *a, f=f: jax.vjp(f, *a))(*bf)
+      calls[f"{name} bwd"] = (jax.jit(lambda fn, g: fn(g)), (vjp, g16))
+      calls[f"{name} fwd+bwd"] = (jax.jit(lambda *a, f=f: _grads(f, a[:3], a[3])), (*bf, g16))
+    scales = [jnp.max(jnp.abs(x)) / 448.0 for x in (q, k, v)]
+    per_tensor = [(x / d).astype(F8) for x, d in zip((q, k, v), scales)]
+    run = _cudnn_fp8(causal, scales)
+    if run is not None:
+      try:
+        out, vjp = jax.jit(lambda *a: jax.vjp(run, *a))(*per_tensor)
+        g8 = (g / jnp.max(jnp.abs(g)) * 448.0).astype(F8)
+        jax.block_until_ready(jax.jit(lambda fn, g: fn(g))(vjp, g8))
+        calls["cudnn fp8 bwd"] = (jax.jit(lambda fn, g: fn(g)), (vjp, g8))
+        calls["cudnn fp8 fwd+bwd"] = (jax.jit(lambda *a: jax.vjp(run, *a[:3])[1](a[3])),
+                                      (*per_tensor, g8))
+      except Exception as e:  # (a private API: report and go on)
+        print(f"cudnn fp8 backward unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    flops = 2.5 * 4 * bench.visible_pairs(t, "causal" if causal else "full") * n * h
+    for mode, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
+      with bench.clock("device"):
+        samples = bench.interleaved_samples(calls, reps=8, **kw)
+      med = {name: statistics.median(s) for name, s in samples.items()}
+      for name, secs in med.items():
+        part = name.rsplit(" ", 1)[1]
+        base = med[f"ours bf16 {part}"]
+        cudnn = med[f"cudnn bf16 {part}"]
+        tflops = f"{flops / secs / 1e12:7.1f} TFLOP/s" if part == "bwd" else " " * 15
+        print(f"T={t:6d} N={n}/{kv} {mask:6s} {mode:5s} {name:34s} {secs * 1e3:8.3f} ms "
+              f"{tflops}  {base / secs:.3f}x ours bf16  {cudnn / secs:.3f}x cudnn bf16",
+              flush=True)
+
+
+def main(argv):
+  print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+  if "--skip-check" not in argv:
+    check()
+  heads = (32, 8) if "--gqa" in argv else (16, 16)
+  for t in [int(a) for a in argv if not a.startswith("--")] or [8192, 16384]:
+    time_shape(t, *heads)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
