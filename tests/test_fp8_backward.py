@@ -139,9 +139,12 @@ def test_native_fp8_backward_matches_the_dequantized_reference(name):
   _, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, **kw)[0], *deq)
   ref = ref_vjp(do)
   got, again, wide = grads(), grads(), grads(fp8_backward=False)
-  for g, g2, w, r in zip(got, again, wide, ref):
+  for i, (g, g2, w, r) in enumerate(zip(got, again, wide, ref)):
     assert g.dtype == jnp.bfloat16 and not np.any(np.isnan(np.asarray(g, np.float32)))
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
+    if name == "one_token" and i < 2:  # dq = dk = 0: what remains is o's bfloat16 rounding in delta
+      assert np.linalg.norm(np.asarray(g, np.float32)) < 1e-2 * np.linalg.norm(ref[2])
+      continue
     # dO's and p's FP8 rounding (about 2% each) on top of the forward's
     assert rel_err(g, r) < 0.08, (rel_err(g, r), rel_err(w, r))
     assert rel_err(g, w) < 0.08, rel_err(g, w)

@@ -1,14 +1,15 @@
 """The FP8 backward on one Hopper GPU: gradients' accuracy, and speed against our bfloat16
 backward, the dequantized 16-bit kernels and cuDNN.
 
-    PYTHONPATH=. python tools/fp8_backward_sweep.py [T ...] [--skip-check] [--gqa]
+    PYTHONPATH=. python tools/fp8_backward_sweep.py [T ...] [--skip-check] [--skip-cudnn-check]
+        [--gqa]
 
 Accuracy first (T=2048, N=4, H=128 unless named): the gradients of ``flash_attention(q, k, v,
 quantize=float8_e4m3fn)`` (the FP8 forward and backward, gradients straight through the
 quantization) against those of the float32 ``xla`` backend on the same dequantized values, for a
 random cotangent; beside them the same call with ``Variants(fp8_backward=False)`` (the backward
 on dequantized values in the 16-bit kernels) and our bfloat16 call on the dequantized values
-rounded to bfloat16. Then per T (default 8192 16384), N=16, H=128 (``--gqa``: 32/8), dense and
+rounded to bfloat16; then ours and cuDNN's FP8 backward on the same FP8 values. Then per T (default 8192 16384), N=16, H=128 (``--gqa``: 32/8), dense and
 causal: the backward alone (``jax.vjp``'s function of the saved residuals) and forward+backward
 of ours in bfloat16, ours FP8 (``quantize=``), ours FP8 with the dequantized backward, cuDNN
 bfloat16, and cuDNN FP8 (JAX's private ``use_fp8=True`` API; per-tensor scales; its backward
@@ -80,6 +81,62 @@ def check(t=2048, n=4):
       assert max(rel(x, r) for x, r in zip(rows["fp8"], ref)) < 0.15, (sname, cname)
 
 
+def _exact_fp8(x, spread=448.0):
+  """``(x8, s)``: ``x`` quantized to e4m3 with one power-of-two scale ``s`` and one entry of
+  every batch row and head set to the largest value, so that per-head and per-tensor
+  quantization of ``x8 * s`` (exact in bfloat16) both give back ``x8``."""
+  s = 2.0 ** np.round(np.log2(float(jnp.max(jnp.abs(x))) / spread))
+  x8 = (x / s).astype(F8).at[:, 0, :, 0].set(448.0)
+  return x8, s
+
+
+def check_against_cudnn(t=2048, n=4, h=128):
+  """Gradient errors of ours and of cuDNN's FP8 backward on the same FP8 values (per-tensor
+  power-of-two scales, exact in both; cuDNN's gradient scales calibrated by a first call's
+  amaxes, as delayed scaling does) against the float32 xla backend."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  q, k, v, g = _inputs(1, t, n, n, h, seed=5)
+  (q8, sq), (k8, sk), (v8, sv), (g8, sg) = map(_exact_fp8, (q, k, v, g))
+  deq = [x8.astype(jnp.float32) * s for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
+  gd = g8.astype(jnp.float32) * sg
+  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+  for causal in (False, True):
+    spec = masks.Causal() if causal else None
+    out_ref, ref_vjp = jax.vjp(lambda *a: flash_attention(*a, backend="xla", mask=spec), *deq)
+    ref = ref_vjp(gd)
+    ours = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, quantize=F8, mask=spec),
+                                     a[:3], a[3]))(*[x.astype(jnp.bfloat16) for x in deq], gd)
+    scale_o = 448.0 / float(jnp.max(jnp.abs(out_ref)))
+
+    def cudnn(scale_d, scale_dp):
+      params = {key: one(1.0) for key in fa.fp8_params_keys}
+      params.update(descale_q=one(sq), descale_k=one(sk), descale_v=one(sv), descale_dO=one(sg),
+                    scale_s=one(256.0), descale_s=one(1 / 256.0), scale_o=one(scale_o),
+                    descale_o=one(1 / scale_o), scale_dP=one(scale_dp),
+                    descale_dP=one(1 / scale_dp), scale_dQ=one(scale_d[0]),
+                    scale_dK=one(scale_d[1]), scale_dV=one(scale_d[2]))
+      run = lambda q8, k8, v8, p: fa.dot_product_attention(
+          q8, k8, v8, fp8_params=p, scale=h ** -0.5,
+          mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, use_fp8=True)[0]
+      _, vjp = jax.vjp(run, q8, k8, v8, params)
+      dq8, dk8, dv8, dparams = jax.jit(lambda f, g: f(g))(vjp, g8)
+      grads = [x.astype(jnp.float32) / sd for x, sd in zip((dq8, dk8, dv8), scale_d)]
+      amax = [float(jnp.max(dparams[key])) for key in ("amax_dQ", "amax_dK", "amax_dV",
+                                                       "amax_dP")]
+      return grads, amax
+
+    try:
+      _, amax = cudnn((1.0, 1.0, 1.0), 1.0)
+      # (amaxes of the unscaled gradients and dP; a zero amax keeps scale 1)
+      calib = [448.0 / a if a > 0 else 1.0 for a in amax]
+      theirs, _ = cudnn(calib[:3], calib[3])
+      line = "cudnn fp8 " + "/".join(f"{rel(x, r):.2e}" for x, r in zip(theirs, ref))
+    except Exception as e:  # (a private API: report and go on)
+      line = f"cudnn fp8 unavailable: {type(e).__name__}: {str(e)[:300]}"
+    print(f"check per-tensor H={h} {'causal' if causal else 'dense'} dq/dk/dv: ours fp8 "
+          + "/".join(f"{rel(x, r):.2e}" for x, r in zip(ours, ref)) + f", {line}", flush=True)
+
+
 def _cudnn_fp8(causal, scales):
   """cuDNN's FP8 forward as ``f(q8, k8, v8)`` with per-tensor ``scales``, or None."""
   try:
@@ -117,7 +174,9 @@ def time_shape(t, n=16, kv=16, h=128):
     for name, f in fns.items():
       _, vjp = jax.jit(lambda *a, f=f: jax.vjp(f, *a))(*bf)
       calls[f"{name} bwd"] = (jax.jit(lambda fn, g: fn(g)), (vjp, g16))
-      calls[f"{name} fwd+bwd"] = (jax.jit(lambda *a, f=f: _grads(f, a[:3], a[3])), (*bf, g16))
+      if "dequantized" not in name:
+        calls[f"{name} fwd+bwd"] = (jax.jit(lambda *a, f=f: _grads(f, a[:3], a[3])),
+                                    (*bf, g16))
     scales = [jnp.max(jnp.abs(x)) / 448.0 for x in (q, k, v)]
     per_tensor = [(x / d).astype(F8) for x, d in zip((q, k, v), scales)]
     run = _cudnn_fp8(causal, scales)
@@ -150,6 +209,8 @@ def main(argv):
   print(jax.__version__, jax.devices()[0].device_kind, flush=True)
   if "--skip-check" not in argv:
     check()
+  if "--skip-cudnn-check" not in argv:
+    check_against_cudnn()
   heads = (32, 8) if "--gqa" in argv else (16, 16)
   for t in [int(a) for a in argv if not a.startswith("--")] or [8192, 16384]:
     time_shape(t, *heads)
