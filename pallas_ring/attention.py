@@ -126,9 +126,9 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
       the unsharded call.
     q_descale, k_descale, v_descale: float32 descales of FP8 (``float8_e4m3fn`` /
       ``float8_e5m2``) operands, a scalar or ``[B, K]`` each (``pallas_ring.quantize_fp8``).
-      q, k and v all of one FP8 dtype run the forward's matmuls in FP8 on Hopper; otherwise
-      (and for the backward) FP8 operands are dequantized to bfloat16. Descales are constants:
-      gradients reach the FP8 operands, not the descales.
+      q, k and v all of one FP8 dtype run the forward's matmuls in FP8 on Hopper (and the
+      backward's at head dims up to 128); otherwise FP8 operands are dequantized to bfloat16.
+      Descales are constants: gradients reach the FP8 operands, not the descales.
     out_dtype: the output's dtype; default q's, bfloat16 when q is FP8.
     quantize: an FP8 dtype to train with: 16/32-bit q, k and v are quantized to it here
       (``quantize_fp8``'s scales per batch row and head) and run as FP8 operands (the FP8

@@ -13,8 +13,9 @@ sequence) and return their gradients straight through the quantization (``straig
 stay FP8, their descales per query head become the ``fp8`` operand (``operands``: sharded and
 handed to Ulysses' heads like the others), and each resolved backend takes them as they are
 where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
-dequantized (``for_backend``); the backward always runs on the dequantized values
-(``backward_operands``). ``ring_attention`` dequantizes them first: each device's descales may
+dequantized (``for_backend``); the backward's gradients are the dequantized values'
+(``backward_operands``), computed on them or, where the backend's backward reads FP8
+(``Backend.backward_reads_fp8``), on the FP8 operands themselves. ``ring_attention`` dequantizes them first: each device's descales may
 differ there, and a ring step reads another device's K/V (its ``quantize=`` takes the maxima
 over the ring instead). Any other mix of FP8 and 16-bit
 operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead ``fold``s

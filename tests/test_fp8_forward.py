@@ -2,8 +2,8 @@
 forward's matmuls in FP8.
 
 On a CPU machine: every configuration lowers for CUDA to one Mosaic GPU kernel that reads the
-FP8 operands (nothing widens them), gradients lower to that kernel and the 16-bit backward
-kernels, and in interpret mode the whole call (descales, the dequantizing backward, the
+FP8 operands (nothing widens them), gradients lower to that kernel and the two backward kernels
+(their FP8 mode: ``test_fp8_backward``), and in interpret mode the whole call (descales, the dequantizing backward, the
 descales' gradients) matches the xla backend on the same FP8 inputs. Natively
 (PALLAS_RING_TEST_GPU=1 on sm_90+) the kernel itself is checked against the dequantized inputs.
 """
@@ -59,7 +59,7 @@ def _mosaic_calls(text):
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_configuration_lowers_to_an_fp8_kernel(name):
   """One Mosaic GPU kernel taking q and k in FP8 (v too, transposed); no 16-bit copy of them.
-  Gradients: that kernel and the two 16-bit backward kernels."""
+  Gradients: that kernel and the two backward kernels."""
   args, seg, kw = _structs(name)
   f = _fp8_attention(kw)
   text = _lower(f, *args, *seg)
@@ -72,7 +72,7 @@ def test_every_configuration_lowers_to_an_fp8_kernel(name):
 
 def test_quantize_runs_the_fp8_kernel_and_16_bit_gradients():
   """``quantize=``: 16-bit q, k, v run the FP8 forward kernel; their gradients come from the
-  two 16-bit backward kernels in bfloat16."""
+  two backward kernels, in bfloat16."""
   args, _, _ = _structs("causal_gqa")
   wide = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args[:3]]
   f = lambda *x: flash_attention(*x, mask=masks.Causal(), backend="pallas_mosaic_gpu",
@@ -354,8 +354,9 @@ def test_native_fp8_forward_merges_into_the_rings_running_result():
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 def test_native_quantize_trains_straight_through():
-  """``quantize=`` natively: the FP8 forward and the 16-bit backward at the quantized values,
-  gradients in bfloat16 against the dequantized reference."""
+  """``quantize=`` natively: the FP8 forward and backward at the quantized values, gradients in
+  bfloat16 against the dequantized reference (the FP8 backward's error: dO's and p's
+  quantization, BENCHMARKS.md, "FP8 backward")."""
   rng = np.random.default_rng(10)
   q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
                  for s in ((2, 640, 8, 128), (2, 640, 2, 128), (2, 640, 2, 128), (2, 640, 8, 128)))
@@ -365,7 +366,7 @@ def test_native_quantize_trains_straight_through():
   ref, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, mask=masks.Causal())[0], *deq)
   assert rel_err(out, ref) < FP8_TOL
   for g, r in zip(vjp(do), ref_vjp(do.astype(jnp.float32))):
-    assert g.dtype == jnp.bfloat16 and rel_err(g, r) < FP8_TOL, rel_err(g, r)
+    assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2 * FP8_TOL, rel_err(g, r)
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

@@ -18,7 +18,9 @@ matmuls in FP8 (``fp8``; ``Backend.forward_reads_fp8``).
 
 The backward is two kernels of the same shape: dK/dV over the plan's transposed lists and dQ
 over its rows, deterministic (no cross-CTA accumulation); dQ computes the row term ``delta``
-when given a ``common.RowTerm``. For backward tiles other than 128 x 128 it is
+when given a ``common.RowTerm``. FP8 q, k, v run their products on q, k, v and dO in FP8 at
+head dims up to 128 (``fp8``; ``Backend.backward_reads_fp8``). For backward tiles other than
+128 x 128 it is
 ``pallas_triton``'s on the same plan (``backward_unsupported`` says why; the contract allows
 different lowerings per pass).
 

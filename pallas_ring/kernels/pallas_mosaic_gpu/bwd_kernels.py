@@ -20,6 +20,11 @@ Measured in BENCHMARKS.md.
 v, dO and dV may be narrower than q and k (``Hv``, MLA): those tiles and matmuls are ``Hv``
 wide.
 
+FP8 q, k, v (``tiles.fp8_backward``): both kernels run q.k^T and dO.v^T as FP8 wgmmas and the
+dK/dV kernel p^T dO too, on dO quantized here (``fp8.backward_operands``); their owned and
+walked FP8 tiles take half the bytes, beside 16-bit tiles of the walked q (dK/dV) or K (dQ)
+for ds's products.
+
 In every kernel the output staging tiles share memory with the walked slots (plgpu.RefUnion):
 the consumers meet once both are done with the slots, then write (a narrower dV's staging also
 aliases dK's: they meet again between the two). This leaves room for longer
@@ -284,10 +289,11 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   if why is not None:
     raise NotImplementedError(f"backend 'pallas_mosaic_gpu' cannot serve {why}.")
   c = _Call(heads=n, kv_heads=k.shape[2], head_dim=hp, value_dim=v.shape[-1],
-            dtype=jnp.dtype(jnp.bfloat16) if f8 else q.dtype,
+            dtype=q.dtype if f8 is None else jnp.dtype(jnp.bfloat16),
             out_dtype=jnp.dtype(cfg.out_dtype),
             info_rows=1 if ops.q_info.segment_ids is None else 2, terms=terms_of(ops, cfg),
-            term_dtype=tile_term_dtype(ops), variants=variants, fp8=f8 and q.dtype)
+            term_dtype=tile_term_dtype(ops), variants=variants,
+            fp8=None if f8 is None else q.dtype)
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # dQ first (``_dq_pass``). Fused (``Variants.deterministic=False``): no dQ kernel; the dK/dV
   # kernel adds to dQ.
