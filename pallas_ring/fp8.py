@@ -15,14 +15,14 @@ handed to Ulysses' heads like the others), and each resolved backend takes them 
 where its forward runs its matmuls in FP8 (``Backend.forward_reads_fp8``: Mosaic GPU), or
 dequantized (``for_backend``); the backward's gradients are the dequantized values'
 (``backward_operands``), computed on them or, where the backend's backward reads FP8
-(``Backend.backward_reads_fp8``), on the FP8 operands themselves. ``ring_attention`` dequantizes them first: each device's descales may
-differ there, and a ring step reads another device's K/V (its ``quantize=`` takes the maxima
-over the ring instead). Any other mix of FP8 and 16-bit
-operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead ``fold``s
-the descales into q and the output, so that a backend whose decode kernels read an FP8 cache
-(``Backend.decode_reads_fp8``: the GPU decode kernel; ``Backend.forward_reads_fp8_kv``: the TPU
-forward kernel over cache chunks) reads one byte per element; elsewhere the cache is widened in
-XLA before the kernels run.
+(``Backend.backward_reads_fp8``), on the FP8 operands themselves. ``ring_attention``
+dequantizes them first: each device's descales may differ there, and a ring step reads another
+device's K/V (its ``quantize=`` takes the maxima over the ring instead). Any other mix of FP8
+and 16-bit operands is widened to the 16-bit compute dtype first. ``decode_attention`` instead
+``fold``s the descales into q and the output, so that a backend whose decode kernels read an
+FP8 cache (``Backend.decode_reads_fp8``: the GPU decode kernel; ``Backend.forward_reads_fp8_kv``:
+the TPU forward kernel over cache chunks) reads one byte per element; elsewhere the cache is
+widened in XLA before the kernels run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The FP8 forward of the Mosaic GPU kernels (Hopper): q, k and v of one FP8 dtype run the
 forward's matmuls in FP8.
 
-On a CPU machine: every configuration lowers for CUDA to one Mosaic GPU kernel that reads the
-FP8 operands (nothing widens them), gradients lower to that kernel and the two backward kernels
-(their FP8 mode: ``test_fp8_backward``), and in interpret mode the whole call (descales, the dequantizing backward, the
-descales' gradients) matches the xla backend on the same FP8 inputs. Natively
+On a CPU machine: every configuration lowers for CUDA to one Mosaic GPU kernel that reads the FP8
+operands (nothing widens them), gradients lower to that kernel and the two backward kernels (their
+FP8 mode: ``test_fp8_backward``), and in interpret mode the whole call (descales, the dequantizing
+backward, the descales' gradients) matches the xla backend on the same FP8 inputs. Natively
 (PALLAS_RING_TEST_GPU=1 on sm_90+) the kernel itself is checked against the dequantized inputs.
 """
 

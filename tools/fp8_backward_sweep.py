@@ -7,13 +7,15 @@ backward, the dequantized 16-bit kernels and cuDNN.
 Accuracy first (T=2048, N=4, H=128 unless named): the gradients of ``flash_attention(q, k, v,
 quantize=float8_e4m3fn)`` (the FP8 forward and backward, gradients straight through the
 quantization) against those of the float32 ``xla`` backend on the same dequantized values, for a
-random cotangent; beside them the same call with ``Variants(fp8_backward=False)`` (the backward
-on dequantized values in the 16-bit kernels) and our bfloat16 call on the dequantized values
-rounded to bfloat16; then ours and cuDNN's FP8 backward on the same FP8 values. Then per T (default 8192 16384), N=16, H=128 (``--gqa``: 32/8), dense and
-causal: the backward alone (``jax.vjp``'s function of the saved residuals) and forward+backward
-of ours in bfloat16, ours FP8 (``quantize=``), ours FP8 with the dequantized backward, cuDNN
-bfloat16, and cuDNN FP8 (JAX's private ``use_fp8=True`` API; per-tensor scales; its backward
-where it runs), interleaved on the device clock, batches and lone calls.
+random cotangent; beside them the same call with ``Variants(fp8_backward=False)`` (the backward on
+dequantized values in the 16-bit kernels) and our bfloat16 call on the dequantized values rounded
+to bfloat16; then ours and cuDNN's FP8 backward on the same FP8 values (cuDNN's gradient scales
+calibrated from a first call's amaxes: its errors came out near 1, so its scale conventions are not
+what this assumes; BENCHMARKS.md, "FP8 backward"). Then per T (default 8192 16384), N=16, H=128
+(``--gqa``: 32/8), dense and causal: the backward alone (``jax.vjp``'s function of the saved
+residuals) and forward+backward of ours in bfloat16, ours FP8 (``quantize=``), ours FP8 with the
+dequantized backward, cuDNN bfloat16, and cuDNN FP8 (JAX's private ``use_fp8=True`` API; per-tensor
+scales; its backward where it runs), interleaved on the device clock, batches and lone calls.
 """
 
 from __future__ import annotations

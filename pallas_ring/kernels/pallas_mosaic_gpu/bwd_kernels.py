@@ -71,7 +71,7 @@ class _Call(NamedTuple):
   terms: Terms
   term_dtype: Any  # the tile term's (``terms.tile_term_dtype``)
   variants: Variants
-  fp8: Any = None  # FP8 mode: q's, k's, v's (and the quantized dO's) FP8 dtype (``fp8_mode``)
+  fp8: Any = None  # FP8 mode: q's, k's, v's (and the quantized dO's) FP8 dtype; else None
 
   @property
   def drop(self) -> int:
