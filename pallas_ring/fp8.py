@@ -35,7 +35,7 @@ from jax import custom_derivatives
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_ring import pair
+from pallas_ring import operands, pair
 from pallas_ring.kernels.common import dequantize, dequantize_kv
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -291,18 +291,25 @@ def backward_operands(q, k, v, descales, primals=None):
   return wide, lambda *g: vjp(tuple(x.astype(w.dtype) for x, w in zip(g, wide)))
 
 
-def ring_operands(q, k, v, descales, primals=None):
-  """``backward_operands`` for a backward ring: ``((q, (k, v), widen), cotangents)`` with FP8 k
-  and v kept as they are, so that they travel as FP8 bytes, and ``widen((k, v))`` dequantizing
-  a step's pair (the identity without ``descales``). The ring's shards share their descales
-  (``quantize=``'s are the ring's maxima; FP8 inputs' are the caller's, for the whole
-  sequence)."""
+def ring_operands(q, k, v, terms: dict, primals, lowering):
+  """``backward_operands`` for a backward ring: ``((q, (k, v), widen, terms), cotangents)`` with
+  FP8 k and v kept as they are, so that they travel as FP8 bytes, and ``widen((k, v))``
+  dequantizing a step's pair, the ``fp8`` operand dropped from ``terms`` (the ring's operands).
+  Where ``lowering``'s backward reads FP8 (``Backend.backward_reads_fp8``) and no term is
+  differentiable (their gradients read q and k), q stays FP8 too, ``widen`` is the identity and
+  ``terms`` keep the descales. The ring's shards share their descales (``quantize=``'s are the
+  ring's maxima; FP8 inputs' are the caller's, for the whole sequence)."""
+  descales = terms.get("fp8")
   (q_wide, k_wide, v_wide), cotangents = backward_operands(q, k, v, descales, primals)
   if descales is None:
-    return (q_wide, (k_wide, v_wide), lambda kv: kv), cotangents
+    return (q_wide, (k_wide, v_wide), lambda kv: kv, terms), cotangents
+  if lowering.backward_reads_fp8 and not any(
+      operands.BY_NAME[name].differentiable for name in terms):
+    return (q, (k, v), lambda kv: kv, terms), cotangents
   group = q.shape[2] // k.shape[2]
   widen = lambda kv: dequantize_kv(*kv, descales, group, q_wide.dtype)
-  return (q_wide, (k, v), widen), cotangents
+  rest = {name: x for name, x in terms.items() if name != "fp8"}
+  return (q_wide, (k, v), widen, rest), cotangents
 
 
 def quantized_primals(q, k, v, descales, dtype):

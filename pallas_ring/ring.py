@@ -382,13 +382,14 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
 
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, primals, o, lse = res
-  # FP8 q, k, v: the backward ring runs on their dequantized values, K/V sent in FP8
-  (q, kv, widen), cotangents = fp8.ring_operands(q, k, v, fixed.terms.get("fp8"), primals)
-  wide = fixed._replace(terms={n: x for n, x in fixed.terms.items() if n != "fp8"})
+  # FP8 q, k, v: K/V sent in FP8, read as FP8 or dequantized by each step (``ring_operands``)
+  (q, kv, widen, terms), cotangents = fp8.ring_operands(q, k, v, fixed.terms, primals,
+                                                        kernels.get(st.backend))
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
   dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st, widen=widen))(
-      q, kv, do.astype(q.dtype), lse, delta, q_info, kv_info, wide)
+      q, kv, do.astype(fp8.compute_dtype(q, fixed.terms.get("fp8"))), lse, delta, q_info,
+      kv_info, fixed._replace(terms=terms))
   # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)

@@ -169,3 +169,22 @@ def test_native_fp8_backward_with_score_terms():
 
   for g, w in zip(grads(), grads(fp8_backward=False)):
     assert rel_err(g, w) < 0.08, rel_err(g, w)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_rings_backward_steps_read_fp8(bias):
+  """``sharded_attention(quantize=)`` over 2 devices lowered for CUDA: every ring step's
+  backward kernels read FP8 q, k, v and dO; with a bias (differentiable: its gradient reads q
+  and k) they take the dequantized values."""
+  from jax.sharding import Mesh
+  from pallas_ring import SequenceParallelConfig, sharded_attention
+  mesh = Mesh(jax.devices()[:2], ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", backend="pallas_mosaic_gpu")
+  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  extra = dict(bias=jnp.zeros((1, 2, 1024, 1024), jnp.bfloat16)) if bias else {}
+  ring = lambda *a: sharded_attention(*a, mesh=mesh, config=cfg, mask=masks.Causal(),
+                                      interpret=False, quantize=F8, **extra)
+  grad = jax.grad(lambda *a: jnp.sum(ring(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  counts = sorted(c.count("xf8E4M3FN>") for c in _mosaic_calls(_lower(grad, x, x, x)))
+  # two forward steps (q, k, v), two dQ (and dO) and two dK/dV (and dO^T) kernels
+  assert counts == ([0, 0, 0, 0, 3, 3] if bias else [3, 3, 4, 4, 5, 5]), counts
