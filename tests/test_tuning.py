@@ -50,6 +50,11 @@ def test_tune_writes_the_cache_and_flash_attention_uses_it(cache_dir, capsys):
   assert (tiles.block_q, tiles.source_fwd) == (16, "user")
   assert tuning.resolve("xla", None, 64, 64, 32, dtype=jnp.float32,
                         mask_class="full").source_fwd == "heuristic"
+  # ... and so does a narrower v (MLA): the entry was measured with v as wide as q.
+  assert tuning.resolve("xla", None, 64, 64, 32, dtype=jnp.float32, mask_class="causal",
+                        value_dim=16).source_fwd == "heuristic"
+  assert tuning.resolve("xla", None, 64, 64, 32, dtype=jnp.float32, mask_class="causal",
+                        value_dim=32).source_fwd == "cache"
   q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 32)), jnp.float32)
   out = flash_attention(q, q, q, mask=masks.Causal(), backend="xla")
   assert rel_err(out, reference.attention(q, q, q, mask=masks.Causal())[0]) < 1e-5

@@ -53,10 +53,13 @@ def mask_class(mask: masks_lib.MaskSpec, has_segments: bool) -> str:
 
 
 def key(device_kind: str, backend: str, dtype, head_dim: int, group: int, mask_cls: str,
-        length: int, pass_: str) -> str:
+        length: int, pass_: str, value_dim: Optional[int] = None) -> str:
+  """A shape class's entry key; v's head dim is part of it only where it differs from q's
+  (MLA: ``tune`` measures equal ones, so such calls take the heuristic, which knows it)."""
   import numpy as np  # local: keep this module light
-  return "|".join([device_kind, backend, np.dtype(dtype).name, f"h{head_dim}", f"g{group}",
-                   mask_cls, f"L{next_pow2(length)}", pass_])
+  head = f"h{head_dim}" if value_dim in (None, head_dim) else f"h{head_dim}v{value_dim}"
+  return "|".join([device_kind, backend, np.dtype(dtype).name, head, f"g{group}", mask_cls,
+                   f"L{next_pow2(length)}", pass_])
 
 
 def _warn_once(what: str, message: str) -> None:

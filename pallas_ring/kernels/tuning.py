@@ -96,13 +96,13 @@ def resolve(backend: str, block_sizes: BlockSizes | Mapping | None, q_len: int, 
     q_len, kv_len, head_dim: the call's (unpadded) shape.
     dtype, group, mask_class: the rest of the shape class the cache is keyed by (``dtype=None``
       skips the cache and table).
-    value_dim: v's head dim where it differs (MLA), for the heuristic.
+    value_dim: v's head dim where it differs (MLA): part of the cache key, and the heuristic's.
   """
   impl = kernels.get(backend)
   bs = kernels.for_backend(backend, as_block_sizes(block_sizes))  # (another's variants: dropped)
   kind = device_kind(backend) if dtype is not None else ""
   shape = dict(dtype=dtype, head_dim=head_dim, group=group, mask_cls=mask_class,
-               length=max(q_len, kv_len))
+               length=max(q_len, kv_len), value_dim=value_dim)
   bs, src_fwd, src_bwd = _tuned(impl, bs, kind, shape)
   d = impl.default_block_sizes(head_dim, kind, dtype, value_dim)
   pick = lambda f: getattr(bs, f) if getattr(bs, f) is not None else getattr(d, f)
