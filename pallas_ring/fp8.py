@@ -292,11 +292,11 @@ def backward_operands(q, k, v, descales, primals=None):
 
 
 def ring_operands(q, k, v, terms: dict, primals, lowering):
-  """``backward_operands`` for a backward ring: ``((q, (k, v), widen, terms), cotangents)`` with
-  FP8 k and v kept as they are, so that they travel as FP8 bytes, and ``widen((k, v))``
+  """``backward_operands`` for a backward ring: ``((q, (k, v), step_kv, terms), cotangents)`` with
+  FP8 k and v kept as they are, so that they travel as FP8 bytes, and ``step_kv((k, v))``
   dequantizing a step's pair, the ``fp8`` operand dropped from ``terms`` (the ring's operands).
   Where ``lowering``'s backward reads FP8 (``Backend.backward_reads_fp8``) and no term is
-  differentiable (their gradients read q and k), q stays FP8 too, ``widen`` is the identity and
+  differentiable (their gradients read q and k), q stays FP8 too, ``step_kv`` is the identity and
   ``terms`` keep the descales. The ring's shards share their descales (``quantize=``'s are the
   ring's maxima; FP8 inputs' are the caller's, for the whole sequence)."""
   descales = terms.get("fp8")
@@ -307,9 +307,9 @@ def ring_operands(q, k, v, terms: dict, primals, lowering):
       operands.BY_NAME[name].differentiable for name in terms):
     return (q, (k, v), lambda kv: kv, terms), cotangents
   group = q.shape[2] // k.shape[2]
-  widen = lambda kv: dequantize_kv(*kv, descales, group, q_wide.dtype)
+  step_kv = lambda kv: dequantize_kv(*kv, descales, group, q_wide.dtype)
   rest = {name: x for name, x in terms.items() if name != "fp8"}
-  return (q_wide, (k, v), widen, rest), cotangents
+  return (q_wide, (k, v), step_kv, rest), cotangents
 
 
 def quantized_primals(q, k, v, descales, dtype):

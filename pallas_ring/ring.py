@@ -280,16 +280,16 @@ def _forward_chain(st: RingStatic, compute, rank, held, d: int, n: int, acc, pac
   return compute(*unpack(held), src(n), acc)
 
 
-def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed, widen):
+def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed: _Fixed, step_kv):
   """``(dq, dk, dv, dterms)``; dterms: ``{name: cotangent}`` of the differentiable operands of
-  ``fixed.terms``, in their full-width layout. ``widen``: a step's K/V as the kernels take them
+  ``fixed.terms``, in their full-width layout. ``step_kv``: a step's K/V as the kernels take them
   (FP8 ones travel as they are: ``fp8.ring_operands``)."""
   r = st.ring_size
   rank = lax.axis_index(st.axis_name)
   sp = kv[0].shape[1]
   if st.strategy == "all_gather":
     ops = _step_ops(st, q, q_info, _gather_info(kv_info, st), fixed, 0, st.kv_padded)
-    dq, dk, dv, dterms = pair_backward(st, q, *widen([_gather(x, st) for x in kv]), do, lse,
+    dq, dk, dv, dterms = pair_backward(st, q, *step_kv([_gather(x, st) for x in kv]), do, lse,
                                         delta, ops, plan=st.planner.plan(ops, True, rank, 0))
     scatter = lambda x: lax.psum_scatter(x[:, :sp * r], st.axis_name, scatter_dimension=1,
                                          tiled=True)
@@ -309,7 +309,7 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
     dq and dterms, or only dk and dv)."""
     sub, h = st.for_pair(chain), st.halo(chain)
     ops = _step_ops(sub, q, q_info, _step_info(sub, moving, src, sp, h), fixed, src, sp, h)
-    dq, dk, dv, step = pair_backward(sub, q, *widen(kv), do, lse, delta, ops, dq, parts,
+    dq, dk, dv, step = pair_backward(sub, q, *step_kv(kv), do, lse, delta, ops, dq, parts,
                                      sub.planner.plan(ops, True, rank, src), dkv)
     dterms = {name: put(full, name, step[name], src, h) for name, full in dterms.items()}
     return dq, None if dk is None else (dk, dv), dterms
@@ -383,13 +383,13 @@ def _ring_fwd(q, k, v, sinks, q_info, kv_info, fixed, st):
 def _ring_bwd(st, res, cts):
   q, k, v, sinks, q_info, kv_info, fixed, primals, o, lse = res
   # FP8 q, k, v: K/V sent in FP8, read as FP8 or dequantized by each step (``ring_operands``)
-  (q, kv, widen, terms), cotangents = fp8.ring_operands(q, k, v, fixed.terms, primals,
+  (q, kv, step_kv, terms), cotangents = fp8.ring_operands(q, k, v, fixed.terms, primals,
                                                         kernels.get(st.backend))
   do, dlse = cts  # dlse: None when zero (pair.defvjp_symbolic)
   delta = common.row_delta(o, do, dlse)
-  dq, dk, dv, dterms = pair.first_order_only(functools.partial(_ring_backward, st, widen=widen))(
-      q, kv, do.astype(fp8.compute_dtype(q, fixed.terms.get("fp8"))), lse, delta, q_info,
-      kv_info, fixed._replace(terms=terms))
+  run = pair.first_order_only(functools.partial(_ring_backward, st, step_kv=step_kv))
+  dq, dk, dv, dterms = run(q, kv, do.astype(fp8.compute_dtype(q, fixed.terms.get("fp8"))), lse,
+                           delta, q_info, kv_info, fixed._replace(terms=terms))
   # This shard's rows only: shard_map's transpose of the replicated sinks sums the ring.
   dsinks = None if sinks is None else pair.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
