@@ -31,10 +31,10 @@ native = pytest.mark.skipif(
     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 
 
-def _backward_calls(name, **variants):
-  """The Mosaic GPU kernels of the gradient of an FP8 call, and how many FP8 operands each
-  backward kernel reads."""
-  args, seg, kw = _structs(name)
+def _backward_calls(name, dtype=F8, **variants):
+  """How many FP8 operands (of ``dtype``) each Mosaic GPU kernel of the gradient of an FP8 call
+  reads: the forward's, then the backward's."""
+  args, seg, kw = _structs(name, dtype)
   bs = BlockSizes(variants=Variants(**variants)) if variants else None
 
   def f(q, k, v, qd, kd, vd, *seg):
@@ -46,7 +46,8 @@ def _backward_calls(name, **variants):
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   with pytest.warns(UserWarning, match="FP8"):  # (FP8 operands' own gradients)
     calls = _mosaic_calls(_lower(grad, *args, *seg))
-  return [c.count("xf8E4M3FN>") for c in calls]
+  mlir = {jnp.dtype(F8): "xf8E4M3FN>", jnp.dtype(jnp.float8_e5m2): "xf8E5M2>"}[jnp.dtype(dtype)]
+  return [c.count(mlir) for c in calls]
 
 
 @pytest.mark.ci_cases("causal_gqa", "documents", "softcap_h64", "hv64_documents_fp16")
@@ -55,6 +56,10 @@ def test_narrow_head_dims_lower_to_fp8_backward_kernels(name):
   """The forward and the two backward kernels; the dQ kernel reads q, k, v and dO in FP8, the
   dK/dV kernel also dO's transposed copy."""
   assert _backward_calls(name) == [3, 4, 5]
+
+
+def test_e5m2_lowers_to_fp8_backward_kernels():
+  assert _backward_calls("causal_gqa", jnp.float8_e5m2) == [3, 4, 5]
 
 
 @pytest.mark.ci_cases("h256")
