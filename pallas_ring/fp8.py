@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_ring import operands, pair
-from pallas_ring.kernels.common import dequantize, dequantize_kv
+from pallas_ring.kernels.common import (dequantize, dequantize_kv, descale_of,
+                                        quantize_with)
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -67,23 +68,6 @@ def quantize_fp8(x, dtype=jnp.float8_e4m3fn):
                      f"{tuple(np.shape(x))}.")
   descale = descale_of(x, dtype)
   return quantize_with(x, descale, dtype), descale
-
-
-def descale_of(x, dtype, headroom: float = 1.0):
-  """float32 ``[..., heads]``: the descale that maps ``headroom`` times the absolute maximum of
-  each batch row and head of ``x [..., L, heads, H]`` to ``dtype``'s largest finite value (1
-  for an all-zero head)."""
-  amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=(-3, -1))  # [..., heads]
-  return jnp.where(amax > 0, amax * headroom / float(jnp.finfo(dtype).max), 1.0).astype(
-      jnp.float32)
-
-
-def quantize_with(x, descale, dtype):
-  """``x [..., L, heads, H]`` divided by ``descale [..., heads]`` in ``dtype`` (FP8), values
-  beyond the dtype's range saturated."""
-  top = float(jnp.finfo(dtype).max)
-  xf = jnp.asarray(x, jnp.float32) / descale[..., None, :, None]
-  return jnp.clip(xf, -top, top).astype(dtype)
 
 
 def _descale_per_head(name: str, descale, x, b: int, kv_heads: int):

@@ -353,6 +353,23 @@ def merge_reduced(o, lse, reduce_max: Callable, reduce_sum: Callable):
   return reduce_sum(o * rows(w)) / rows(jnp.where(empty, 1.0, total)), lse
 
 
+def descale_of(x, dtype, headroom: float = 1.0):
+  """float32 ``[..., heads]``: the descale that maps ``headroom`` times the absolute maximum of
+  each batch row and head of ``x [..., L, heads, H]`` to ``dtype``'s largest finite value (1
+  for an all-zero head)."""
+  amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=(-3, -1))  # [..., heads]
+  return jnp.where(amax > 0, amax * headroom / float(jnp.finfo(dtype).max), 1.0).astype(
+      jnp.float32)
+
+
+def quantize_with(x, descale, dtype):
+  """``x [..., L, heads, H]`` divided by ``descale [..., heads]`` in ``dtype`` (FP8), values
+  beyond the dtype's range saturated."""
+  top = float(jnp.finfo(dtype).max)
+  xf = jnp.asarray(x, jnp.float32) / descale[..., None, :, None]
+  return jnp.clip(xf, -top, top).astype(dtype)
+
+
 def dequantize(q, k, v, descales, dtype):
   """FP8 ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]`` times their descales
   (``Operands.fp8``: ``[Bs, N, 3]``) in ``dtype``."""

@@ -140,15 +140,14 @@ def backward_operands(q, k, v, do, descales, dtype) -> BwdOperands:
   descale per batch row and kv head (the amax of its query heads), so that dV's sum over a
   group's heads takes one factor; q and k dequantized to the 16-bit ``dtype``."""
   b, t, n, _ = do.shape
-  kv_heads, f8, f32 = k.shape[2], q.dtype, jnp.float32
-  top = float(jnp.finfo(f8).max)
-  amax = jnp.max(jnp.abs(do.astype(f32)).reshape(b, t, kv_heads, -1), axis=(1, 3))  # [B, K]
-  scale = jnp.repeat(jnp.where(amax > 0, amax / top, 1.0), n // kv_heads, axis=1)  # [B, N]
-  wide = scale[:, None, :, None]
-  do8 = jnp.clip(do.astype(f32) / wide, -top, top).astype(f8)
+  kv_heads, f8 = k.shape[2], q.dtype
+  per_kv = common.descale_of(do.reshape(b, t, kv_heads, -1), f8)  # [B, K]: its group's heads
+  scale = jnp.repeat(per_kv, n // kv_heads, axis=1)  # [B, N]
+  do8 = common.quantize_with(do, scale, f8)
   all4 = jnp.concatenate([jnp.broadcast_to(descales, (b, n, 3)), scale[..., None]], axis=-1)
   q16, k16, _ = common.dequantize(q, k, v, descales, dtype)
-  return BwdOperands(all4, do8, v_layout(do8), q16, k16, do8.astype(f32) * wide)
+  return BwdOperands(all4, do8, v_layout(do8), q16, k16,
+                     do8.astype(jnp.float32) * scale[:, None, :, None])
 
 
 def bwd_descales(ref, batch, head):
