@@ -30,14 +30,10 @@ import numpy as np
 from pallas_ring import BlockSizes, bench, masks, quantize_fp8
 from pallas_ring.attention import flash_attention
 from pallas_ring.kernels.pallas_mosaic_gpu import Variants
+from fp8_sweep import _cudnn_fp8, rel  # (tools/: the FP8 forward's sweep)
 
 F8 = jnp.float8_e4m3fn
 DEQUANTIZED = BlockSizes(variants=Variants(fp8_backward=False))
-
-
-def rel(got, ref):
-  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def _inputs(b, t, n, kv, h, seed):
@@ -96,7 +92,6 @@ def check_against_cudnn(t=2048, n=4, h=128):
   """Gradient errors of ours and of cuDNN's FP8 backward on the same FP8 values (per-tensor
   power-of-two scales, exact in both; cuDNN's gradient scales calibrated by a first call's
   amaxes, as delayed scaling does) against the float32 xla backend."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa
   q, k, v, g = _inputs(1, t, n, n, h, seed=5)
   (q8, sq), (k8, sk), (v8, sv), (g8, sg) = map(_exact_fp8, (q, k, v, g))
   deq = [x8.astype(jnp.float32) * s for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
@@ -111,15 +106,13 @@ def check_against_cudnn(t=2048, n=4, h=128):
     scale_o = 448.0 / float(jnp.max(jnp.abs(out_ref)))
 
     def cudnn(scale_d, scale_dp):
-      params = {key: one(1.0) for key in fa.fp8_params_keys}
+      run, keys = _cudnn_fp8(causal)
+      params = {key: one(1.0) for key in keys}
       params.update(descale_q=one(sq), descale_k=one(sk), descale_v=one(sv), descale_dO=one(sg),
                     scale_s=one(256.0), descale_s=one(1 / 256.0), scale_o=one(scale_o),
                     descale_o=one(1 / scale_o), scale_dP=one(scale_dp),
                     descale_dP=one(1 / scale_dp), scale_dQ=one(scale_d[0]),
                     scale_dK=one(scale_d[1]), scale_dV=one(scale_d[2]))
-      run = lambda q8, k8, v8, p: fa.dot_product_attention(
-          q8, k8, v8, fp8_params=p, scale=h ** -0.5,
-          mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, use_fp8=True)[0]
       _, vjp = jax.vjp(run, q8, k8, v8, params)
       dq8, dk8, dv8, dparams = jax.jit(lambda f, g: f(g))(vjp, g8)
       grads = [x.astype(jnp.float32) / sd for x, sd in zip((dq8, dk8, dv8), scale_d)]
@@ -137,24 +130,6 @@ def check_against_cudnn(t=2048, n=4, h=128):
       line = f"cudnn fp8 unavailable: {type(e).__name__}: {str(e)[:300]}"
     print(f"check per-tensor H={h} {'causal' if causal else 'dense'} dq/dk/dv: ours fp8 "
           + "/".join(f"{rel(x, r):.2e}" for x, r in zip(ours, ref)) + f", {line}", flush=True)
-
-
-def _cudnn_fp8(causal, scales):
-  """cuDNN's FP8 forward as ``f(q8, k8, v8)`` with per-tensor ``scales``, or None."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-  except ImportError:
-    return None
-  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-  params = {key: one(1.0) for key in fa.fp8_params_keys}
-  params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]))
-
-  def run(q8, k8, v8):
-    return fa.dot_product_attention(
-        q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5,
-        mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, use_fp8=True)[0]
-
-  return run
 
 
 def time_shape(t, n=16, kv=16, h=128):
@@ -181,17 +156,20 @@ def time_shape(t, n=16, kv=16, h=128):
                                     (*bf, g16))
     scales = [jnp.max(jnp.abs(x)) / 448.0 for x in (q, k, v)]
     per_tensor = [(x / d).astype(F8) for x, d in zip((q, k, v), scales)]
-    run = _cudnn_fp8(causal, scales)
-    if run is not None:
-      try:
-        out, vjp = jax.jit(lambda *a: jax.vjp(run, *a))(*per_tensor)
-        g8 = (g / jnp.max(jnp.abs(g)) * 448.0).astype(F8)
-        jax.block_until_ready(jax.jit(lambda fn, g: fn(g))(vjp, g8))
-        calls["cudnn fp8 bwd"] = (jax.jit(lambda fn, g: fn(g)), (vjp, g8))
-        calls["cudnn fp8 fwd+bwd"] = (jax.jit(lambda *a: jax.vjp(run, *a[:3])[1](a[3])),
-                                      (*per_tensor, g8))
-      except Exception as e:  # (a private API: report and go on)
-        print(f"cudnn fp8 backward unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    try:
+      run, keys = _cudnn_fp8(causal)
+      one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+      params = {key: one(1.0) for key in keys}
+      params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]))
+      fwd = lambda q8, k8, v8: run(q8, k8, v8, params)
+      out, vjp = jax.jit(lambda *a: jax.vjp(fwd, *a))(*per_tensor)
+      g8 = (g / jnp.max(jnp.abs(g)) * 448.0).astype(F8)
+      jax.block_until_ready(jax.jit(lambda fn, g: fn(g))(vjp, g8))
+      calls["cudnn fp8 bwd"] = (jax.jit(lambda fn, g: fn(g)), (vjp, g8))
+      calls["cudnn fp8 fwd+bwd"] = (jax.jit(lambda *a: jax.vjp(fwd, *a[:3])[1](a[3])),
+                                    (*per_tensor, g8))
+    except Exception as e:  # (a private API: report and go on)
+      print(f"cudnn fp8 backward unavailable: {type(e).__name__}: {str(e)[:300]}", flush=True)
     flops = 2.5 * 4 * bench.visible_pairs(t, "causal" if causal else "full") * n * h
     for mode, kw in (("batch", {}), ("lone", dict(iters=1, min_batch_s=0.0))):
       with bench.clock("device"):
