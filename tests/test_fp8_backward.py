@@ -126,9 +126,11 @@ def _problem(name, seed):
 
 
 @native
-@pytest.mark.parametrize("name", ["causal_gqa", "full_odd_lengths", "window_mqa", "documents",
-                                  "softcap_h64", "one_token", "hv64_documents_fp16"])
-def test_native_fp8_backward_matches_the_dequantized_reference(name):
+@pytest.mark.parametrize("name,f8", [
+    *((name, F8) for name in ("causal_gqa", "full_odd_lengths", "window_mqa", "documents",
+                              "softcap_h64", "one_token", "hv64_documents_fp16")),
+    ("causal_gqa", jnp.float8_e5m2)])
+def test_native_fp8_backward_matches_the_dequantized_reference(name, f8):
   """``quantize=``'s gradients (the FP8 forward and backward) against the float32 reference on
   the dequantized values, and close to the dequantized 16-bit backward's; bitwise the same in a
   second run."""
@@ -136,11 +138,12 @@ def test_native_fp8_backward_matches_the_dequantized_reference(name):
 
   def grads(**variants):
     bs = BlockSizes(variants=Variants(**variants))
-    f = jax.jit(lambda *x: flash_attention(*x, quantize=F8, block_sizes=bs, **kw))
+    f = jax.jit(lambda *x: flash_attention(*x, quantize=f8, block_sizes=bs, **kw))
     out, vjp = jax.vjp(f, q, k, v)
     return vjp(do.astype(out.dtype))
 
-  deq = [x8.astype(jnp.float32) * d[:, None, :, None] for x8, d in map(quantize_fp8, (q, k, v))]
+  deq = [x8.astype(jnp.float32) * d[:, None, :, None]
+         for x8, d in (quantize_fp8(x, f8) for x in (q, k, v))]
   _, ref_vjp = jax.vjp(lambda *x: reference.attention(*x, **kw)[0], *deq)
   ref = ref_vjp(do)
   got, again, wide = grads(), grads(), grads(fp8_backward=False)
@@ -150,9 +153,11 @@ def test_native_fp8_backward_matches_the_dequantized_reference(name):
     if name == "one_token" and i < 2:  # dq = dk = 0 exactly; FP8's rounding leaves ~1.5% of dv
       assert np.linalg.norm(np.asarray(g, np.float32)) < 3e-2 * np.linalg.norm(ref[2])
       continue
-    # dO's and p's FP8 rounding (about 2% each) on top of the forward's
-    assert rel_err(g, r) < 0.08, (rel_err(g, r), rel_err(w, r))
-    assert rel_err(g, w) < 0.08, rel_err(g, w)
+    # dO's and p's FP8 rounding (about 2% each in e4m3, twice that in e5m2) on top of the
+    # forward's
+    tol = 0.08 if f8 == F8 else 0.16
+    assert rel_err(g, r) < tol, (rel_err(g, r), rel_err(w, r))
+    assert rel_err(g, w) < tol, rel_err(g, w)
 
 
 @native

@@ -440,13 +440,15 @@ def bwd(*opts):
 def parts(out_dir="/tmp/trace", *only):
   """Device time per kernel of one forward+backward (Mosaic GPU; with the word ``fwd``: forward
   only), from a profiler trace: our kernels and the XLA ops around them (plan, delta, casts),
-  over 10 calls, and the span from the first op's start to the last one's end per call."""
+  over 10 calls, and the span from the first op's start to the last one's end per call; with
+  the word ``fp8``: q, k, v quantized to float8_e4m3fn (``quantize=``), the FP8 kernels."""
   fwd_only = "fwd" in only
-  only = [o for o in only if o != "fwd"]
+  quantize = jnp.float8_e4m3fn if "fp8" in only else None
+  only = [o for o in only if o not in ("fwd", "fp8")]
   for name, (_, _, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense", "causal",
                                                                           "docs")):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
-                                           backend="pallas_mosaic_gpu")
+                                           backend="pallas_mosaic_gpu", quantize=quantize)
     f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench.fwd_bwd(attn), (q, k, v, do))
     profile(name, f, args, f"{out_dir}/{name.split()[0]}")
 
@@ -617,18 +619,23 @@ def calls(*opts):
   shape, ``ncu --kernel-name regex:mosaic --launch-skip 3 --launch-count 3`` profiles the second
   call's three kernels (forward, dQ, dK/dV; two with ``deterministic=False``: forward, fused
   dK/dV). Words select shapes as in ``bwd`` (default: dense), one ``Variants`` setting and one
-  feature of ``features`` (e.g. ``alibi``; its arrays are arguments, not constants)."""
-  feats = [o for o in opts if o in _FEATURES]
-  only = [o for o in opts if "=" not in o and o not in _FEATURES]
+  feature of ``features`` (e.g. ``alibi``; its arrays are arguments, not constants; ``dense``
+  names the shape here, not the dense mask), and ``fp8``: q, k, v quantized to float8_e4m3fn
+  (``quantize=``), the FP8 kernels."""
+  shapes = {name.split()[0] for name, *_ in _BWD_SHAPES}
+  feats = [o for o in opts if o in _FEATURES and o not in shapes]
+  only = [o for o in opts if o in shapes]
+  quantize = jnp.float8_e4m3fn if "fp8" in opts else None
   (variants,) = _variants(opts)[1]
   for name, (t, n, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
     feature = _FEATURES[feats[0]](n, t) if feats else {}
     f, arrays = _with_arrays(lambda q, k, v, **kw: flash_attention(
-        q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu",
+        q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu", quantize=quantize,
         block_sizes=BlockSizes(variants=variants), **kw), feature)
     for _ in range(2):
       jax.block_until_ready(f(q, k, v, do, *arrays))
-    print(f"{name} {' '.join(feats)}: two forward+backward calls", flush=True)
+    print(f"{name} {' '.join(feats)}{' fp8' if quantize else ''}: two forward+backward calls",
+          flush=True)
 
 
 if __name__ == "__main__":

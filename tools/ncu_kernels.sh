@@ -2,7 +2,7 @@
 # Profiles the three Mosaic GPU kernels of the second forward+backward call of one shape under
 # Nsight Compute, with per-instruction warp-stall samples (run on a device machine):
 #
-#   tools/ncu_kernels.sh OUT_DIR [shape word, default dense] [Variants field=value]
+#   tools/ncu_kernels.sh OUT_DIR [shape word, default dense] [fp8] [Variants field=value]
 #
 # Writes OUT_DIR/{fwd,dq,dkv}_sass.csv.gz (the SASS of each kernel with its samples, for
 # tools/ncu_stalls.py) and OUT_DIR/ncu_details.csv (speed of light, warp states). Kernels launch

@@ -54,7 +54,9 @@ def v_layout(v):
   j < 4) goes to ``4j + 2h + l``, one transpose."""
   b, s, k, hv = v.shape
   assert s % 16 == 0, f"v's {s} keys are not a multiple of 16: pad them to the key tile"
-  x = v.reshape(b, s // 16, 2, 4, 2, k, hv)  # [B, S/16, h, j, l, K, Hv]
+  # (the barrier keeps XLA from fusing the transpose with v's quantization into one fusion
+  # writing both layouts, several times slower: BENCHMARKS.md, "FP8 backward")
+  x = lax.optimization_barrier(v).reshape(b, s // 16, 2, 4, 2, k, hv)  # [B, S/16, h, j, l, K, Hv]
   return jnp.transpose(x, (0, 5, 6, 1, 3, 2, 4)).reshape(b, k, hv, s)
 
 
