@@ -111,7 +111,8 @@ def check_against_cudnn(t=2048, n=4, h=128):
   undocumented and did not follow its amaxes, so its errors are measured up to one factor per
   gradient (``_fitted``), with each gradient's output scale set to fill FP8's range (from the
   reference's amax and the factor a first call shows) and ``scale_dP`` the best of five around
-  ``448 / amax_dP``: cuDNN at scales no calibration would beat. Beside them ``_fp8_floor``."""
+  ``448 / amax_dP``: cuDNN near the best scales a calibration could give. Beside them
+  ``_fp8_floor``."""
   q, k, v, g = _inputs(1, t, n, n, h, seed=5)
   (q8, sq), (k8, sk), (v8, sv), (g8, sg) = map(_exact_fp8, (q, k, v, g))
   deq = [x8.astype(jnp.float32) * s for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
