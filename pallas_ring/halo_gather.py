@@ -5,7 +5,8 @@ window's last ``left`` tokens, chunked attention across a shard edge), each devi
 hop's slice once (one ``ppermute`` per hop and direction), appends the slices to its own K/V with
 their global positions (and segment ids) and runs ``flash_attention`` on that: no ring steps, no
 per-step kernels and no float32 accumulators. Autodiff sends the slices' dK/dV back (the
-transposes of the ``ppermute``\\ s and slices).
+transposes of the ``ppermute``\\ s and slices). Under ``quantize=`` the slices travel as FP8
+bytes, their dK/dV in the inputs' dtype.
 
 It serves ``ring.run`` (ring and all_gather strategies) where the positions are the layout's,
 no operand spans the keys (``operands.KEYS``: its columns would have to be gathered too) and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -24,6 +26,7 @@ from pallas_ring import attention, call, layouts
 from pallas_ring import halo as halo_lib
 from pallas_ring import masks as masks_lib
 from pallas_ring import reach as reach_lib
+from pallas_ring.kernels import common
 
 # (shift, runs): the slice ``runs`` of the shard ``shift`` ranks back (rank - shift), in the
 # order the pieces are appended (positions ascending on contiguous shards).
@@ -71,21 +74,30 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
   t = q.shape[1]
   before = [p for p in pieces_ if p[0] > 0]
   after = [p for p in pieces_ if p[0] < 0]
+  # ``quantize=``: k and v are 16/32-bit here (``attention.run`` quantizes them); their slices
+  # travel as the FP8 bytes it would make of them. [Bs, K] descales each.
+  quantize = checked.settings.quantize
+  if quantize is not None:
+    descales, group = checked.arrays.terms["fp8"], q.shape[2] // k.shape[2]
+    k_descale, v_descale = descales[:, ::group, 1], descales[:, ::group, 2]
 
-  send = lambda x, shift: lax.ppermute(x, axis_name, [(i, (i + shift) % r) for i in range(r)])
+  perm = lambda shift: tuple((i, (i + shift) % r) for i in range(r))
+  send = lambda x, shift: lax.ppermute(x, axis_name, perm(shift))
 
   def recv(x, shift, runs):  # the slice ``runs`` of the shard ``shift`` ranks back
     return send(halo_lib.take(x, runs, halo_lib.run_length(runs)), shift)
 
   def recv_kv(shift, runs):
     """K's and V's slices in one collective where they share a dtype (XLA:GPU runs one
-    collective at a time, each waiting for its peer: BENCHMARKS.md "Reach-limited ring")."""
-    if k.dtype != v.dtype:
-      return recv(k, shift, runs), recv(v, shift, runs)
+    collective at a time, each waiting for its peer: BENCHMARKS.md "Reach-limited ring");
+    under ``quantize=`` as FP8 bytes (``_send_quantized``)."""
     width = halo_lib.run_length(runs)
-    both = jnp.concatenate([halo_lib.take(x, runs, width) for x in (k, v)], axis=-1)
-    both = send(both, shift)
-    return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+    pair_ = [halo_lib.take(x, runs, width) for x in (k, v)]
+    if quantize is not None:
+      return _send_quantized(*pair_, k_descale, v_descale, quantize, axis_name, perm(shift))
+    if k.dtype != v.dtype:
+      return tuple(send(x, shift) for x in pair_)
+    return _split(send(jnp.concatenate(pair_, axis=-1), shift), k.shape[-1])
 
   src_pos = lambda shift, runs: halo_lib.take(
       layouts.positions(t * r, layout, r, (rank - shift) % r), runs, halo_lib.run_length(runs),
@@ -105,6 +117,44 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
                                    q_positions=layout_pos, kv_positions=kv_pos)
   k, v = (joined(x, [p[i] for p in kv_pieces]) for i, x in enumerate((k, v)))
   return attention.run(q, k, v, checked._replace(arrays=arrays))
+
+
+def _split(both, width: int):
+  """``(k, v)`` of their concatenation along the head dim, k's ``width`` first."""
+  return both[..., :width], both[..., width:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _send_quantized(k, v, k_descale, v_descale, dtype, axis_name, perm):
+  """K's and V's slices ``[B, L, K, H(v)]`` sent over ``perm`` as FP8 bytes (quantized by
+  their ``[Bs, K]`` descales to ``dtype``, one collective) and widened to their dtypes on
+  arrival: the values ``quantize=``'s kernels take. The cotangents go back as they are (the
+  quantization straight through, as ``quantize=``'s)."""
+  both = jnp.concatenate([common.quantize_with(x, d, dtype)
+                          for x, d in ((k, k_descale), (v, v_descale))], axis=-1)
+  k8, v8 = _split(lax.ppermute(both, axis_name, perm), k.shape[-1])
+  widen = lambda x8, d, like: (x8.astype(jnp.float32) * d[:, None, :, None]).astype(like.dtype)
+  return widen(k8, k_descale, k), widen(v8, v_descale, v)
+
+
+def _send_quantized_fwd(k, v, k_descale, v_descale, dtype, axis_name, perm):
+  out = _send_quantized(k, v, k_descale, v_descale, dtype, axis_name, perm)
+  return out, (k_descale, v_descale)
+
+
+def _send_quantized_bwd(dtype, axis_name, perm, descales, cts):
+  del dtype
+  back = [(j, i) for i, j in perm]
+  dk, dv = cts
+  if dk.dtype == dv.dtype:
+    dk, dv = _split(lax.ppermute(jnp.concatenate([dk, dv], axis=-1), axis_name, back),
+                    dk.shape[-1])
+  else:
+    dk, dv = (lax.ppermute(x, axis_name, back) for x in (dk, dv))
+  return (dk, dv, *map(jnp.zeros_like, descales))  # (descales are constants)
+
+
+_send_quantized.defvjp(_send_quantized_fwd, _send_quantized_bwd)
 
 
 __all__ = ["pieces", "run"]

@@ -222,6 +222,24 @@ def test_quantized_ring_sends_fp8_and_its_gradients_wide():
   assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "float32"}
 
 
+def test_quantized_halos_travel_as_fp8():
+  """Under ``quantize=`` a sliding window's halos (``halo_gather``: K's and V's slices of the
+  neighbouring shard) travel as FP8 bytes; their cotangents come back in the inputs' dtype."""
+  from pallas_ring import halo, halo_gather
+  mask = masks.SlidingWindow(8)
+  assert halo_gather.pieces(mask, 64, "contiguous", 4, halo.RingVariants())  # (the halo path)
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout="contiguous", backend="xla")
+  f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, mask=mask,
+                                   quantize=jnp.float8_e4m3fn)
+  x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  sent = lambda jaxpr: {str(v.aval.dtype) for e in jaxpr_eqns(jaxpr)
+                        if e.primitive.name == "ppermute" for v in e.invars}
+  assert sent(jax.make_jaxpr(f)(x, x, x).jaxpr) == {"float8_e4m3fn"}
+  assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "bfloat16"}
+
+
 def test_ring_attention_quantize_shares_scales_over_the_ring():
   """``ring_attention(quantize=)`` under ``shard_map``: each shard's K/V of another range (v:
   x1 to x1000), quantized with the ring's maxima, so a step reads another device's FP8 K/V at
