@@ -208,18 +208,24 @@ def test_sharded_quantize_trains_straight_through(case, backend, interpret):
     assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2e-2, rel_err(g, r)
 
 
-def test_quantized_ring_sends_fp8_and_its_gradients_wide():
-  """Under ``quantize=`` the ring's steps send K/V as FP8 bytes, forward and backward (which
-  dequantizes each step's pair), and the backward's dK/dV in float32."""
+def _quantized_sends(mask=None):
+  """The dtypes ``sharded_attention(quantize=float8_e4m3fn)`` sends by ``ppermute`` on 4
+  devices (bfloat16 inputs, xla backend): ``(forward's, gradient's)``."""
   mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
-  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
-  f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, quantize=jnp.float8_e4m3fn)
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")  # (contiguous)
+  f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, mask=mask,
+                                   quantize=jnp.float8_e4m3fn)
   x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   sent = lambda jaxpr: {str(v.aval.dtype) for e in jaxpr_eqns(jaxpr)
                         if e.primitive.name == "ppermute" for v in e.invars}
-  assert sent(jax.make_jaxpr(f)(x, x, x).jaxpr) == {"float8_e4m3fn"}
-  assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "float32"}
+  return sent(jax.make_jaxpr(f)(x, x, x).jaxpr), sent(jax.make_jaxpr(grad)(x, x, x).jaxpr)
+
+
+def test_quantized_ring_sends_fp8_and_its_gradients_wide():
+  """Under ``quantize=`` the ring's steps send K/V as FP8 bytes, forward and backward (which
+  dequantizes each step's pair), and the backward's dK/dV in float32."""
+  assert _quantized_sends() == ({"float8_e4m3fn"}, {"float8_e4m3fn", "float32"})
 
 
 def test_quantized_halos_travel_as_fp8():
@@ -228,16 +234,7 @@ def test_quantized_halos_travel_as_fp8():
   from pallas_ring import halo, halo_gather
   mask = masks.SlidingWindow(8)
   assert halo_gather.pieces(mask, 64, "contiguous", 4, halo.RingVariants())  # (the halo path)
-  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
-  cfg = SequenceParallelConfig(axis_name="sp", layout="contiguous", backend="xla")
-  f = lambda *x: sharded_attention(*x, mesh=mesh, config=cfg, mask=mask,
-                                   quantize=jnp.float8_e4m3fn)
-  x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  sent = lambda jaxpr: {str(v.aval.dtype) for e in jaxpr_eqns(jaxpr)
-                        if e.primitive.name == "ppermute" for v in e.invars}
-  assert sent(jax.make_jaxpr(f)(x, x, x).jaxpr) == {"float8_e4m3fn"}
-  assert sent(jax.make_jaxpr(grad)(x, x, x).jaxpr) == {"float8_e4m3fn", "bfloat16"}
+  assert _quantized_sends(mask) == ({"float8_e4m3fn"}, {"float8_e4m3fn", "bfloat16"})
 
 
 def test_ring_attention_quantize_shares_scales_over_the_ring():
