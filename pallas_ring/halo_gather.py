@@ -128,7 +128,8 @@ def _split(both, width: int):
 def _send_quantized(k, v, k_descale, v_descale, dtype, axis_name, perm):
   """K's and V's slices ``[B, L, K, H(v)]`` sent over ``perm`` as FP8 bytes (quantized by
   their ``[Bs, K]`` descales to ``dtype``, one collective) and widened to their dtypes on
-  arrival: the values ``quantize=``'s kernels take. The cotangents go back as they are (the
+  arrival: the values ``quantize=``'s kernels take (which they quantize to the same bytes; in
+  float16, a subnormal may move by one FP8 step). The cotangents go back as they are (the
   quantization straight through, as ``quantize=``'s)."""
   both = jnp.concatenate([common.quantize_with(x, d, dtype)
                           for x, d in ((k, k_descale), (v, v_descale))], axis=-1)

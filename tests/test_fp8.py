@@ -237,22 +237,23 @@ def test_quantized_halos_travel_as_fp8():
   assert _quantized_sends(mask) == ({"float8_e4m3fn"}, {"float8_e4m3fn", "bfloat16"})
 
 
-def test_ring_attention_quantize_shares_scales_over_the_ring():
+@pytest.mark.parametrize("mask", [None, masks.SlidingWindow(8)], ids=["ring", "halos"])
+def test_ring_attention_quantize_shares_scales_over_the_ring(mask):
   """``ring_attention(quantize=)`` under ``shard_map``: each shard's K/V of another range (v:
   x1 to x1000), quantized with the ring's maxima, so a step reads another device's FP8 K/V at
-  their scale."""
+  their scale (a sliding window: the halos' FP8 slices, ``halo_gather``)."""
   from jax.sharding import PartitionSpec as P
   from pallas_ring import ring_attention
   q, k, v = _problem(14, b=1)
   ranges = lambda *r: jnp.repeat(jnp.asarray(r), 16)[None, :, None, None]  # per shard of 16
   k, v = k * ranges(1.0, 2.0, 3.0, 4.0), v * ranges(1.0, 10.0, 100.0, 1000.0)
   mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
-  f = jax.shard_map(lambda *x: ring_attention(*x, axis_name="sp", backend="xla",
+  f = jax.shard_map(lambda *x: ring_attention(*x, axis_name="sp", backend="xla", mask=mask,
                                               quantize=jnp.float8_e4m3fn),
                     mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
                     check_vma=False)
   out = jax.jit(f)(q, k, v)
-  ref = reference.attention(*(_dequantized(*quantize_fp8(x)) for x in (q, k, v)))[0]
+  ref = reference.attention(*(_dequantized(*quantize_fp8(x)) for x in (q, k, v)), mask=mask)[0]
   assert out.dtype == jnp.float32 and rel_err(out, ref) < 2e-2, rel_err(out, ref)
 
 

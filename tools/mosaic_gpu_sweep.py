@@ -450,7 +450,8 @@ def parts(out_dir="/tmp/trace", *only):
     attn = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,
                                            backend="pallas_mosaic_gpu", quantize=quantize)
     f, args = (jax.jit(attn), (q, k, v)) if fwd_only else (bench.fwd_bwd(attn), (q, k, v, do))
-    profile(name, f, args, f"{out_dir}/{name.split()[0]}")
+    tag = " fp8" if quantize else ""
+    profile(name + tag, f, args, f"{out_dir}/{name.split()[0]}{tag.replace(' ', '_')}")
 
 
 def profile(name, f, args, d, calls=10):
@@ -620,10 +621,11 @@ def calls(*opts):
   call's three kernels (forward, dQ, dK/dV; two with ``deterministic=False``: forward, fused
   dK/dV). Words select shapes as in ``bwd`` (default: dense), one ``Variants`` setting and one
   feature of ``features`` (e.g. ``alibi``; its arrays are arguments, not constants; ``dense``
-  names the shape here, not the dense mask), and ``fp8``: q, k, v quantized to float8_e4m3fn
-  (``quantize=``), the FP8 kernels."""
+  names the shape here, ``dense_mask`` the dense mask), and ``fp8``: q, k, v quantized to
+  float8_e4m3fn (``quantize=``), the FP8 kernels."""
   shapes = {name.split()[0] for name, *_ in _BWD_SHAPES}
-  feats = [o for o in opts if o in _FEATURES and o not in shapes]
+  feats = ["dense" if o == "dense_mask" else o for o in opts
+           if o == "dense_mask" or (o in _FEATURES and o not in shapes)]
   only = [o for o in opts if o in shapes]
   quantize = jnp.float8_e4m3fn if "fp8" in opts else None
   (variants,) = _variants(opts)[1]

@@ -7,6 +7,8 @@
 # Writes OUT_DIR/{fwd,dq,dkv}_sass.csv.gz (the SASS of each kernel with its samples, for
 # tools/ncu_stalls.py) and OUT_DIR/ncu_details.csv (speed of light, warp states). Kernels launch
 # in the order forward, dQ, dK/dV; with deterministic=False, the forward and the fused dK/dV.
+# With fp8 the two backward kernels do not depend on each other and may launch dK/dV first:
+# dK/dV's SASS has the 64x64 wgmmas.
 # The clocks are left alone (--clock-control none).
 set -u
 out=$1; shift

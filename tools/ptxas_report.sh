@@ -8,9 +8,10 @@
 # h64, h256, docs, dense4k, causal4k); each further argument is one pallas_mosaic_gpu.Variants
 # setting ("" or none: the defaults; "fp8", alone or with fields: the FP8 kernels). Prints, per
 # setting, one line per kernel compiled, in order (forward, dQ, dK/dV; forward and the fused
-# kernel with deterministic=False): its spill stores and loads. XLA may compile the program twice (JAX 0.11.2 did), so the sequence can
-# repeat. ptxas's "Used N registers" is the launch bound (65536 / threads), not what each
-# warpgroup holds after setmaxnreg, so it is left out.
+# kernel with deterministic=False; in FP8 the two backward kernels do not depend on each other
+# and XLA may put dK/dV first): its spill stores and loads. XLA may compile the program
+# twice (JAX 0.11.2 did), so the sequence can repeat. ptxas's "Used N registers" is the launch
+# bound (65536 / threads), not what each warpgroup holds after setmaxnreg, so it is left out.
 set -u
 shape=$1; shift
 [ $# -eq 0 ] && set -- ""
