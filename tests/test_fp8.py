@@ -237,6 +237,7 @@ def test_quantized_halos_travel_as_fp8():
   assert _quantized_sends(mask) == ({"float8_e4m3fn"}, {"float8_e4m3fn", "bfloat16"})
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("mask", [None, masks.SlidingWindow(8)], ids=["ring", "halos"])
 def test_ring_attention_quantize_shares_scales_over_the_ring(mask):
   """``ring_attention(quantize=)`` under ``shard_map``: each shard's K/V of another range (v:
