@@ -88,16 +88,13 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
     return send(halo_lib.take(x, runs, halo_lib.run_length(runs)), shift)
 
   def recv_kv(shift, runs):
-    """K's and V's slices in one collective where they share a dtype (XLA:GPU runs one
-    collective at a time, each waiting for its peer: BENCHMARKS.md "Reach-limited ring");
-    under ``quantize=`` as FP8 bytes (``_send_quantized``)."""
+    """K's and V's slices (``_send_pair``; under ``quantize=`` as FP8 bytes:
+    ``_send_quantized``)."""
     width = halo_lib.run_length(runs)
     pair_ = [halo_lib.take(x, runs, width) for x in (k, v)]
     if quantize is not None:
       return _send_quantized(*pair_, k_descale, v_descale, quantize, axis_name, perm(shift))
-    if k.dtype != v.dtype:
-      return tuple(send(x, shift) for x in pair_)
-    return _split(send(jnp.concatenate(pair_, axis=-1), shift), k.shape[-1])
+    return _send_pair(*pair_, axis_name, perm(shift))
 
   src_pos = lambda shift, runs: halo_lib.take(
       layouts.positions(t * r, layout, r, (rank - shift) % r), runs, halo_lib.run_length(runs),
@@ -119,9 +116,14 @@ def run(q, k, v, checked: call.Checked, segment_ids, kv_segment_ids, layout_pos,
   return attention.run(q, k, v, checked._replace(arrays=arrays))
 
 
-def _split(both, width: int):
-  """``(k, v)`` of their concatenation along the head dim, k's ``width`` first."""
-  return both[..., :width], both[..., width:]
+def _send_pair(k, v, axis_name, perm):
+  """``k`` and ``v`` sent over ``perm``, in one collective where they share a dtype (XLA:GPU
+  runs one collective at a time, each waiting for its peer: BENCHMARKS.md "Reach-limited
+  ring")."""
+  if k.dtype != v.dtype:
+    return tuple(lax.ppermute(x, axis_name, perm) for x in (k, v))
+  both = lax.ppermute(jnp.concatenate([k, v], axis=-1), axis_name, perm)
+  return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -131,9 +133,8 @@ def _send_quantized(k, v, k_descale, v_descale, dtype, axis_name, perm):
   arrival: the values ``quantize=``'s kernels take (which they quantize to the same bytes; in
   float16, a subnormal may move by one FP8 step). The cotangents go back as they are (the
   quantization straight through, as ``quantize=``'s)."""
-  both = jnp.concatenate([common.quantize_with(x, d, dtype)
-                          for x, d in ((k, k_descale), (v, v_descale))], axis=-1)
-  k8, v8 = _split(lax.ppermute(both, axis_name, perm), k.shape[-1])
+  k8, v8 = _send_pair(common.quantize_with(k, k_descale, dtype),
+                      common.quantize_with(v, v_descale, dtype), axis_name, perm)
   widen = lambda x8, d, like: (x8.astype(jnp.float32) * d[:, None, :, None]).astype(like.dtype)
   return widen(k8, k_descale, k), widen(v8, v_descale, v)
 
@@ -145,13 +146,7 @@ def _send_quantized_fwd(k, v, k_descale, v_descale, dtype, axis_name, perm):
 
 def _send_quantized_bwd(dtype, axis_name, perm, descales, cts):
   del dtype
-  back = [(j, i) for i, j in perm]
-  dk, dv = cts
-  if dk.dtype == dv.dtype:
-    dk, dv = _split(lax.ppermute(jnp.concatenate([dk, dv], axis=-1), axis_name, back),
-                    dk.shape[-1])
-  else:
-    dk, dv = (lax.ppermute(x, axis_name, back) for x in (dk, dv))
+  dk, dv = _send_pair(*cts, axis_name, tuple((j, i) for i, j in perm))
   return (dk, dv, *map(jnp.zeros_like, descales))  # (descales are constants)
 
 
