@@ -117,7 +117,6 @@ def check_against_cudnn(t=2048, n=4, h=128):
   (q8, sq), (k8, sk), (v8, sv), (g8, sg) = map(_exact_fp8, (q, k, v, g))
   deq = [x8.astype(jnp.float32) * s for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
   gd = g8.astype(jnp.float32) * sg
-  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
   for causal in (False, True):
     spec = masks.Causal() if causal else None
     out_ref, ref_vjp = jax.vjp(lambda *a: flash_attention(*a, backend="xla", mask=spec), *deq)
@@ -125,17 +124,15 @@ def check_against_cudnn(t=2048, n=4, h=128):
     ours = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, quantize=F8, mask=spec),
                                      a[:3], a[3]))(*[x.astype(jnp.bfloat16) for x in deq], gd)
     scale_o = 448.0 / float(jnp.max(jnp.abs(out_ref)))
-    run, keys = _cudnn_fp8(causal)
+    run, fp8_params = _cudnn_fp8(causal)
     bwd = jax.jit(lambda f, g: f(g))
 
     def cudnn(scale_d, scale_dp):
       """cuDNN's FP8 gradients (float32 values of its FP8 outputs) and amax_dP."""
-      params = {key: one(1.0) for key in keys}
-      params.update(descale_q=one(sq), descale_k=one(sk), descale_v=one(sv), descale_dO=one(sg),
-                    scale_s=one(256.0), descale_s=one(1 / 256.0), scale_o=one(scale_o),
-                    descale_o=one(1 / scale_o), scale_dP=one(scale_dp),
-                    descale_dP=one(1 / scale_dp), scale_dQ=one(scale_d[0]),
-                    scale_dK=one(scale_d[1]), scale_dV=one(scale_d[2]))
+      params = fp8_params(descale_q=sq, descale_k=sk, descale_v=sv, descale_dO=sg,
+                          scale_s=256.0, descale_s=1 / 256.0, scale_o=scale_o,
+                          descale_o=1 / scale_o, scale_dP=scale_dp, descale_dP=1 / scale_dp,
+                          scale_dQ=scale_d[0], scale_dK=scale_d[1], scale_dV=scale_d[2])
       _, vjp = jax.vjp(run, q8, k8, v8, params)
       *grads, dparams = bwd(vjp, g8)
       return [x.astype(jnp.float32) for x in grads], float(jnp.max(dparams["amax_dP"]))
@@ -196,10 +193,8 @@ def time_shape(t, n=16, kv=16, h=128):
     scales = [jnp.max(jnp.abs(x)) / 448.0 for x in (q, k, v)]
     per_tensor = [(x / d).astype(F8) for x, d in zip((q, k, v), scales)]
     try:
-      run, keys = _cudnn_fp8(causal)
-      one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-      params = {key: one(1.0) for key in keys}
-      params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]))
+      run, fp8_params = _cudnn_fp8(causal)
+      params = fp8_params(descale_q=scales[0], descale_k=scales[1], descale_v=scales[2])
       fwd = lambda q8, k8, v8: run(q8, k8, v8, params)
       out, vjp = jax.jit(lambda *a: jax.vjp(fwd, *a))(*per_tensor)
       g8 = (g / jnp.max(jnp.abs(g)) * 448.0).astype(F8)

@@ -84,12 +84,10 @@ def check_against_cudnn(t=2048, n=4, h=128):
     line = (f"check per-tensor H={h} {'causal' if causal else 'dense'}: "
             f"ours fp8 {rel(ours, ref):.2e}")
     try:
-      run, keys = _cudnn_fp8(causal)
-      one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+      run, fp8_params = _cudnn_fp8(causal)
       scale_o = 448.0 / jnp.max(jnp.abs(ref))
-      params = {key: one(1.0) for key in keys}
-      params.update(descale_q=one(scales[0]), descale_k=one(scales[1]), descale_v=one(scales[2]),
-                    scale_o=one(scale_o), scale_s=one(256.0), descale_s=one(1 / 256.0))
+      params = fp8_params(descale_q=scales[0], descale_k=scales[1], descale_v=scales[2],
+                          scale_o=scale_o, scale_s=256.0, descale_s=1 / 256.0)
       out = jax.jit(run)(*x8, params).astype(jnp.float32) / scale_o
       line += f", cudnn fp8 {rel(out, ref):.2e}"
     except Exception as e:  # (a private API: report and go on)
@@ -98,8 +96,10 @@ def check_against_cudnn(t=2048, n=4, h=128):
 
 
 def _cudnn_fp8(causal):
+  """``(run, params)``: ``run(q8, k8, v8, params)``, cuDNN's FP8 attention through JAX's private
+  API, and ``params(**scales)``, its ``fp8_params`` (each a float32 ``[1, 1, 1, 1]``; 1 unless
+  given)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
-  keys = fa.fp8_params_keys
 
   def run(q8, k8, v8, params):
     out = fa.dot_product_attention(
@@ -107,7 +107,11 @@ def _cudnn_fp8(causal):
         mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, use_fp8=True)
     return out[0]
 
-  return run, keys
+  def params(**scales):
+    return {key: jnp.asarray(scales.get(key, 1.0), jnp.float32).reshape(1, 1, 1, 1)
+            for key in fa.fp8_params_keys}
+
+  return run, params
 
 
 def _fp8_row(spec):
@@ -150,11 +154,8 @@ def time_shape(t, rows, n=16, h=128):
                                mask=spec, block_sizes=block_sizes)
       calls[name] = (jax.jit(fp8_call), (q8, k8, v8, qd, kd, vd))
     try:
-      run, keys = _cudnn_fp8(causal)
-      one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-      params = {key: one(1.0) for key in keys}
-      params.update(descale_q=one(qd.max()), descale_k=one(kd.max()),
-                    descale_v=one(vd.max()))
+      run, fp8_params = _cudnn_fp8(causal)
+      params = fp8_params(descale_q=qd.max(), descale_k=kd.max(), descale_v=vd.max())
       per_tensor = [jnp.clip(x / d.max(), -448, 448).astype(F8)
                     for x, d in ((q, qd), (k, kd), (v, vd))]
       f = jax.jit(run)
