@@ -707,6 +707,42 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
   assert (REDUCE_ADD in text) != wide
 
 
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its parameters (a
+  kernel's body, its loops)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        count += _count_primitive(inner, name)
+  return count
+
+
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("name, deterministic", [("causal_gqa", False), ("h256", True)])
+def test_step_refs_index_own_tiles_in_each_step(name, deterministic):
+  """``Variants.step_refs``: each kernel's consumers index their own tiles in each step of
+  their main loop by ``pipeline.step_index`` (one ``min`` more per loop body); the rule turns it
+  on in the fused backward and above head dim 128, and off for the other kernels up to 128."""
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+
+  def mins(**variants):
+    f = _attention(kw, deterministic=deterministic, **variants)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    return _count_primitive(jax.make_jaxpr(grad)(*args, *seg).jaxpr, "min")
+
+  off, on, default = mins(step_refs=False), mins(step_refs=True), mins()
+  assert off < on
+  # the rule: every kernel above head dim 128; at 128 the fused backward, not the forward
+  assert default == on if name == "h256" else off < default < on
+  rule = tiles.step_refs
+  assert not rule(Variants(), 128) and rule(Variants(), 128, fused=True)
+  assert rule(Variants(), 256) and not rule(Variants(step_refs=False), 256)
+
+
 def test_fused_backward_lowers_under_vmap():
   """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
   args, _, kw = _structs("causal_gqa")

@@ -227,6 +227,7 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     *((f"window {w}", 16384, 16, 16, 128, masks.Causal() & masks.SlidingWindow(w), "window",
        jnp.bfloat16) for w in (1024, 2048, 4096)),
     ("gqa 32/8 T=8k", 8192, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
+    ("h64 T=16k", 16384, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
     ("h256 T=8k", 8192, 16, 16, 256, masks.Causal(), "causal", jnp.bfloat16),
     ("docs 16x1024", 16384, 16, 16, 128, masks.Causal(), "documents", jnp.bfloat16),
     ("dense4k T=4k", 4096, 16, 16, 128, None, "full", jnp.bfloat16),

@@ -55,7 +55,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, fp8_backward, unsupported)
+    dkv_head_splits, fp8_backward, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -123,6 +123,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to, fp8=c.fp8,
+                     step_refs=step_refs(variants, hp, fused),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 

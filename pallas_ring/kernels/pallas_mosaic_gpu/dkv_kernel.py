@@ -25,7 +25,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu import dkv_mainloop
 from pallas_ring.kernels.pallas_mosaic_gpu import bwd_common
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import BwdGeometry, TileTerms
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
-    COLS, ROWS, broadcast_info, head_view, load_ref, slot_of)
+    COLS, ROWS, broadcast_info, head_view, load_ref, slot_of, step_index)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermRefs, TermStage, broadcast, copy_tile_term, logit_slope, position_slope, position_term,
     term_window)
@@ -123,6 +123,12 @@ class DkvCta(NamedTuple):
   def tile(self):
     """A walked tile: ``[keys, queries]``."""
     return (self.g.rows, self.g.walk)
+
+  def at_step(self, start):
+    """This context in the step of the walked tile from query ``start``: its warpgroup index and
+    owned tiles re-derived there (``pipeline.step_index``)."""
+    wg = step_index(self.wg, start, self.g.step_refs)
+    return self._replace(wg=wg, k_own=self.r.k_own.at[wg], v_own=self.r.v_own.at[wg])
 
   def q_head(self, h):
     """The query head of walked rank ``h``."""

@@ -55,6 +55,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   """``consumer``'s walked tile of query head rank ``h``, queries from ``start``."""
   g, cfg, r = c.g, c.cfg, c.r
   n, dk, dv = carry
+  c = c.at_step(start)
   slot = slot_of(n, g.slots)
   q, do = r.q_smem.at[slot], r.do_smem.at[slot]
   plgpu.barrier_wait(r.q_bar.at[slot])

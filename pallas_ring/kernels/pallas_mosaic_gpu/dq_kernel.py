@@ -21,7 +21,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     BwdGeometry, TileTerms, accumulate, finish, grad_logits, probs, products, tile_terms, walk,
     zeros)
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
-    COLS, ROWS, broadcast_info, head_view, load_ref, slot_of)
+    COLS, ROWS, broadcast_info, head_view, load_ref, slot_of, step_index)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermRefs, TermStage, broadcast, copy_tile_term, kept_delta, logit_slope, open_stage,
     position_slope, position_term, term_window)
@@ -124,8 +124,6 @@ class DqRows(NamedTuple):
 
   q0: Any  # the first row
   own: tuple  # the rows' index into [B, Tp, N, H]
-  q_own: Any  # [64, H] q (shared memory)
-  do_own: Any  # [64, Hv] dO (shared memory)
   q_info: Any  # token info rows broadcast to the walked tile
   lse2: Any  # [64] base 2
   delta: Any  # [64] ``kept_delta``'s
@@ -207,7 +205,7 @@ def _open_rows(c: DqCta) -> DqRows:
   if g.terms.separable:  # (``terms``: the anchor is the first owned row's position)
     anchor = r.q_info[c.q_info_b, 0, q0]
     q_term = position_term(slope, load_ref(r.qinfo_own.at[wg].at[0], ROWS), anchor)
-  return DqRows(q0, own, q_own, do_own, q_info, lse2, delta, k_slope, row_keys, anchor, q_term,
+  return DqRows(q0, own, q_info, lse2, delta, k_slope, row_keys, anchor, q_term,
                 descale, dp_scale)
 
 
@@ -221,7 +219,8 @@ def _step(c: DqCta, rows: DqRows, h, start, masked, carry):
   plgpu.barrier_wait(r.k_bar.at[slot])
   plgpu.barrier_wait(r.v_bar.at[slot])
 
-  s, dp = products(tile, ((rows.q_own, k), (rows.do_own, v)))  # s = q K^T, dp = dO V^T
+  wg = step_index(c.wg, start, g.step_refs)
+  s, dp = products(tile, ((r.q_own.at[wg], k), (r.do_own.at[wg], v)))  # s = q K^T, dp = dO V^T
   window = term_window(g.terms, r.terms.tile_term, masked, c.batch, c.head, rows.q0, start, tile,
                        r.stage, c.wg)
   terms = TileTerms(tile=window)

@@ -31,7 +31,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     COMPUTE_WGS, SMEM_BYTES, Variants, check_tiles, check_value_dim, fwd_smem,
-    item_order, o_view_rows, overlaps, persistent_ctas, slots, unsupported)
+    item_order, o_view_rows, overlaps, persistent_ctas, slots, step_refs, unsupported)
 
 
 def _refs(refs, g: FwdGeometry) -> FwdRefs:
@@ -194,7 +194,7 @@ def forward(q, k, v, ops: common.Operands, plan, cfg: common.KernelConfig, acc=N
                   ctas=persistent_ctas(n * (tp // cfg.block_q) * b, cfg.mask, overlap, variants),
                   merge=acc is not None, overlap=overlap,
                   order=item_order(k.shape[1], variants), terms=terms,
-                  regs=variants.regs)
+                  regs=variants.regs, step_refs=step_refs(variants, hp))
   smem = functools.partial(swizzled_smem, q.dtype)
   v_tile = (hv, g.bk) if fp8_mode else (g.bk, hv)  # (``fp8.v_source``)
   q_tiles = smem(COMPUTE_WGS, g.bq, hp)

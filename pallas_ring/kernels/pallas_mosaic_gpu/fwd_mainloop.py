@@ -17,7 +17,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_scheduler import FwdGeometry, plan_row, work_item
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, ROWS, broadcast_info, head_view, keep_alive, load_ref, mark_issued, slot_of,
-    wait_to_issue, wgmma_accumulator_load)
+    step_index, wait_to_issue, wgmma_accumulator_load)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     TermRefs, TermStage, broadcast, keep, kept, logit_slope, logits, position_slope,
     position_term, term_window, with_terms)
@@ -68,6 +68,10 @@ class Consumer(NamedTuple):
   rkey_smem: Any  # [bq]
   m0: Any  # [bq] the row max before the first tile (``NEG_INF``)
   l0: Any  # [bq] the row sum before the first tile (0)
+
+  def q_at(self, k0):
+    """This consumer's q tile in the step of the key tile from ``k0`` (``pipeline.step_index``)."""
+    return self.r.q_smem.at[step_index(self.wg, k0, self.g.step_refs)]
 
   def first_row(self, qi):
     """This consumer's first row in q block ``qi``."""
@@ -187,15 +191,15 @@ def _serial_step(c: Consumer, rows: ItemRows, j, carry, masked):
   """Tile j: q.k^T, its softmax, then p.v, complete before tile j+1's q.k^T."""
   g, r = c.g, c.r
   acc, m, l = carry
-  slot = rows.slot(g, j)
+  slot, k0 = rows.slot(g, j), rows.idx_row[j] * g.bk
 
   def qk(acc_ref):
-    plgpu.wgmma(acc_ref, c.q_smem, r.k_smem.at[slot].transpose((1, 0)))
+    plgpu.wgmma(acc_ref, c.q_at(k0), r.k_smem.at[slot].transpose((1, 0)))
     mark_issued()
     return acc_ref[...]
 
   p16, m_new, l, alpha = _softmax(c, rows, pl.run_scoped(qk, plgpu.ACC((g.bq, g.bk), jnp.float32)),
-                                  rows.idx_row[j] * g.bk, slot, m, l, masked)
+                                  k0, slot, m, l, masked)
   acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
   acc, l, m_new, a = lax.optimization_barrier((acc, l, m_new, fp8.a_operand(p16, g.dtype)))
   plgpu.barrier_wait(r.v_bar.at[slot])
@@ -232,12 +236,13 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
   rescales ``o_ref``."""
   g, r = c.g, c.r
   slot, prev = rows.slot(g, j), rows.slot(g, j + g.slots - 1)
+  k0 = rows.idx_row[j] * g.bk
   a_prev = None if p16_prev is None else fp8.a_operand(p16_prev, g.dtype)
   plgpu.barrier_wait(r.k_bar.at[slot])
   wait_to_issue()
 
   def qk(s_ref):
-    plgpu.wgmma(s_ref, c.q_smem, r.k_smem.at[slot].transpose((1, 0)))
+    plgpu.wgmma(s_ref, c.q_at(k0), r.k_smem.at[slot].transpose((1, 0)))
     if p16_prev is not None:
       plgpu.barrier_wait(r.v_bar.at[prev])
       plgpu.wgmma(o_ref, a_prev, fp8.v_operand(r.v_smem.at[prev], g.fp8))
@@ -246,7 +251,7 @@ def _overlapped_step(c: Consumer, rows: ItemRows, o_ref, j, p16_prev, m, l, mask
     return wgmma_accumulator_load(s_ref, wait_n=0 if p16_prev is None else 1)
 
   p16, m_new, l, alpha = _softmax(c, rows, pl.run_scoped(qk, plgpu.ACC((g.bq, g.bk), jnp.float32)),
-                                  rows.idx_row[j] * g.bk, slot, m, l, masked)
+                                  k0, slot, m, l, masked)
   if p16_prev is not None:
     plgpu.wgmma_wait(0)
     keep_alive(a_prev, fp8.a_layout(g.dtype))

@@ -36,6 +36,7 @@ class FwdGeometry:
   order: str = "heads"  # work items' launch order (``item_order``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   regs: tuple = Variants().regs  # registers per thread: consumer, producer
+  step_refs: bool = False  # q's ref re-derived per step (``tiles.step_refs``)
 
   @property
   def fp8(self) -> bool:

@@ -44,6 +44,15 @@ def slot_of(step, slots: int):
   return lax.rem(step, jnp.asarray(slots, step.dtype))
 
 
+def step_index(index, start, on: bool = True):
+  """A consumer's loop-invariant index of its own shared-memory tiles (its warpgroup index) made
+  to depend on a walked tile's ``start`` (>= 0 at run time, which LLVM cannot know), so that refs
+  indexed by it are re-derived in each step: otherwise LLVM hoists the wgmma descriptors of every
+  k-step of those tiles out of the main loop, 64 bits each, and ptxas spills them
+  (``Variants.step_refs``; ``on=False``: ``index`` itself)."""
+  return index + jnp.minimum(start, 0) if on else index
+
+
 def row_vector(x, rows: int):
   """``[rows]`` float32 vector in the layout of a wgmma accumulator's rows."""
   return plgpu.layout_cast(jnp.full((rows,), x, jnp.float32), ROWS)

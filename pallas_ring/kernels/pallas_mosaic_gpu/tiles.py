@@ -53,6 +53,10 @@ class Variants:
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
   # (above, their registers do not fit beside its float32 result: after them).
   dq_with_dkv_up_to: int = 64
+  # Consumers re-derive the refs of their own tiles (the forward's q, the backward's owned
+  # tiles) in each step of their main loop (``pipeline.step_index``); False: once before it;
+  # None: the rule (``step_refs``).
+  step_refs: Optional[bool] = None
   # A 16-bit tile term (an additive tile or a dense mask) reaches each consumer through a
   # shared-memory tile that the producer fills by TMA a step ahead (``terms.TermStage``), where
   # it fits beside the slots.
@@ -317,6 +321,16 @@ BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = b
 # ``dkv_min_waves`` waves of CTAs, the largest divisor of the group up to ``dkv_max_splits``
 # (MQA 16/1: 1.4x faster forward+backward; from 2048 CTAs on, no gain: BENCHMARKS.md, "Kernel
 # rules").
+
+
+def step_refs(variants: Variants, head_dim: int, fused: bool = False) -> bool:
+  """Whether a kernel's consumers re-derive their own tiles' refs in each step
+  (``Variants.step_refs``). The rule: in the fused backward and above head dim 128, where it
+  removes ptxas's spills; the other kernels do not spill at head dims up to 128 and ran 1-3%
+  slower with it (BENCHMARKS.md, "Kernel rules")."""
+  if variants.step_refs is not None:
+    return variants.step_refs
+  return fused or head_dim > 128
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
