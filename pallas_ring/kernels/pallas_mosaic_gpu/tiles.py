@@ -51,11 +51,11 @@ class Variants:
   # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible.
   deterministic: bool = True
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
-  # (above, their registers do not fit beside its float32 result: after them).
+  # (above, after them: at 128 issuing them together ran a third slower, BENCHMARKS.md).
   dq_with_dkv_up_to: int = 64
-  # Consumers re-derive the refs of their own tiles (the forward's q, the backward's owned
-  # tiles) in each step of their main loop (``pipeline.step_index``); False: once before it;
-  # None: the rule (``step_refs``).
+  # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
+  # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
+  # loop (``pipeline.step_index``); False: once before it; None: the rule (``step_refs``).
   step_refs: Optional[bool] = None
   # A 16-bit tile term (an additive tile or a dense mask) reaches each consumer through a
   # shared-memory tile that the producer fills by TMA a step ahead (``terms.TermStage``), where
