@@ -707,39 +707,56 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
   assert (REDUCE_ADD in text) != wide
 
 
+KERNEL_PRIMITIVES = ("mpmd_map", "core_map", "pallas_call")  # a kernel's equation in a jaxpr
+
+
+def _subjaxprs(eqn):
+  for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
+    inner = getattr(param, "jaxpr", param)
+    if hasattr(inner, "eqns"):
+      yield inner
+
+
 def _count_primitive(jaxpr, name: str) -> int:
-  """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its parameters (a
-  kernel's body, its loops)."""
-  count = 0
+  """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its parameters."""
+  return sum((eqn.primitive.name == name) + sum(_count_primitive(j, name)
+                                                for j in _subjaxprs(eqn)) for eqn in jaxpr.eqns)
+
+
+def _per_kernel(jaxpr, name: str) -> list:
+  """``_count_primitive`` in each kernel's body, in the order of the kernels in ``jaxpr``."""
+  out = []
   for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
-      inner = getattr(param, "jaxpr", param)
-      if hasattr(inner, "eqns"):
-        count += _count_primitive(inner, name)
-  return count
+    if eqn.primitive.name in KERNEL_PRIMITIVES:
+      out.append(sum(_count_primitive(j, name) for j in _subjaxprs(eqn)))
+    else:
+      out += [n for j in _subjaxprs(eqn) for n in _per_kernel(j, name)]
+  return out
 
 
 @pytest.mark.ci_cases(every=True)
-@pytest.mark.parametrize("name, deterministic", [("causal_gqa", False), ("h256", True)])
-def test_step_refs_index_own_tiles_in_each_step(name, deterministic):
-  """``Variants.step_refs``: each kernel's consumers index their own tiles in each step of
-  their main loop by ``pipeline.step_index`` (one ``min`` more per loop body); the rule turns it
-  on in the fused backward and above head dim 128, and off for the other kernels up to 128."""
+@pytest.mark.parametrize("name, deterministic, takes_it, by_rule", [
+    ("causal_gqa", False, [True, True], [False, True]),  # forward, fused backward
+    # forward, dQ, the wide dK/dV kernel (whose consumers share their owned tiles)
+    ("h256", True, [True, True, False], [True, True, False])])
+def test_step_refs_index_own_tiles_in_each_step(name, deterministic, takes_it, by_rule):
+  """``Variants.step_refs``: a kernel's consumers index their own tiles in each step of their
+  main loops by ``pipeline.step_index`` (one ``min`` more per loop body); the rule
+  (``tiles.step_refs``) turns it on in the fused backward and above head dim 192 only."""
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
 
   def mins(**variants):
     f = _attention(kw, deterministic=deterministic, **variants)
     grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-    return _count_primitive(jax.make_jaxpr(grad)(*args, *seg).jaxpr, "min")
+    return _per_kernel(jax.make_jaxpr(grad)(*args, *seg).jaxpr, "min")
 
   off, on, default = mins(step_refs=False), mins(step_refs=True), mins()
-  assert off < on
-  # the rule: every kernel above head dim 128; at 128 the fused backward, not the forward
-  assert default == on if name == "h256" else off < default < on
+  assert len(off) == len(takes_it), off  # (every kernel found)
+  assert [b > a for a, b in zip(off, on)] == takes_it
+  assert [d > a for a, d in zip(off, default)] == by_rule
   rule = tiles.step_refs
-  assert not rule(Variants(), 128) and rule(Variants(), 128, fused=True)
+  assert not rule(Variants(), 192) and rule(Variants(), 128, fused=True)
   assert rule(Variants(), 256) and not rule(Variants(step_refs=False), 256)
 
 

@@ -29,7 +29,7 @@ for setting in "$@"; do
       $setting 2>&1 | grep -E "bytes spill stores|Error|error:" | grep -v "^ptxas warning" \
     | awk '{print "  kernel " NR ": " $0}'
   if [ -n "${PTX_TO:-}" ]; then
-    for f in "$tmp"/*.ptx; do cp "$f" "$PTX_TO/$shape.$i.$(basename "$f")"; done
+    for f in "$tmp"/*.ptx; do [ -e "$f" ] && cp "$f" "$PTX_TO/$shape.$i.$(basename "$f")"; done
     rm -rf "$tmp"
   fi
   i=$((i + 1))

@@ -126,7 +126,8 @@ class DkvCta(NamedTuple):
 
   def at_step(self, start):
     """This context in the step of the walked tile from query ``start``: its warpgroup index and
-    owned tiles re-derived there (``pipeline.step_index``)."""
+    owned tiles re-derived there (``pipeline.step_index``; not for the wide kernel's consumers,
+    whose owned tiles are shared)."""
     wg = step_index(self.wg, start, self.g.step_refs)
     return self._replace(wg=wg, k_own=self.r.k_own.at[wg], v_own=self.r.v_own.at[wg])
 

@@ -110,6 +110,12 @@ class DqCta(NamedTuple):
     """A walked tile: ``[queries, keys]``."""
     return (self.g.rows, self.g.walk)
 
+  def own_at(self, start):
+    """This consumer's owned q and dO tiles in the step of the K/V tile from ``start``
+    (``pipeline.step_index``)."""
+    wg = step_index(self.wg, start, self.g.step_refs)
+    return self.r.q_own.at[wg], self.r.do_own.at[wg]
+
   def plan_row(self, h):
     """``(kv index row, count, n_full)`` of the owned block (``h``: the only query head)."""
     del h
@@ -219,8 +225,8 @@ def _step(c: DqCta, rows: DqRows, h, start, masked, carry):
   plgpu.barrier_wait(r.k_bar.at[slot])
   plgpu.barrier_wait(r.v_bar.at[slot])
 
-  wg = step_index(c.wg, start, g.step_refs)
-  s, dp = products(tile, ((r.q_own.at[wg], k), (r.do_own.at[wg], v)))  # s = q K^T, dp = dO V^T
+  q_own, do_own = c.own_at(start)
+  s, dp = products(tile, ((q_own, k), (do_own, v)))  # s = q K^T, dp = dO V^T
   window = term_window(g.terms, r.terms.tile_term, masked, c.batch, c.head, rows.q0, start, tile,
                        r.stage, c.wg)
   terms = TileTerms(tile=window)

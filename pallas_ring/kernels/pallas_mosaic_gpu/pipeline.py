@@ -44,7 +44,7 @@ def slot_of(step, slots: int):
   return lax.rem(step, jnp.asarray(slots, step.dtype))
 
 
-def step_index(index, start, on: bool = True):
+def step_index(index, start, on: bool):
   """A consumer's loop-invariant index of its own shared-memory tiles (its warpgroup index) made
   to depend on a walked tile's ``start`` (>= 0 at run time, which LLVM cannot know), so that refs
   indexed by it are re-derived in each step: otherwise LLVM hoists the wgmma descriptors of every

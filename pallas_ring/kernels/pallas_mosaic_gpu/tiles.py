@@ -55,7 +55,8 @@ class Variants:
   dq_with_dkv_up_to: int = 64
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
-  # loop (``pipeline.step_index``); False: once before it; None: the rule (``step_refs``).
+  # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
+  # ptxas may spill them. False: once before it; None: the rule (``step_refs``).
   step_refs: Optional[bool] = None
   # A 16-bit tile term (an additive tile or a dense mask) reaches each consumer through a
   # shared-memory tile that the producer fills by TMA a step ahead (``terms.TermStage``), where
@@ -325,12 +326,13 @@ BWD_BLOCK = COMPUTE_WGS * BWD_ROWS  # the backward plan's tiles (block_q_bwd = b
 
 def step_refs(variants: Variants, head_dim: int, fused: bool = False) -> bool:
   """Whether a kernel's consumers re-derive their own tiles' refs in each step
-  (``Variants.step_refs``). The rule: in the fused backward and above head dim 128, where it
-  removes ptxas's spills; the other kernels do not spill at head dims up to 128 and ran 1-3%
-  slower with it (BENCHMARKS.md, "Kernel rules")."""
+  (``Variants.step_refs``). The rule: in the fused backward and above head dim 192, where it
+  removed ptxas's spills and made them faster; below, the other kernels' spills are few or not
+  removed by it, and forward+backward ran 1-3% slower with it (head dim 192 is not measured:
+  off; BENCHMARKS.md, "Kernel rules")."""
   if variants.step_refs is not None:
     return variants.step_refs
-  return fused or head_dim > 128
+  return fused or head_dim > 192
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
