@@ -489,18 +489,24 @@ def profile(name, f, args, d, calls=10):
       print(f"      {hlo[kname][:150]}", flush=True)
 
 
+def _picked(name, dtype, only) -> bool:
+  """Whether words ``only`` select a ``_FWD_SHAPES`` row: its name's first word, and for a
+  float16 twin (``dense T=16k fp16``) the word ``fp16`` too."""
+  return name.split()[0] in only and (dtype != jnp.float16 or "fp16" in only)
+
+
 def spans(*only):
   """Ours (Mosaic GPU) against cuDNN timed on the device (``bench.clock("device")``): each
   shape twice, in batches of at least 50 ms (sustained load, as ``bench``) and as calls
   synchronized one at a time (40 each); median and quartiles. Words: ``fwd`` (forward, the
   default) and/or ``bwd`` (forward+backward), and shapes by their first word (default: dense,
-  causal)."""
+  causal; their float16 twins with ``fp16``)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["fwd"]
   switches = _variants(only)
   only = [o for o in only if o not in ("fwd", "bwd") and "=" not in o] or ["dense", "causal"]
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
-      if name.split()[0] not in only:
+      if not _picked(name, dt, only):
         continue
       q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
       seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
@@ -566,7 +572,7 @@ def features(*only):
   the plain kernel in the same interleaved run (``_span_rows``; ratios: plain time / time),
   beside the Triton kernels with the feature and cuDNN without it. Words: ``fwd`` and/or
   ``bwd`` (default: bwd, forward+backward), feature names (default: all), shapes by their
-  first word (default: causal, dense), and ``field=v1,v2`` to time each feature once per value
+  first word (default: causal, dense; float16 twins with ``fp16``), and ``field=v1,v2`` to time each feature once per value
   of that ``Variants`` field (then without the Triton kernels)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["bwd"]
   feats = [f for f in _FEATURES if f in only] or list(_FEATURES)
@@ -575,7 +581,7 @@ def features(*only):
       "causal", "dense"]
   for pass_ in passes:
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
-      if name.split()[0] not in only or kind in ("documents", "window"):
+      if not _picked(name, dt, only) or kind in ("documents", "window"):
         continue
       q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
