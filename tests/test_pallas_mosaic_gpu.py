@@ -7,6 +7,7 @@ Natively (PALLAS_RING_TEST_GPU=1 on an H100) the native tests below and the conf
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
 from pallas_ring.kernels.pallas_mosaic_gpu import (
     Variants, fwd_kernel, fwd_scheduler, pipeline, tiles)
-from conftest import ON_GPU, check_ring_step, kernel_call_sites, rel_err, ring_step
+from conftest import ON_GPU, check_ring_step, jaxpr_eqns, kernel_call_sites, rel_err, ring_step
 from conformance import Conformance
 
 MOSAIC = "@mosaic_gpu"  # the custom call of a Mosaic GPU kernel in lowered StableHLO
@@ -710,28 +711,12 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
 KERNEL_PRIMITIVES = ("mpmd_map", "core_map", "pallas_call")  # a kernel's equation in a jaxpr
 
 
-def _subjaxprs(eqn):
-  for param in jax.tree.leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns")):
-    inner = getattr(param, "jaxpr", param)
-    if hasattr(inner, "eqns"):
-      yield inner
-
-
-def _count_primitive(jaxpr, name: str) -> int:
-  """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its parameters."""
-  return sum((eqn.primitive.name == name) + sum(_count_primitive(j, name)
-                                                for j in _subjaxprs(eqn)) for eqn in jaxpr.eqns)
-
-
 def _per_kernel(jaxpr, name: str) -> list:
-  """``_count_primitive`` in each kernel's body, in the order of the kernels in ``jaxpr``."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in KERNEL_PRIMITIVES:
-      out.append(sum(_count_primitive(j, name) for j in _subjaxprs(eqn)))
-    else:
-      out += [n for j in _subjaxprs(eqn) for n in _per_kernel(j, name)]
-  return out
+  """Equations of primitive ``name`` in each kernel's body (``jaxpr_eqns``), in the order of the
+  kernels in ``jaxpr``."""
+  kernels = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name in KERNEL_PRIMITIVES]
+  return [sum(e.primitive.name == name for e in jaxpr_eqns(types.SimpleNamespace(eqns=[k])))
+          for k in kernels]
 
 
 @pytest.mark.ci_cases(every=True)

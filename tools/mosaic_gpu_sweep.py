@@ -572,8 +572,8 @@ def features(*only):
   the plain kernel in the same interleaved run (``_span_rows``; ratios: plain time / time),
   beside the Triton kernels with the feature and cuDNN without it. Words: ``fwd`` and/or
   ``bwd`` (default: bwd, forward+backward), feature names (default: all), shapes by their
-  first word (default: causal, dense; float16 twins with ``fp16``), and ``field=v1,v2`` to time each feature once per value
-  of that ``Variants`` field (then without the Triton kernels)."""
+  first word (default: causal, dense; float16 twins with ``fp16``), and ``field=v1,v2`` to time
+  each feature once per value of that ``Variants`` field (then without the Triton kernels)."""
   passes = [p for p in ("fwd", "bwd") if p in only] or ["bwd"]
   feats = [f for f in _FEATURES if f in only] or list(_FEATURES)
   settings = _variants(only)
