@@ -745,6 +745,23 @@ def test_step_refs_index_own_tiles_in_each_step(name, deterministic, takes_it, b
   assert rule(Variants(), 256) and not rule(Variants(step_refs=False), 256)
 
 
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("name, by_default", [("causal_gqa", True), ("softcap_h64", False)])
+def test_fused_backward_splits_dq_columns_at_head_dim_128(name, by_default):
+  """``Variants.dq_split``: the fused kernel's consumers each add half of dQ's columns (their
+  column offset and the deferred step's start proven multiples: ``pl.multiple_of``) at head dim
+  128 by default; at 64, where a half is not whole swizzle tiles, never."""
+  args, _, kw = _structs(name)
+
+  def hints(**variants):
+    f = _attention(kw, deterministic=False, **variants)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    return _per_kernel(jax.make_jaxpr(grad)(*args).jaxpr, "multiple_of")[-1]  # the fused one
+
+  off, on, default = hints(dq_split=False), hints(dq_split=True), hints()
+  assert (on > off) == by_default and default == (on if by_default else off)
+
+
 def test_fused_backward_lowers_under_vmap():
   """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
   args, _, kw = _structs("causal_gqa")
@@ -871,10 +888,12 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
                                          ("hv64_documents_fp16", False),
                                          ("causal_gqa", True),
                                          ("softcap_h64", True)])
-def test_native_fused_backward_matches(name, terms):
-  """The fused backward (``deterministic=False``): gradients against the float32 xla backend and
-  the deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with
-  ALiBi, dropout, a bias and a dense mask where ``terms``."""
+@pytest.mark.parametrize("split", [False, True])
+def test_native_fused_backward_matches(name, terms, split):
+  """The fused backward (``deterministic=False``; ``split``: dQ's columns split over the
+  consumers, where the head dim allows): gradients against the float32 xla backend and the
+  deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with ALiBi,
+  dropout, a bias and a dense mask where ``terms``."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   hv = HV.get(name, h)
   rng = np.random.default_rng(8)
@@ -892,7 +911,7 @@ def test_native_fused_backward_matches(name, terms):
         jnp.float32) * do)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
-  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False)
+  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split)
   det = grads("pallas_mosaic_gpu", q, k, v)
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):

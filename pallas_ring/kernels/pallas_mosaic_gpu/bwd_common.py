@@ -46,6 +46,7 @@ class BwdGeometry:
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
   fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
+  dq_split: bool = False  # fused: dQ's columns split over the consumers (``tiles.dq_split``)
   step_refs: bool = False  # consumers' own tiles re-derived per step (``tiles.step_refs``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   # FP8 mode: q, k, v and dO's FP8 dtype (``fp8.backward_operands``: q.k^T, dO.v^T and the dK/dV

@@ -55,7 +55,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, fp8_backward, step_refs, unsupported)
+    dkv_head_splits, dq_split, fp8_backward, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -101,8 +101,11 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
-  # Fused: ds^T and the dQ staging tiles (float32) of each owner.
-  owned += owners * walk * (rows * dt.itemsize + 4 * hp) if fused else 0
+  # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
+  # (by step parity), staging of half the columns.
+  split = fused and dq_split(variants, hp)
+  if fused:
+    owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
                 if stage else 0)
   owned += term_bytes
@@ -122,7 +125,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
-                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to, fp8=c.fp8,
+                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to, dq_split=split,
+                     fp8=c.fp8,
                      step_refs=step_refs(variants, hp, fused),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
@@ -215,8 +219,9 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
   sl, w, two, wide = g.slots, g.walk, COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dq_smem, dq_in = None, ()
-  if fused:  # a ds^T tile and a dQ staging tile per consumer; dQ's start
-    dq_smem = (smem(two, rows, w), swizzled_smem(f32, two, w, hp))
+  if fused:  # a ds^T tile and a dQ staging tile per consumer (``dkv_fused``); dQ's start
+    dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, two, w, hp // two)) if g.dq_split else
+               (smem(two, rows, w), swizzled_smem(f32, two, w, hp)))
     dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
   dkv_shape = lambda h: jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, h), out_dt)
   # dK/dV staging: a tile per consumer, and for a narrower dV others aliasing them

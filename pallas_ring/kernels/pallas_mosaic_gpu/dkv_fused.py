@@ -1,10 +1,11 @@
 """The fused backward (``Variants(deterministic=False)``, head dims <= 128): the dK/dV kernel's
-consumers also write each tile's ``ds^T`` to shared memory and add ``ds^T K`` of their 64 keys
-to a float32 dQ in global memory by a TMA reduce-add through a staging tile, in whatever order
-the CTAs reach it: dQ is not bitwise reproducible, and q.k^T and dO.v^T are computed once
-instead of twice (5 matmuls per tile instead of 7). Where registers allow
-(``Variants.dq_with_dkv_up_to``) the ``ds^T K`` matmul is issued with dV's and dK's, else after
-them. Here: those two steps of a consumer, and the launch that updates dQ in place."""
+consumers also write each tile's ``ds^T`` to shared memory and add ``ds^T K`` to a float32 dQ in
+global memory by TMA reduce-adds through staging tiles, in whatever order the CTAs reach it: dQ
+is not bitwise reproducible, and q.k^T and dO.v^T are computed once instead of twice (5 matmuls
+per tile instead of 7). At head dim 128 each consumer adds half of dQ's columns over the CTA's
+128 keys (``Variants.dq_split``, below); else all columns over its own 64 keys, issuing the
+matmul with dV's and dK's where registers allow (``Variants.dq_with_dkv_up_to``), else after
+them. Here: those steps of a consumer, and the launch that updates dQ in place."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import zeros
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import slot_of, step_index
+from pallas_ring.kernels.pallas_mosaic_gpu.tiles import COMPUTE_WGS
 
 if TYPE_CHECKING:
   from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import DkvCta
@@ -34,13 +37,74 @@ def stage_ds(c: DkvCta, ds):
 def add_dq(c: DkvCta, dq, h, start) -> None:
   """``dq[start:start + walk] += dq`` (``ds^T K`` over this consumer's keys) by a TMA reduce-add
   from its staging tile, once the previous one has read it."""
+  _reduce_add(c, c.r.dq_smem[1].at[c.wg], dq, c.r.dq.at[c.batch, pl.ds(start, c.g.walk),
+                                                        c.q_head(h)])
+
+
+# Split (``Variants.dq_split``, FlashAttention-3's): consumer w adds dQ's columns
+# [w * H/2, (w + 1) * H/2) over the CTA's 128 keys, ds^T K from both consumers' ds^T tiles, one
+# reduce-add per CTA and tile (half the L2 traffic). The ds^T tiles are double-buffered by step
+# parity. Consumer 1 runs half a step behind consumer 0 (``pipeline.pingpong``): when it reaches
+# a step's dQ, both tiles of that step are written; consumer 0 adds the previous step's, whose
+# tile consumer 1 wrote before their last meeting, and the last step's after the walk. The
+# consumers' meetings order every write of a tile after both reads of its buffer's previous one.
+
+
+def write_ds(c: DkvCta, ds, n) -> None:
+  """Split: this consumer's ``ds^T`` of walked step ``n`` to its shared-memory tile."""
+  c.r.dq_smem[0].at[slot_of(n, 2), c.wg][...] = ds
+  plgpu.commit_smem()
+
+
+def split_dq(c: DkvCta, n, h, start, last) -> tuple:
+  """Split: adds this consumer's dQ columns of step ``n`` at query head rank ``h`` from
+  ``start`` (consumer 1) or of the previous step ``last = (n, h, start)`` (consumer 0; none
+  before the first: ``start < 0``). Returns this step's ``(n, h, start)``."""
+  behind = c.wg == 1
+  n_at, h_at, start_at = (jnp.where(behind, now, then)
+                          for now, then in zip((n, h, start), last))
+
+  @pl.when(behind | (start_at >= 0))
+  def _():
+    add_dq_columns(c, n_at, h_at, start_at)
+
+  return n, h, start
+
+
+def last_dq(c: DkvCta, last) -> None:
+  """Split: consumer 0's dQ columns of the walk's last step ``last = (n, h, start)`` (consumer 1
+  wrote its tile before their last meeting, ``pipeline.pingpong``'s)."""
+  n, h, start = last
+  pl.when((c.wg == 0) & (start >= 0))(lambda: add_dq_columns(c.at_step(start), n, h, start))
+
+
+def add_dq_columns(c: DkvCta, n, h, start) -> None:
+  """Split: ``dq[start:start + walk, :, cols] += ds K[:, cols]`` of step ``n`` over both
+  consumers' keys, ``cols`` this consumer's half of the columns."""
+  g, r, wg = c.g, c.r, c.wg
+  half = g.head_dim // COMPUTE_WGS
+  start = pl.multiple_of(start, g.walk)  # (a selected step's: TMA's tiling needs it proven)
+  cols = pl.ds(pl.multiple_of(wg * half, half), half)  # (whole swizzle tiles of K)
+  tiles, stage = r.dq_smem
+  pairs = [(tiles.at[slot_of(n, 2), w].transpose((1, 0)), r.k_own.at[w].at[:, cols])
+           for w in (wg, step_index(1 - wg, start, g.step_refs))]
+
+  def run(ref):
+    for a, b in pairs:
+      plgpu.wgmma(ref, a, b)
+
+  dq = pl.run_state(run)(plgpu.ACC.init(zeros((g.walk, half))))
+  _reduce_add(c, stage.at[wg], dq, c.r.dq.at[c.batch, pl.ds(start, g.walk), c.q_head(h), cols])
+
+
+def _reduce_add(c: DkvCta, stage, dq, dst) -> None:
+  """``dst += dq`` (scaled) by a TMA reduce-add from ``stage``, once the previous one has read
+  it."""
   cfg = c.cfg
-  stage = c.r.dq_smem[1].at[c.wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   stage[...] = dq * (cfg.scale * cfg.keep_scale)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(stage, c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h)],
-                          reduction_op="add")
+  plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 
 
 def fused_call(entry, out_shapes, mesh, params, args):

@@ -52,7 +52,9 @@ class DkvRefs(NamedTuple):
   v_own: Any  # as k_own, at Hv
   kinfo_own: Any  # [COMPUTE_WGS, key_rows, 64] int32 ([key_rows, 64] when wide)
   p_smem: Any  # wide: [2, 64, walk], the p^T buffers; else None
-  dq_smem: Any  # fused: (ds^T tiles [2, 64, walk], dQ staging [2, walk, H] float32); else None
+  # fused: (ds^T tiles [2, 64, walk], dQ staging [2, walk, H] float32); split dQ: ([2, 2, 64,
+  # walk] by step parity, [2, walk, H/2]); else None
+  dq_smem: Any
   stage: Optional[TermStage]  # a staged tile term's windows (read by warpgroup 0 alone when wide)
   q_smem: Any  # [slots, walk, H]
   do_smem: Any  # [slots, walk, Hv]

@@ -23,7 +23,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     accumulate, finish, grad_logits, probs, products, signed_grad_logits, zeros)
-from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import add_dq, stage_ds
+from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import (
+    add_dq, last_dq, split_dq, stage_ds, write_ds)
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, load_ref, meet, pingpong, slot_of)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
@@ -39,9 +40,13 @@ def consumer(c: DkvCta) -> None:
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys()
   dk, dv = zeros((g.rows, g.head_dim)), zeros((g.rows, g.value_dim))
+  # split dQ: the previous step's (n, h, start), none yet (``dkv_fused.split_dq``)
+  last = (jnp.int32(0),) * 2 + (jnp.int32(-1),) if g.dq_split else ()
   meet_other = functools.partial(meet, r.sched)
-  dk, dv = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv), meet_other,
-                    meet_other)
+  dk, dv, *last = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv, *last),
+                           meet_other, meet_other)
+  if g.dq_split:
+    last_dq(c, last)
   finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
   if g.narrow_v:  # (a narrower dV's staging aliases both consumers' dK staging)
     meet(r.sched)
@@ -54,7 +59,7 @@ def consumer(c: DkvCta) -> None:
 def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   """``consumer``'s walked tile of query head rank ``h``, queries from ``start``."""
   g, cfg, r = c.g, c.cfg, c.r
-  n, dk, dv = carry
+  n, dk, dv, *last = carry
   c = c.at_step(start)
   slot = slot_of(n, g.slots)
   q, do = r.q_smem.at[slot], r.do_smem.at[slot]
@@ -79,15 +84,19 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   else:
     p = p.astype(g.dtype)
   p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
+  if g.dq_split:
+    write_ds(c, ds, n)
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
   with_dkv = (stage_ds(c, ds),) if g.dq_with_dkv else ()
   dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
   plgpu.barrier_arrive(r.free.at[slot])
-  if g.fused_dq:
+  if g.dq_split:
+    last = split_dq(c, n, h, start, last)
+  elif g.fused_dq:
     (dq,) = dq or accumulate((stage_ds(c, ds),))
     add_dq(c, dq, h, start)
-  return n + 1, dk, dv
+  return n + 1, dk, dv, *last
 
 
 def p_and_dv(c: DkvCta) -> None:

@@ -53,6 +53,11 @@ class Variants:
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
   # (above, after them: at 128 issuing them together ran a third slower, BENCHMARKS.md).
   dq_with_dkv_up_to: int = 64
+  # The fused kernel's dQ split by columns (FlashAttention-3's): each consumer adds half of dQ's
+  # columns over the CTA's 128 keys (both consumers' ds^T tiles from shared memory), one
+  # reduce-add of the tile per CTA instead of one per consumer (half the L2 traffic). Where it
+  # fits (``dq_split``); False: each consumer adds all columns over its own 64 keys.
+  dq_split: bool = True
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
@@ -333,6 +338,14 @@ def step_refs(variants: Variants, head_dim: int, fused: bool = False) -> bool:
   if variants.step_refs is not None:
     return variants.step_refs
   return fused or head_dim > 192
+
+
+def dq_split(variants: Variants, head_dim: int) -> bool:
+  """Whether the fused backward splits dQ's columns over its consumers (``Variants.dq_split``,
+  on by default: 4-11% faster at head dim 128, BENCHMARKS.md): where each half is whole 128-byte
+  swizzle tiles of K (head dims that are multiples of 128) and ds^T K is issued after dV/dK."""
+  fits = head_dim % 128 == 0 and head_dim > variants.dq_with_dkv_up_to
+  return fits and variants.dq_split
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
