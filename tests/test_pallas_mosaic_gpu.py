@@ -750,7 +750,8 @@ def test_step_refs_index_own_tiles_in_each_step(name, deterministic, takes_it, b
 def test_fused_backward_splits_dq_columns_at_head_dim_128(name, by_default):
   """``Variants.dq_split``: the fused kernel's consumers each add half of dQ's columns (their
   column offset and the deferred step's start proven multiples: ``pl.multiple_of``) at head dim
-  128 by default; at 64, where a half is not whole swizzle tiles, never."""
+  128 by default; at 64, where a half is not whole swizzle tiles, never. The rule
+  ``tiles.dq_with_dkv`` issues that matmul with dV's and dK's at 128 only when split."""
   args, _, kw = _structs(name)
 
   def hints(**variants):
@@ -760,6 +761,11 @@ def test_fused_backward_splits_dq_columns_at_head_dim_128(name, by_default):
 
   off, on, default = hints(dq_split=False), hints(dq_split=True), hints()
   assert (on > off) == by_default and default == (on if by_default else off)
+  # ds K issued with dV and dK: at 128 only split (unsplit its float32 tile would not fit)
+  with_dkv = tiles.dq_with_dkv
+  assert with_dkv(Variants(), 128) and not with_dkv(Variants(dq_split=False), 128)
+  assert with_dkv(Variants(dq_split=False), 64)
+  assert not with_dkv(Variants(dq_with_dkv_up_to=64), 128)
 
 
 def test_fused_backward_lowers_under_vmap():
@@ -882,13 +888,14 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("name, terms", [("causal_gqa", False), ("documents", False),
-                                         ("softcap_h64", False), ("full_odd_lengths", False),
-                                         ("window_mqa", False), ("h96_padded_fp16", False),
-                                         ("hv64_documents_fp16", False),
-                                         ("causal_gqa", True),
-                                         ("softcap_h64", True)])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("name, terms, split", [
+    ("causal_gqa", False, True), ("documents", False, True), ("softcap_h64", False, True),
+    ("full_odd_lengths", False, True), ("window_mqa", False, True),
+    ("h96_padded_fp16", False, True), ("hv64_documents_fp16", False, True),
+    ("causal_gqa", True, True), ("softcap_h64", True, True),
+    # dQ's columns not split (``Variants.dq_split``; at head dims 64 and 96 they never are)
+    ("causal_gqa", False, False), ("hv64_documents_fp16", False, False),
+    ("causal_gqa", True, False)])
 def test_native_fused_backward_matches(name, terms, split):
   """The fused backward (``deterministic=False``; ``split``: dQ's columns split over the
   consumers, where the head dim allows): gradients against the float32 xla backend and the

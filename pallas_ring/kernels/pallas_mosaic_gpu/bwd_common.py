@@ -132,14 +132,16 @@ def products(tile, pairs, issued=lambda: None):
 
 
 def accumulate(terms):
-  """``[acc + a b for acc, a, b in terms]``: ``a`` in registers (16-bit, wgmma layout), ``b`` in
-  shared memory (one wgmma wait)."""
+  """``[acc + a b for acc, a, b in terms]``: ``a`` in registers (16-bit, wgmma layout) or shared
+  memory, ``b`` in shared memory (one wgmma wait); a term ``(acc, ((a, b), ...))`` adds several
+  products."""
 
   def run(refs):
-    for ref, (_, a, b) in zip(refs, terms):
-      plgpu.wgmma(ref, a, b)
+    for ref, (_, *ops) in zip(refs, terms):
+      for a, b in ops[0] if len(ops) == 1 else (ops,):
+        plgpu.wgmma(ref, a, b)
 
-  return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in terms))
+  return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, *_ in terms))
 
 
 class TileTerms(NamedTuple):

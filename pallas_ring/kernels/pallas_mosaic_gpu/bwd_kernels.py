@@ -55,7 +55,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, fp8_backward, step_refs, unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -125,7 +125,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
-                     dq_with_dkv=fused and hp <= variants.dq_with_dkv_up_to, dq_split=split,
+                     dq_with_dkv=fused and dq_with_dkv(variants, hp), dq_split=split,
                      fp8=c.fp8,
                      step_refs=step_refs(variants, hp, fused),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)

@@ -3,9 +3,9 @@ consumers also write each tile's ``ds^T`` to shared memory and add ``ds^T K`` to
 global memory by TMA reduce-adds through staging tiles, in whatever order the CTAs reach it: dQ
 is not bitwise reproducible, and q.k^T and dO.v^T are computed once instead of twice (5 matmuls
 per tile instead of 7). At head dim 128 each consumer adds half of dQ's columns over the CTA's
-128 keys (``Variants.dq_split``, below); else all columns over its own 64 keys, issuing the
-matmul with dV's and dK's where registers allow (``Variants.dq_with_dkv_up_to``), else after
-them. Here: those steps of a consumer, and the launch that updates dQ in place."""
+128 keys (``Variants.dq_split``, below); else all columns over its own 64 keys. The matmul is
+issued with dV's and dK's where registers allow (``tiles.dq_with_dkv``), else after them.
+Here: those steps of a consumer, and the launch that updates dQ in place."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import zeros
+from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import accumulate, zeros
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import slot_of, step_index
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import COMPUTE_WGS
 
@@ -57,44 +57,52 @@ def write_ds(c: DkvCta, ds, n) -> None:
 
 
 def split_dq(c: DkvCta, n, h, start, last) -> tuple:
-  """Split: adds this consumer's dQ columns of step ``n`` at query head rank ``h`` from
-  ``start`` (consumer 1) or of the previous step ``last = (n, h, start)`` (consumer 0; none
-  before the first: ``start < 0``). Returns this step's ``(n, h, start)``."""
+  """Split: the ``accumulate`` term of this consumer's dQ columns of the step it adds now, and
+  that step ``(n, h, start)``: step ``n`` at query head rank ``h`` from ``start`` (consumer 1),
+  or the previous one, ``last`` (consumer 0; none before the first: ``start < 0``, then the
+  term reads a tile no one writes in this step, and ``add_split_dq`` adds nothing)."""
   behind = c.wg == 1
-  n_at, h_at, start_at = (jnp.where(behind, now, then)
-                          for now, then in zip((n, h, start), last))
+  step = tuple(jnp.where(behind, now, then) for now, then in zip((n, h, start), last))
+  return _columns_term(c, step[0], step[2]), step
 
-  @pl.when(behind | (start_at >= 0))
-  def _():
-    add_dq_columns(c, n_at, h_at, start_at)
 
-  return n, h, start
+def add_split_dq(c: DkvCta, dq, step) -> None:
+  """Split: adds ``dq``, this consumer's columns of ``step`` (``split_dq``), to dQ."""
+  _, h, start = step
+  pl.when((c.wg == 1) | (start >= 0))(lambda: _add_columns(c, dq, h, start))
 
 
 def last_dq(c: DkvCta, last) -> None:
   """Split: consumer 0's dQ columns of the walk's last step ``last = (n, h, start)`` (consumer 1
   wrote its tile before their last meeting, ``pipeline.pingpong``'s)."""
   n, h, start = last
-  pl.when((c.wg == 0) & (start >= 0))(lambda: add_dq_columns(c.at_step(start), n, h, start))
+
+  @pl.when((c.wg == 0) & (start >= 0))
+  def _():
+    (dq,) = accumulate((_columns_term(c.at_step(start), n, start),))
+    _add_columns(c, dq, h, start)
 
 
-def add_dq_columns(c: DkvCta, n, h, start) -> None:
-  """Split: ``dq[start:start + walk, :, cols] += ds K[:, cols]`` of step ``n`` over both
-  consumers' keys, ``cols`` this consumer's half of the columns."""
+def _columns(c: DkvCta):
+  """This consumer's half of dQ's columns (whole swizzle tiles of K)."""
+  half = c.g.head_dim // COMPUTE_WGS
+  return pl.ds(pl.multiple_of(c.wg * half, half), half)
+
+
+def _columns_term(c: DkvCta, n, start):
+  """The ``accumulate`` term of ``ds K[:, cols]`` of step ``n`` over both consumers' keys."""
   g, r, wg = c.g, c.r, c.wg
-  half = g.head_dim // COMPUTE_WGS
-  start = pl.multiple_of(start, g.walk)  # (a selected step's: TMA's tiling needs it proven)
-  cols = pl.ds(pl.multiple_of(wg * half, half), half)  # (whole swizzle tiles of K)
-  tiles, stage = r.dq_smem
-  pairs = [(tiles.at[slot_of(n, 2), w].transpose((1, 0)), r.k_own.at[w].at[:, cols])
-           for w in (wg, step_index(1 - wg, start, g.step_refs))]
+  tiles, cols = r.dq_smem[0], _columns(c)
+  pairs = tuple((tiles.at[slot_of(n, 2), w].transpose((1, 0)), r.k_own.at[w].at[:, cols])
+                for w in (wg, step_index(1 - wg, start, g.step_refs)))
+  return zeros((g.walk, g.head_dim // COMPUTE_WGS)), pairs
 
-  def run(ref):
-    for a, b in pairs:
-      plgpu.wgmma(ref, a, b)
 
-  dq = pl.run_state(run)(plgpu.ACC.init(zeros((g.walk, half))))
-  _reduce_add(c, stage.at[wg], dq, c.r.dq.at[c.batch, pl.ds(start, g.walk), c.q_head(h), cols])
+def _add_columns(c: DkvCta, dq, h, start) -> None:
+  """``dq[start:start + walk, :, cols] += dq`` (this consumer's columns)."""
+  start = pl.multiple_of(start, c.g.walk)  # (a selected step's: TMA's tiling needs it proven)
+  _reduce_add(c, c.r.dq_smem[1].at[c.wg], dq,
+              c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h), _columns(c)])
 
 
 def _reduce_add(c: DkvCta, stage, dq, dst) -> None:

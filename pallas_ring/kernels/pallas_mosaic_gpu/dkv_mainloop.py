@@ -24,7 +24,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     accumulate, finish, grad_logits, probs, products, signed_grad_logits, zeros)
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import (
-    add_dq, last_dq, split_dq, stage_ds, write_ds)
+    add_dq, add_split_dq, last_dq, split_dq, stage_ds, write_ds)
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, load_ref, meet, pingpong, slot_of)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
@@ -40,8 +40,9 @@ def consumer(c: DkvCta) -> None:
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys()
   dk, dv = zeros((g.rows, g.head_dim)), zeros((g.rows, g.value_dim))
-  # split dQ: the previous step's (n, h, start), none yet (``dkv_fused.split_dq``)
-  last = (jnp.int32(0),) * 2 + (jnp.int32(-1),) if g.dq_split else ()
+  # split dQ: the previous step's (n, h, start); none yet: start -1, and n 1, whose ds^T tiles
+  # no one writes in the first step (``dkv_fused.split_dq``)
+  last = (jnp.int32(1), jnp.int32(0), jnp.int32(-1)) if g.dq_split else ()
   meet_other = functools.partial(meet, r.sched)
   dk, dv, *last = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv, *last),
                            meet_other, meet_other)
@@ -88,15 +89,20 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
     write_ds(c, ds, n)
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
-  with_dkv = (stage_ds(c, ds),) if g.dq_with_dkv else ()
+  if g.dq_split:
+    dq_term, step = split_dq(c, n, h, start, last)
+  with_dkv = ()
+  if g.dq_with_dkv:
+    with_dkv = (dq_term if g.dq_split else stage_ds(c, ds),)
   dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
   plgpu.barrier_arrive(r.free.at[slot])
   if g.dq_split:
-    last = split_dq(c, n, h, start, last)
+    (dq,) = dq or accumulate((dq_term,))
+    add_split_dq(c, dq, step)
   elif g.fused_dq:
     (dq,) = dq or accumulate((stage_ds(c, ds),))
     add_dq(c, dq, h, start)
-  return n + 1, dk, dv, *last
+  return n + 1, dk, dv, *((n, h, start) if g.dq_split else ())
 
 
 def p_and_dv(c: DkvCta) -> None:

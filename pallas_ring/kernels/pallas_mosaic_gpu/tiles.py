@@ -50,13 +50,14 @@ class Variants:
   # also adds each tile's ds^T K to a float32 dQ by atomic (TMA reduce) adds, in no fixed order,
   # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible.
   deterministic: bool = True
-  # The fused kernel issues ds^T K with the tile's dV and dK matmuls at head dims up to this
-  # (above, after them: at 128 issuing them together ran a third slower, BENCHMARKS.md).
-  dq_with_dkv_up_to: int = 64
+  # The fused kernel issues ds^T K with the tile's dV and dK matmuls (one wgmma wait) at head
+  # dims up to this; None: the rule (``dq_with_dkv``).
+  dq_with_dkv_up_to: Optional[int] = None
   # The fused kernel's dQ split by columns (FlashAttention-3's): each consumer adds half of dQ's
   # columns over the CTA's 128 keys (both consumers' ds^T tiles from shared memory), one
-  # reduce-add of the tile per CTA instead of one per consumer (half the L2 traffic). Where it
-  # fits (``dq_split``); False: each consumer adds all columns over its own 64 keys.
+  # reduce-add of the tile per CTA instead of one per consumer (half the L2 traffic). Where
+  # halves are whole swizzle tiles (``dq_split``); False: each consumer adds all columns over
+  # its own 64 keys.
   dq_split: bool = True
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
@@ -343,9 +344,19 @@ def step_refs(variants: Variants, head_dim: int, fused: bool = False) -> bool:
 def dq_split(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward splits dQ's columns over its consumers (``Variants.dq_split``,
   on by default: 4-11% faster at head dim 128, BENCHMARKS.md): where each half is whole 128-byte
-  swizzle tiles of K (head dims that are multiples of 128) and ds^T K is issued after dV/dK."""
-  fits = head_dim % 128 == 0 and head_dim > variants.dq_with_dkv_up_to
-  return fits and variants.dq_split
+  swizzle tiles of K (head dims that are multiples of 128; the fused kernel serves up to 128)."""
+  return head_dim % 128 == 0 and variants.dq_split
+
+
+def dq_with_dkv(variants: Variants, head_dim: int) -> bool:
+  """Whether the fused backward issues ds^T K with dV's and dK's matmuls
+  (``Variants.dq_with_dkv_up_to``). The rule: up to head dim 128 with dQ's columns split (its
+  float32 half-tile takes 32 registers per thread: 1-4% faster than after them), else up to 64
+  (at 128 unsplit, the whole tile's 64 registers made the kernel a third slower; BENCHMARKS.md)."""
+  up_to = variants.dq_with_dkv_up_to
+  if up_to is None:
+    up_to = 128 if dq_split(variants, head_dim) else 64
+  return head_dim <= up_to
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
