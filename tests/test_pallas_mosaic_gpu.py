@@ -242,14 +242,18 @@ def test_register_split_is_a_checked_variant():
 @pytest.mark.parametrize("name", ["documents", "h256_documents_gqa_softcap"])
 def test_lowers_under_x64(name):
   """x64 mode (64-bit Python ints) changes no integer dtype inside the kernels (H=256: the wide
-  backward kernels), also where they merge into the ring's running results."""
+  backward kernels; H=128: also the fused one), also where they merge into the ring's running
+  results."""
   args, (qs, _), kw = _structs(name)
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  fused_f = _attention(kw, deterministic=False)  # (H=128: the fused kernel, dQ split)
+  fused = jax.grad(lambda *a: jnp.sum(fused_f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
     assert _kernels_of_gradients(_lower(grad, *args, qs))
+    assert (REDUCE_ADD in _lower(fused, *args, qs, qs)) == (CASES[name][5] <= 128)
     step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
     assert _lower(step, *step_args).count(MOSAIC) == 4  # merging into the ring's results
 
@@ -269,12 +273,15 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
       plgpu.CompilerParams, lowering_semantics=mgpu.LoweringSemantics.Warpgroup))
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f = _attention(kw)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  f, fused_f = _attention(kw), _attention(kw, deterministic=False)
+  grad, fused = (jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+                 for f in (f, fused_f))
   step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
   try:
     assert _kernels_of_gradients(_lower(grad, *args, *seg))
+    if CASES[name][5] <= 128:  # the fused backward
+      assert _lower(fused, *args, *seg).count(MOSAIC) == 2
     assert _lower(step, *step_args).count(MOSAIC) == 4  # merging into the ring's results
   finally:
     jax.clear_caches()
@@ -893,7 +900,7 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
     ("full_odd_lengths", False, True), ("window_mqa", False, True),
     ("h96_padded_fp16", False, True), ("hv64_documents_fp16", False, True),
     ("causal_gqa", True, True), ("softcap_h64", True, True),
-    # dQ's columns not split (``Variants.dq_split``; at head dims 64 and 96 they never are)
+    # dQ's columns not split (``Variants.dq_split``; at head dim 64 they never are)
     ("causal_gqa", False, False), ("hv64_documents_fp16", False, False),
     ("causal_gqa", True, False)])
 def test_native_fused_backward_matches(name, terms, split):

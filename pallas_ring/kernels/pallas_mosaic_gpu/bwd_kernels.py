@@ -126,8 +126,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      walked_heads=heads, walk=walk, wide=wide,
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and dq_with_dkv(variants, hp), dq_split=split,
-                     fp8=c.fp8,
-                     step_refs=step_refs(variants, hp, fused),
+                     fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -219,7 +218,8 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
   sl, w, two, wide = g.slots, g.walk, COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dq_smem, dq_in = None, ()
-  if fused:  # a ds^T tile and a dQ staging tile per consumer (``dkv_fused``); dQ's start
+  if fused:  # ds^T and dQ staging tiles per consumer (split: two ds^T, by step parity, and
+    # half-width staging; ``dkv_fused``); dQ's start
     dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, two, w, hp // two)) if g.dq_split else
                (smem(two, rows, w), swizzled_smem(f32, two, w, hp)))
     dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)

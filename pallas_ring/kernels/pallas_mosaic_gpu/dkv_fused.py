@@ -69,7 +69,7 @@ def split_dq(c: DkvCta, n, h, start, last) -> tuple:
 def add_split_dq(c: DkvCta, dq, step) -> None:
   """Split: adds ``dq``, this consumer's columns of ``step`` (``split_dq``), to dQ."""
   _, h, start = step
-  pl.when((c.wg == 1) | (start >= 0))(lambda: _add_columns(c, dq, h, start))
+  pl.when(start >= 0)(lambda: _add_columns(c, dq, h, start))  # (consumer 1's: always)
 
 
 def last_dq(c: DkvCta, last) -> None:

@@ -102,7 +102,8 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   elif g.fused_dq:
     (dq,) = dq or accumulate((stage_ds(c, ds),))
     add_dq(c, dq, h, start)
-  return n + 1, dk, dv, *((n, h, start) if g.dq_split else ())
+  # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
+  return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start) if g.dq_split else ())
 
 
 def p_and_dv(c: DkvCta) -> None:

@@ -343,7 +343,7 @@ def step_refs(variants: Variants, head_dim: int, fused: bool = False) -> bool:
 
 def dq_split(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward splits dQ's columns over its consumers (``Variants.dq_split``,
-  on by default: 4-11% faster at head dim 128, BENCHMARKS.md): where each half is whole 128-byte
+  on by default: 7-12% faster at head dim 128, BENCHMARKS.md): where each half is whole 128-byte
   swizzle tiles of K (head dims that are multiples of 128; the fused kernel serves up to 128)."""
   return head_dim % 128 == 0 and variants.dq_split
 
