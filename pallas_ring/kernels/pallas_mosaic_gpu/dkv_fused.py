@@ -57,19 +57,16 @@ def write_ds(c: DkvCta, ds, n) -> None:
 
 
 def split_dq(c: DkvCta, n, h, start, last) -> tuple:
-  """Split: the ``accumulate`` term of this consumer's dQ columns of the step it adds now, and
-  that step ``(n, h, start)``: step ``n`` at query head rank ``h`` from ``start`` (consumer 1),
-  or the previous one, ``last`` (consumer 0; none before the first: ``start < 0``, then the
-  term reads a tile no one writes in this step, and ``add_split_dq`` adds nothing)."""
+  """Split: ``(term, add)``: ``term()``, the ``accumulate`` term of this consumer's dQ columns of
+  the step it adds now, and ``add(dq)``, which adds them to dQ. That step is step ``n`` at query
+  head rank ``h`` from ``start`` (consumer 1) or the previous one, ``last = (n, h, start)``
+  (consumer 0; none before the first: ``start < 0``, then the term reads a tile no one writes in
+  this step, and ``add`` adds nothing)."""
   behind = c.wg == 1
-  step = tuple(jnp.where(behind, now, then) for now, then in zip((n, h, start), last))
-  return _columns_term(c, step[0], step[2]), step
-
-
-def add_split_dq(c: DkvCta, dq, step) -> None:
-  """Split: adds ``dq``, this consumer's columns of ``step`` (``split_dq``), to dQ."""
-  _, h, start = step
-  pl.when(start >= 0)(lambda: _add_columns(c, dq, h, start))  # (consumer 1's: always)
+  n_at, h_at, start_at = (jnp.where(behind, now, then)
+                          for now, then in zip((n, h, start), last))
+  return (lambda: _columns_term(c, n_at, start_at),
+          lambda dq: pl.when(start_at >= 0)(lambda: _add_columns(c, dq, h_at, start_at)))
 
 
 def last_dq(c: DkvCta, last) -> None:

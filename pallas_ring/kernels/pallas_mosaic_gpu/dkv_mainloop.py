@@ -24,7 +24,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
     accumulate, finish, grad_logits, probs, products, signed_grad_logits, zeros)
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import (
-    add_dq, add_split_dq, last_dq, split_dq, stage_ds, write_ds)
+    add_dq, last_dq, split_dq, stage_ds, write_ds)
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
     COLS, load_ref, meet, pingpong, slot_of)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
@@ -89,19 +89,14 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
     write_ds(c, ds, n)
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
-  if g.dq_split:
-    dq_term, step = split_dq(c, n, h, start, last)
-  with_dkv = ()
-  if g.dq_with_dkv:
-    with_dkv = (dq_term if g.dq_split else stage_ds(c, ds),)
+  if g.fused_dq:
+    dq_term, add = (split_dq(c, n, h, start, last) if g.dq_split else
+                    (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start)))
+  with_dkv = (dq_term(),) if g.dq_with_dkv else ()
   dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
   plgpu.barrier_arrive(r.free.at[slot])
-  if g.dq_split:
-    (dq,) = dq or accumulate((dq_term,))
-    add_split_dq(c, dq, step)
-  elif g.fused_dq:
-    (dq,) = dq or accumulate((stage_ds(c, ds),))
-    add_dq(c, dq, h, start)
+  if g.fused_dq:
+    add((dq or accumulate((dq_term(),)))[0])
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
   return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start) if g.dq_split else ())
 
