@@ -351,7 +351,7 @@ def dq_split(variants: Variants, head_dim: int) -> bool:
 def dq_with_dkv(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward issues ds^T K with dV's and dK's matmuls
   (``Variants.dq_with_dkv_up_to``). The rule: up to head dim 128 with dQ's columns split (its
-  float32 half-tile takes 32 registers per thread: 1-4% faster than after them), else up to 64
+  float32 half-tile takes 32 registers per thread: up to 3.5% faster than after), else up to 64
   (at 128 unsplit, the whole tile's 64 registers made the kernel a third slower; BENCHMARKS.md)."""
   up_to = variants.dq_with_dkv_up_to
   if up_to is None:
