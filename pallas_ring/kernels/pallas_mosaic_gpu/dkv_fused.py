@@ -37,8 +37,7 @@ def stage_ds(c: DkvCta, ds):
 def add_dq(c: DkvCta, dq, h, start) -> None:
   """``dq[start:start + walk] += dq`` (``ds^T K`` over this consumer's keys) by a TMA reduce-add
   from its staging tile, once the previous one has read it."""
-  _reduce_add(c, c.r.dq_smem[1].at[c.wg], dq, c.r.dq.at[c.batch, pl.ds(start, c.g.walk),
-                                                        c.q_head(h)])
+  _reduce_add(c, dq, c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h)])
 
 
 # Split (``Variants.dq_split``, FlashAttention-3's): consumer w adds dQ's columns
@@ -92,20 +91,19 @@ def _columns_term(c: DkvCta, n, start):
   tiles, cols = r.dq_smem[0], _columns(c)
   pairs = tuple((tiles.at[slot_of(n, 2), w].transpose((1, 0)), r.k_own.at[w].at[:, cols])
                 for w in (wg, step_index(1 - wg, start, g.step_refs)))
-  return zeros((g.walk, g.head_dim // COMPUTE_WGS)), pairs
+  return zeros((g.walk, cols.size)), pairs
 
 
 def _add_columns(c: DkvCta, dq, h, start) -> None:
   """``dq[start:start + walk, :, cols] += dq`` (this consumer's columns)."""
   start = pl.multiple_of(start, c.g.walk)  # (a selected step's: TMA's tiling needs it proven)
-  _reduce_add(c, c.r.dq_smem[1].at[c.wg], dq,
-              c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h), _columns(c)])
+  _reduce_add(c, dq, c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h), _columns(c)])
 
 
-def _reduce_add(c: DkvCta, stage, dq, dst) -> None:
-  """``dst += dq`` (scaled) by a TMA reduce-add from ``stage``, once the previous one has read
-  it."""
-  cfg = c.cfg
+def _reduce_add(c: DkvCta, dq, dst) -> None:
+  """``dst += dq`` (scaled) by a TMA reduce-add from this consumer's staging tile, once the
+  previous one has read it."""
+  cfg, stage = c.cfg, c.r.dq_smem[1].at[c.wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   stage[...] = dq * (cfg.scale * cfg.keep_scale)
   plgpu.commit_smem()
