@@ -68,6 +68,11 @@ def _attention(kw, **variants):
   return f
 
 
+def _grad(f):
+  """Gradients of ``sum(f(q, k, v, ...))`` (float32) with respect to q, k and v."""
+  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
 def _lower(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -89,7 +94,7 @@ def test_every_configuration_lowers_for_cuda(name):
   assert text.count(MOSAIC) == 1 and TRITON not in text
   # the consumers' schedule: hardware barriers of both consumer warpgroups' 256 threads
   assert "bar.arrive $0, 256;" in text and "bar.sync $0, 256;" in text
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   text = _lower(grad, *args, *seg_args)
   assert _kernels_of_gradients(text)
 
@@ -108,7 +113,7 @@ def test_head_dims_pad_to_a_multiple_of_64_only():
       tiles.check_value_dim(hv, 192)
   args, (qs, ks), kw = _structs("mla_192_128_documents")
   f = _attention(kw)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   for fn, outs in ((f, "(tensor<2x384x4x128xbf16>, tensor<2x4x384xf32>)"),
                    (grad, "(tensor<2x384x4x192xbf16>, tensor<2x384x4x128xbf16>)")):
     text = _lower(fn, *args, qs, ks)
@@ -182,7 +187,7 @@ def test_score_terms_lower_for_cuda(name, bias, dense):
   text = _lower(f, *args, *seg)
   assert text.count(MOSAIC) == 1 and TRITON not in text
   assert (STAGED in text) == (bias is jnp.bfloat16 or (dense and not bias))
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   assert _kernels_of_gradients(_lower(grad, *args, *seg))
 
 
@@ -194,7 +199,7 @@ def test_dkv_kernel_split_over_query_heads_lowers(name, splits):
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
   f = _attention(kw, dkv_head_splits=splits)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   text = _lower(grad, *args, *seg)
   assert _kernels_of_gradients(text)
   assert f"tensor<{splits}x2x" in text  # (the partials' leading axis)
@@ -220,9 +225,9 @@ def test_register_split_is_a_checked_variant():
   lowering (the PTX asks for it), and one that cannot fit the register file is refused. The dQ
   kernel's lone consumer above head dim 192 takes ``lone_consumer_regs`` instead (no other
   kernel has a lone consumer)."""
-  grad = lambda v: jax.grad(lambda *a: jnp.sum(flash_attention(
-      *a, mask=masks.Causal(), backend="pallas_mosaic_gpu", interpret=False,
-      block_sizes=BlockSizes(variants=v)).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = lambda v: _grad(functools.partial(
+      flash_attention, mask=masks.Causal(), backend="pallas_mosaic_gpu", interpret=False,
+      block_sizes=BlockSizes(variants=v)))
 
   def text(v, h=128):
     sd = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
@@ -247,9 +252,8 @@ def test_lowers_under_x64(name):
   args, (qs, _), kw = _structs(name)
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  fused_f = _attention(kw, deterministic=False)  # (H=128: the fused kernel, dQ split)
-  fused = jax.grad(lambda *a: jnp.sum(fused_f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
+  fused = _grad(_attention(kw, deterministic=False))  # (H=128: the fused kernel, dQ split)
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
     assert _kernels_of_gradients(_lower(grad, *args, qs))
@@ -273,9 +277,7 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
       plgpu.CompilerParams, lowering_semantics=mgpu.LoweringSemantics.Warpgroup))
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f, fused_f = _attention(kw), _attention(kw, deterministic=False)
-  grad, fused = (jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-                 for f in (f, fused_f))
+  grad, fused = _grad(_attention(kw)), _grad(_attention(kw, deterministic=False))
   step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
   try:
@@ -412,7 +414,7 @@ def test_backward_tiles_other_than_128_run_the_triton_backward(name):
   args, _, kw = _structs(name)
   f = lambda q, k, v: flash_attention(q, k, v, backend="pallas_mosaic_gpu", interpret=False,
                                       block_sizes=BlockSizes(block_q_bwd=64), **kw)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   text = _lower(grad, *args)
   assert text.count(MOSAIC) == 1 and text.count(TRITON) == 2
   from pallas_ring.kernels import tuning
@@ -485,7 +487,7 @@ def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
   monkeypatch.setattr(pallas_mosaic_gpu, "hopper", lambda: True)
   args, _, _ = _structs("causal_gqa")
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   text = _lower(grad, *args)
   assert _kernels_of_gradients(text)
   # float32 inputs are not served by the Mosaic GPU kernels: auto takes Triton for both passes.
@@ -708,7 +710,7 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
   seg = (qs, ks) if qs is not None else ()
   f = _attention({**kw, **(_terms(name, bias=True, dense=True) if terms else {})},
                  deterministic=False)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   text = _lower(grad, *args, *seg)
   wide = CASES[name][5] > 128
   assert text.count(MOSAIC) == (3 if wide else 2) and TRITON not in text
@@ -740,7 +742,7 @@ def test_step_refs_index_own_tiles_in_each_step(name, deterministic, takes_it, b
 
   def mins(**variants):
     f = _attention(kw, deterministic=deterministic, **variants)
-    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    grad = _grad(f)
     return _per_kernel(jax.make_jaxpr(grad)(*args, *seg).jaxpr, "min")
 
   off, on, default = mins(step_refs=False), mins(step_refs=True), mins()
@@ -763,7 +765,7 @@ def test_fused_backward_splits_dq_columns_at_head_dim_128(name, by_default):
 
   def hints(**variants):
     f = _attention(kw, deterministic=False, **variants)
-    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    grad = _grad(f)
     return _per_kernel(jax.make_jaxpr(grad)(*args).jaxpr, "multiple_of")[-1]  # the fused one
 
   off, on, default = hints(dq_split=False), hints(dq_split=True), hints()
@@ -779,7 +781,7 @@ def test_fused_backward_lowers_under_vmap():
   """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
   args, _, kw = _structs("causal_gqa")
   f = _attention(kw, deterministic=False)
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  grad = _grad(f)
   batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in args]
   text = _lower(jax.vmap(grad), *batched)
   assert text.count(MOSAIC) == 2 and REDUCE_ADD in text and "stablehlo.while" in text
