@@ -105,14 +105,17 @@ if ON_GPU:
   jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def small_blocks(backend, head_dim=128):
-  """Small tiles that still obey each backend's rules (many blocks at test sizes)."""
+def small_blocks(backend, head_dim=128, reproducible=False):
+  """Small tiles that still obey each backend's rules (many blocks at test sizes);
+  ``reproducible``: the Mosaic GPU backward's reproducible pair instead of its fused kernel."""
   from pallas_ring import BlockSizes
   if backend == "pallas_tpu":
     return BlockSizes(block_q=32, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
   if backend == "pallas_mosaic_gpu":  # two warpgroups of 64 rows (the backward's on both sides
+    from pallas_ring.kernels.pallas_mosaic_gpu import Variants
     bwd = 128 if head_dim <= 128 else 32  # up to H=128; above, the backward is Triton's)
-    return BlockSizes(block_q=128, block_kv=64, block_q_bwd=bwd, block_kv_bwd=bwd)
+    return BlockSizes(block_q=128, block_kv=64, block_q_bwd=bwd, block_kv_bwd=bwd,
+                      variants=Variants(deterministic=True) if reproducible else None)
   return BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=32)
 
 
@@ -194,10 +197,20 @@ def ring_step(case, backend, interpret, variants=None):
   return step, plain, args
 
 
+def fused_backward(case, backend, interpret, variants=None) -> bool:
+  """Whether ``case``'s gradients run the Mosaic GPU fused backward (dQ added in no fixed order:
+  ``tiles.fused_backward``) natively with ``variants`` (None: the defaults)."""
+  from pallas_ring.kernels.pallas_mosaic_gpu import Variants, tiles
+  return (backend == "pallas_mosaic_gpu" and not interpret and
+          tiles.fused_backward(variants or Variants(), tiles.padded_head_dim(case[5]),
+                               segments=case[7]))
+
+
 def check_ring_step(case, backend, interpret, variants=None):
   """Checks ``ring_step``: given running results (random, with rows no earlier pass saw: lse
   -inf, o 0) a lowering's forward and backward equal ``common.merge`` and an add after its plain
-  calls (dK/dV bitwise where deterministic; ``variants``: the backend's kernel variants)."""
+  calls (dK/dV bitwise but from the fused backward; ``variants``: the backend's kernel
+  variants)."""
   import jax
   import jax.numpy as jnp
   from pallas_ring.kernels import common
@@ -220,7 +233,7 @@ def check_ring_step(case, backend, interpret, variants=None):
   fin = np.isfinite(np.asarray(lse_ref))
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_ref)[fin], rtol=1e-5)
   assert rel_err(dq, dq_acc + dq1) < 1e-6
-  if getattr(variants, "deterministic", True):
+  if not fused_backward(case, backend, interpret, variants):
     np.testing.assert_array_equal(np.asarray(dk), np.asarray(dk1))
     np.testing.assert_array_equal(np.asarray(dv), np.asarray(dv1))
   else:  # (XLA computes delta for the fused kernel: its sum's order may differ per program)

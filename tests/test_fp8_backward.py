@@ -69,12 +69,14 @@ def test_wide_head_dims_take_the_dequantized_values(name):
   assert _backward_calls(name) == [3, 0, 0]
 
 
-@pytest.mark.parametrize("variants", [dict(fp8_backward=False), dict(deterministic=False)])
-def test_variants_that_dequantize(variants):
-  """``fp8_backward=False`` runs the 16-bit pair on the dequantized values; the fused kernel
-  (``deterministic=False``) has no FP8 mode."""
+@pytest.mark.parametrize("variants, backward_kernels", [
+    (dict(fp8_backward=False, deterministic=True), 2), (dict(fp8_backward=False), 1),
+    (dict(deterministic=False), 1)])
+def test_variants_that_dequantize(variants, backward_kernels):
+  """``fp8_backward=False`` runs the 16-bit kernels on the dequantized values (by default the
+  fused one, as 16-bit inputs); the fused kernel (``deterministic=False``) has no FP8 mode."""
   counts = _backward_calls("causal_gqa", **variants)
-  assert counts[0] == 3 and counts[1:] == ([0, 0] if "fp8_backward" in variants else [0])
+  assert counts[0] == 3 and counts[1:] == [0] * backward_kernels
 
 
 def test_fp8_backward_rule():
@@ -85,6 +87,10 @@ def test_fp8_backward_rule():
   assert not tiles.fp8_backward(cfg, 192, Variants())
   assert not tiles.fp8_backward(cfg, 128, Variants(fp8_backward=False))
   assert not tiles.fp8_backward(cfg, 128, Variants(deterministic=False))
+  # (the FP8 mode runs in the reproducible pair, which FP8 q, k, v take by default)
+  assert tiles.reproducible(Variants(), fp8_operands=True)
+  assert not tiles.fused_backward(Variants(), 128, fp8_operands=True)
+  assert tiles.fused_backward(Variants(fp8_backward=False), 128, fp8_operands=True)
   assert not tiles.fp8_backward(dataclasses.replace(cfg, interpret=True), 128, Variants())
 
 

@@ -44,7 +44,7 @@ class BwdGeometry:
   splits: int = 1  # dK/dV: CTAs sharing a kv block's query heads (each walks walked_heads)
   delta_from_o: bool = False  # dQ: computes delta from o (a ``common.RowTerm``) and returns it
   add_dq: bool = False  # dQ: adds ``dq_acc`` (the ring's running dq) to its rows
-  fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``Variants.deterministic``)
+  fused_dq: bool = False  # dK/dV: also adds ds K to a float32 dQ (``tiles.fused_backward``)
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   dq_split: bool = False  # fused: dQ's columns split over the consumers (``tiles.dq_split``)
   step_refs: bool = False  # consumers' own tiles re-derived per step (``tiles.step_refs``)

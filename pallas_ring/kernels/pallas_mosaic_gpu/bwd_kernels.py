@@ -1,8 +1,8 @@
 """The Mosaic GPU backward, host side: which kernels run, their geometry and their launch.
 
-Two kernels, each warp-specialized like the forward (a producer warpgroup streams tiles by TMA
-into ``slots`` shared-memory slots, consumer warpgroups own 64 rows each), and neither
-accumulates across CTAs, so results are bitwise reproducible:
+The reproducible backward is two kernels, each warp-specialized like the forward (a producer
+warpgroup streams tiles by TMA into ``slots`` shared-memory slots, consumer warpgroups own 64
+rows each), and neither accumulates across CTAs, so results are bitwise reproducible:
 
 * ``dq_kernel`` runs first: a CTA owns 128 query rows of one head and walks K/V; given delta as
   a ``common.RowTerm`` it computes delta and hands it to dK/dV;
@@ -13,9 +13,9 @@ accumulates across CTAs, so results are bitwise reproducible:
 Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone would fill its
 registers, so the dK/dV kernel owns 64 rows per CTA, which its two consumers share, splitting
 the work (``dkv_mainloop``); above 192 the dQ kernel too, with one consumer (two sets of q, dO
-and K/V slots do not fit in shared memory). With ``Variants(deterministic=False)`` at head dims
-<= 128 one fused kernel runs instead (``dkv_fused``): the dK/dV kernel also adds to dQ.
-Measured in BENCHMARKS.md.
+and K/V slots do not fit in shared memory). At head dims <= 128 one fused kernel runs instead
+unless gradients are to be reproducible (``tiles.fused_backward``; ``dkv_fused``): the dK/dV
+kernel also adds to dQ. Measured in BENCHMARKS.md.
 
 v, dO and dV may be narrower than q and k (``Hv``, MLA): those tiles and matmuls are ``Hv``
 wide.
@@ -55,7 +55,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, step_refs, unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -301,10 +301,10 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
             term_dtype=tile_term_dtype(ops), variants=variants,
             fp8=None if f8 is None else q.dtype)
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
-  # dQ first (``_dq_pass``). Fused (``Variants.deterministic=False``): no dQ kernel; the dK/dV
-  # kernel adds to dQ.
-  fused = (not variants.deterministic and want_dq and want_dkv and
-           hp <= variants.wide_dkv_above)
+  # dQ first (``_dq_pass``). Fused (``tiles.fused_backward``): no dQ kernel; the dK/dV kernel
+  # adds to dQ.
+  fused = want_dq and want_dkv and fused_backward(variants, hp, ops.fp8 is not None,
+                                                  ops.q_info.segment_ids is not None)
   if not variants.delta_in_dq or not want_dq or fused:
     delta = common.delta_array(delta, do)
   dq, do = None, do if f8 is None else f8.do

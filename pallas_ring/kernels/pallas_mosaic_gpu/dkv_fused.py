@@ -1,4 +1,4 @@
-"""The fused backward (``Variants(deterministic=False)``, head dims <= 128): the dK/dV kernel's
+"""The fused backward (head dims <= 128, ``tiles.fused_backward``): the dK/dV kernel's
 consumers also write each tile's ``ds^T`` to shared memory and add ``ds^T K`` to a float32 dQ in
 global memory by TMA reduce-adds through staging tiles, in whatever order the CTAs reach it: dQ
 is not bitwise reproducible, and q.k^T and dO.v^T are computed once instead of twice (5 matmuls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import jax
@@ -48,8 +49,10 @@ class Variants:
   dkv_max_splits: int = 4  # ... into at most this many CTAs per kv block
   # False: one fused backward kernel at head dims <= 128 (``dkv_fused``): the dK/dV kernel
   # also adds each tile's ds^T K to a float32 dQ by atomic (TMA reduce) adds, in no fixed order,
-  # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible.
-  deterministic: bool = True
+  # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible. None: the rule
+  # (``fused_backward``: fused unless XLA_FLAGS asks XLA for deterministic ops, FP8 q, k, v run
+  # the backward's FP8 mode, or segment ids are given).
+  deterministic: Optional[bool] = None
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls (one wgmma wait) at head
   # dims up to this; None: the rule (``dq_with_dkv``).
   dq_with_dkv_up_to: Optional[int] = None
@@ -371,12 +374,51 @@ def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
   return max(d for d in range(1, min(group, variants.dkv_max_splits) + 1) if group % d == 0)
 
 
+_DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops")
+
+
+def xla_deterministic_ops() -> bool:
+  """Whether ``XLA_FLAGS`` asks XLA:GPU for deterministic ops (``--xla_gpu_deterministic_ops``
+  or ``--xla_gpu_exclude_nondeterministic_ops``, as for XLA's own scatters and cuDNN's
+  backward): the fused backward's unordered dQ adds then give way to the reproducible pair."""
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    name, eq, value = flag.partition("=")
+    if name in _DETERMINISTIC_FLAGS and (not eq or value.lower() in ("true", "1")):
+      return True
+  return False
+
+
+def reproducible(variants: Variants, fp8_operands: bool = False) -> bool:
+  """Whether the backward runs the two reproducible kernels (dQ by its own kernel) rather than
+  the fused one where both serve (``Variants.deterministic``). The rule: the fused kernel, which
+  is faster at head dims 64 and 128 (BENCHMARKS.md, "The backward: two kernels or fused"),
+  unless ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or FP8 q, k, v
+  (``fp8_operands``) run the backward's FP8 mode (``Variants.fp8_backward``), which the pair
+  runs."""
+  if variants.deterministic is not None:
+    return variants.deterministic
+  return xla_deterministic_ops() or (fp8_operands and variants.fp8_backward)
+
+
+def fused_backward(variants: Variants, head_dim: int, fp8_operands: bool = False,
+                   segments: bool = False) -> bool:
+  """Whether dQ, dK and dV come from the fused kernel (``dkv_fused``): at head dims up to
+  ``wide_dkv_above`` where the backward is not to be reproducible (``reproducible``). With
+  segment ids (packed documents: short rows, where the fused kernel's per-CTA start and drain
+  weigh more) the rule keeps the pair, which ran 4-6% faster on documents of 1024 tokens
+  (BENCHMARKS.md); ``Variants(deterministic=False)`` fuses them too."""
+  if head_dim > variants.wide_dkv_above or reproducible(variants, fp8_operands):
+    return False
+  return variants.deterministic is False or not segments
+
+
 def fp8_backward(cfg: common.KernelConfig, head_dim: int, variants: Variants) -> bool:
-  """Whether FP8 q, k, v run the backward's FP8 mode: in the two deterministic kernels of head
+  """Whether FP8 q, k, v run the backward's FP8 mode: in the two reproducible kernels of head
   dims up to ``wide_dkv_above`` (the wide and fused kernels, and the Triton backward, take them
   dequantized)."""
-  return (variants.fp8_backward and variants.deterministic and not cfg.interpret and
-          head_dim <= variants.wide_dkv_above and backward_unsupported(cfg, head_dim) is None)
+  return (variants.fp8_backward and reproducible(variants, fp8_operands=True) and
+          not cfg.interpret and head_dim <= variants.wide_dkv_above and
+          backward_unsupported(cfg, head_dim) is None)
 
 
 def backward_unsupported(cfg: common.KernelConfig, head_dim: int) -> Optional[str]:
