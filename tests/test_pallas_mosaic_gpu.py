@@ -79,11 +79,9 @@ def _lower(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _kernels_of_gradients(text, name="causal_gqa", reproducible=False):
-  """The forward and the backward's kernels of case ``name``, all Mosaic GPU: the fused one
-  that reduce-adds dQ (by default at head dims <= 128), else (or ``reproducible``) dK/dV and
-  dQ."""
-  fused = not reproducible and _fused(name)
+def _kernels_of_gradients(text, fused):
+  """The forward and the backward's kernels, all Mosaic GPU: the fused one that reduce-adds dQ
+  (``fused``), else dK/dV and dQ."""
   return (text.count(MOSAIC) == (2 if fused else 3) and (REDUCE_ADD in text) == fused and
           TRITON not in text)
 
@@ -91,6 +89,12 @@ def _kernels_of_gradients(text, name="causal_gqa", reproducible=False):
 def _fused(name, **variants) -> bool:
   """Whether case ``name``'s gradients run the fused backward with ``variants``."""
   return fused_backward(CASES[name], "pallas_mosaic_gpu", False, Variants(**variants))
+
+
+def _backward_modes(name) -> dict:
+  """``{Variants.deterministic: fused}`` of the backward's modes that case ``name`` has: the
+  reproducible pair, and at head dims <= 128 the fused kernel."""
+  return {True: False, **({False: True} if _fused(name, deterministic=False) else {})}
 
 
 def _step_kernels(name, **variants) -> int:
@@ -103,7 +107,8 @@ def _step_kernels(name, **variants) -> int:
                       "documents")
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_configuration_lowers_for_cuda(name):
-  """Forward: one Mosaic GPU kernel; gradients: it plus the two backward kernels."""
+  """Forward: one Mosaic GPU kernel; gradients: it plus the backward's (by default the fused
+  kernel at head dims <= 128 without segment ids, else dQ and dK/dV)."""
   args, (qs, ks), kw = _structs(name)
   f = _attention(kw)
   seg_args = (qs, ks) if qs is not None else ()
@@ -113,7 +118,7 @@ def test_every_configuration_lowers_for_cuda(name):
   assert "bar.arrive $0, 256;" in text and "bar.sync $0, 256;" in text
   grad = _grad(f)
   text = _lower(grad, *args, *seg_args)
-  assert _kernels_of_gradients(text, name)
+  assert _kernels_of_gradients(text, _fused(name))
 
 
 def test_head_dims_pad_to_a_multiple_of_64_only():
@@ -196,30 +201,32 @@ STAGED = "copy_tile_term.<locals>.copy"  # (a source name in a forward kernel st
                                          (jnp.bfloat16, False)])
 def test_score_terms_lower_for_cuda(name, bias, dense):
   """ALiBi, dropout, a bias and a dense mask stay on the Mosaic GPU kernels (the wide backward
-  too): one forward kernel, three with gradients, no Triton. A 16-bit term (a dense mask alone,
-  a bfloat16 bias) is staged through shared memory, a float32 one is not."""
+  too): one forward kernel, with gradients the backward's in each mode, no Triton. A 16-bit
+  term (a dense mask alone, a bfloat16 bias) is staged through shared memory, a float32 one is
+  not."""
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f = _attention({**kw, **_terms(name, bias=bias, dense=dense)})
-  text = _lower(f, *args, *seg)
+  kw = {**kw, **_terms(name, bias=bias, dense=dense)}
+  text = _lower(_attention(kw), *args, *seg)
   assert text.count(MOSAIC) == 1 and TRITON not in text
   assert (STAGED in text) == (bias is jnp.bfloat16 or (dense and not bias))
-  grad = _grad(f)
-  assert _kernels_of_gradients(_lower(grad, *args, *seg), name)
+  for deterministic, fused in _backward_modes(name).items():
+    grad = _grad(_attention(kw, deterministic=deterministic))
+    assert _kernels_of_gradients(_lower(grad, *args, *seg), fused)
 
 
 @pytest.mark.parametrize("name, splits", [("window_mqa", 4), ("causal_gqa", 2),
                                          ("h256_documents_gqa_softcap", 2)])
 def test_dkv_kernel_split_over_query_heads_lowers(name, splits):
   """Few kv heads: each kv block's query heads split over CTAs writing float32 partials (the
-  wide kernel too), still three Mosaic GPU kernels and no Triton."""
+  wide and the fused kernel too), the same Mosaic GPU kernels and no Triton."""
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  f = _attention(kw, dkv_head_splits=splits)
-  grad = _grad(f)
-  text = _lower(grad, *args, *seg)
-  assert _kernels_of_gradients(text, name)
-  assert f"tensor<{splits}x2x" in text  # (the partials' leading axis)
+  for deterministic, fused in _backward_modes(name).items():
+    f = _attention(kw, dkv_head_splits=splits, deterministic=deterministic)
+    text = _lower(_grad(f), *args, *seg)
+    assert _kernels_of_gradients(text, fused)
+    assert f"tensor<{splits}x2x" in text  # (the partials' leading axis)
 
 
 def test_dkv_head_splits_rule_fills_the_gpu_with_few_kv_heads():
@@ -269,12 +276,13 @@ def test_lowers_under_x64(name):
   args, (qs, _), kw = _structs(name)
   f = lambda q, k, v, s: flash_attention(q, k, v, segment_ids=s, backend="pallas_mosaic_gpu",
                                          interpret=False, **kw)
-  grad = _grad(f)  # (H=128: the fused kernel, dQ split)
-  pair = _grad(_attention(kw, deterministic=True))
+  grad = _grad(f)
   with jax.enable_x64(True):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
-    assert _kernels_of_gradients(_lower(grad, *args, qs), name)
-    assert _kernels_of_gradients(_lower(pair, *args, qs, qs), name, reproducible=True)
+    assert _kernels_of_gradients(_lower(grad, *args, qs), _fused(name))
+    for deterministic, fused in _backward_modes(name).items():  # (H=128: fused, dQ split)
+      modes = _grad(_attention(kw, deterministic=deterministic))
+      assert _kernels_of_gradients(_lower(modes, *args, qs, qs), fused)
     step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
     # merging into the ring's results
     assert _lower(step, *step_args).count(MOSAIC) == _step_kernels(name)
@@ -295,13 +303,13 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
       plgpu.CompilerParams, lowering_semantics=mgpu.LoweringSemantics.Warpgroup))
   args, (qs, ks), kw = _structs(name)
   seg = (qs, ks) if qs is not None else ()
-  grad, pair = _grad(_attention(kw)), _grad(_attention(kw, deterministic=True))
+  modes = {fused: _grad(_attention(kw, deterministic=deterministic))
+           for deterministic, fused in _backward_modes(name).items()}
   step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
   jax.clear_caches()  # (kernels traced with lane semantics by earlier tests)
   try:
-    assert _kernels_of_gradients(_lower(grad, *args, *seg), name)
-    if _fused(name):  # (else grad ran the pair)
-      assert _kernels_of_gradients(_lower(pair, *args, *seg), name, reproducible=True)
+    for fused, grad in modes.items():
+      assert _kernels_of_gradients(_lower(grad, *args, *seg), fused)
     # merging into the ring's results
     assert _lower(step, *step_args).count(MOSAIC) == _step_kernels(name)
   finally:
@@ -464,7 +472,7 @@ def test_ring_gradients_lower_to_mosaic_kernels_with_float32_outputs(head_dim, d
   # Two ring steps: the forward kernel alone, then merging into the first step's result; the
   # backward's local dQ kernel, the other step's dQ (adding) and dK/dV (fused: one kernel), the
   # local dK/dV kernel.
-  fused = head_dim <= 128 and not deterministic
+  fused = tiles.fused_backward(Variants(deterministic=deterministic), head_dim)
   assert kernel_call_sites(text, MOSAIC) == (5 if fused else 6) and TRITON not in text
 
 
@@ -477,7 +485,8 @@ def test_ring_accumulators_merge_inside_the_kernels(name):
   text = _lower(step, *args)
   assert text.count(MOSAIC) == _step_kernels(name) and TRITON not in text
   rows = "tensor<" + "x".join(map(str, args[7].shape)) + "xf32>"  # dq's shape
-  assert "stablehlo.exponential" not in text  # (the fused kernel's delta: XLA's reduce-add)
+  assert "stablehlo.exponential" not in text
+  # (an add of dq's shape; not the reduce-add of the fused kernel's delta, XLA's)
   assert not any("= stablehlo.add " in line and rows in line for line in text.splitlines())
 
 
@@ -510,7 +519,7 @@ def test_auto_lowers_mosaic_for_both_passes_on_hopper(monkeypatch):
   f = lambda q, k, v: flash_attention(q, k, v, mask=masks.Causal())
   grad = _grad(f)
   text = _lower(grad, *args)
-  assert _kernels_of_gradients(text)
+  assert _kernels_of_gradients(text, _fused("causal_gqa"))
   # float32 inputs are not served by the Mosaic GPU kernels: auto takes Triton for both passes.
   args32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in args]
   text = _lower(grad, *args32)
@@ -744,7 +753,8 @@ def test_fused_backward_lowers_as_one_kernel(name, terms):
     ("", True), ("--xla_gpu_deterministic_ops=true", False),
     ("--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops", False),
     ("--xla_gpu_exclude_nondeterministic_ops=TRUE", False),
-    ("--xla_gpu_deterministic_ops=false", True), ("--xla_gpu_deterministic_ops_x=true", True)])
+    ("--xla_gpu_deterministic_ops=false", True), ("--xla_gpu_deterministic_ops_x=true", True),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=0", True)])  # (the last)
 def test_backward_is_fused_unless_reproducibility_is_asked(flags, fused, monkeypatch):
   """``Variants.deterministic=None`` (the default): the fused backward at head dims <= 128
   without segment ids, unless ``XLA_FLAGS`` asks XLA:GPU for deterministic ops (as JAX users
@@ -757,10 +767,12 @@ def test_backward_is_fused_unless_reproducibility_is_asked(flags, fused, monkeyp
   assert tiles.fused_backward(Variants(deterministic=False), 64, segments=True)
   assert not tiles.fused_backward(Variants(deterministic=True), 64)
   if flags in ("", "--xla_gpu_deterministic_ops=true"):
-    jax.clear_caches()  # (the flag is read while tracing)
-    args, _, kw = _structs("causal_gqa")
-    text = _lower(_grad(_attention(kw)), *args)
-    assert _kernels_of_gradients(text, reproducible=not fused)
+    jax.clear_caches()  # (the flag is read while tracing: no trace of another test's flags...)
+    try:
+      args, _, kw = _structs("causal_gqa")
+      assert _kernels_of_gradients(_lower(_grad(_attention(kw)), *args), fused)
+    finally:
+      jax.clear_caches()  # (... nor of these for later tests)
 
 
 KERNEL_PRIMITIVES = ("mpmd_map", "core_map", "pallas_call")  # a kernel's equation in a jaxpr
@@ -902,8 +914,8 @@ def test_native_score_terms_match_and_are_bitwise_reproducible(name, bias, dense
     out, vjp = jax.vjp(f, q, k, v, b0)
     return (out, *(g for g in vjp(do) if g is not None))
 
-  mosaic = lambda **v: jax.jit(functools.partial(run, "pallas_mosaic_gpu",
-                                                 bs=BlockSizes(variants=Variants(**v))))
+  mosaic = lambda **variants: jax.jit(functools.partial(
+      run, "pallas_mosaic_gpu", bs=BlockSizes(variants=Variants(**variants))))
   run_pair = mosaic(deterministic=True)
   got, again = run_pair(q, k, v, b0), run_pair(q, k, v, b0)
   ref = jax.jit(functools.partial(run, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)), b0)
@@ -981,7 +993,7 @@ def test_native_fused_backward_matches(name, terms, split):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
   fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split)
-  det = grads("pallas_mosaic_gpu", q, k, v)
+  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True)
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):
     assert rel_err(a, r) < 2e-2 and rel_err(a, d) < 5e-3

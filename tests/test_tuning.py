@@ -102,8 +102,8 @@ def test_mask_classes():
 
 
 def test_a_backends_variants_apply_where_it_runs_and_nowhere_else(monkeypatch):
-  """The README's reproducibility switch, ``BlockSizes(variants=pallas_mosaic_gpu.Variants(
-  deterministic=False))`` with ``backend="auto"``: other platforms' backends run without it (it
+  """A backend's variants (the README's switch, ``BlockSizes(variants=pallas_mosaic_gpu.Variants(
+  deterministic=...))``) with ``backend="auto"``: other platforms' backends run without it (it
   raised ``AssertionError: no registered backend serves the call`` on every host); the Mosaic
   GPU kernels get it where ``auto`` picks them."""
   from pallas_ring.kernels import pallas_mosaic_gpu

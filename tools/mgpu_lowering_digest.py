@@ -14,7 +14,9 @@ with ``lowering_platforms=("cuda",)``. Every Mosaic GPU kernel in it (the MLIR b
 custom call's backend config) is parsed and printed without debug info (locations carry source
 lines and Python names), and the program around them is printed without debug info, its
 kernels replaced by their digests. A configuration's digest is the SHA-256 of that text; its
-kernels' digests are listed too, so a difference names the kernel that changed.
+kernels' digests are listed too, so a difference names the kernel that changed. The backward
+is the reproducible pair (``Variants(deterministic=True)``, the default before 2026-11-29) in
+every configuration but those named ``fused``, so that a name keeps its kernels across commits.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def _structs(name):
 
 
 def _attention(kw, **variants):
-  """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels."""
-  bs = BlockSizes(variants=Variants(**variants))
+  """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels (the reproducible
+  backward unless ``variants`` say otherwise)."""
+  bs = BlockSizes(variants=Variants(**{"deterministic": True, **variants}))
 
   def f(q, k, v, *seg):
     extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
@@ -103,8 +106,8 @@ def _row_term(head_dim, dlse, in_dq):
   b, t, n, kh = 2, 256, 4, 2
   sd = jax.ShapeDtypeStruct
   q, k = sd((b, t, n, head_dim), jnp.bfloat16), sd((b, t, kh, head_dim), jnp.bfloat16)
-  tiles = tuning.resolve(BACKEND, BlockSizes(variants=Variants(delta_in_dq=in_dq)), t, t,
-                         head_dim)
+  tiles = tuning.resolve(BACKEND, BlockSizes(variants=Variants(
+      delta_in_dq=in_dq, deterministic=True)), t, t, head_dim)
   cfg = pair.kernel_config(tiles, mask=masks.Causal(), scale=0.1, softcap=None, q_len=t,
                            kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
 
@@ -125,8 +128,9 @@ def _ring_attention(head_dim):
   mesh = Mesh(jax.devices()[:2], ("sp",))
 
   def loss(q, k, v):
-    ring = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", mask=masks.Causal(),
-                                          layout="zigzag", backend=BACKEND, interpret=False)
+    ring = lambda q, k, v: ring_attention(
+        q, k, v, axis_name="sp", mask=masks.Causal(), layout="zigzag", backend=BACKEND,
+        interpret=False, block_sizes=BlockSizes(variants=Variants(deterministic=True)))
     o = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
                       check_vma=False)(q, k, v)
     return jnp.sum(o.astype(jnp.float32))
@@ -146,7 +150,7 @@ def _decode(n, kh, h):
 
 def _ring_step(name, **variants):
   step, _, args = ring_step(CASES[name], BACKEND, interpret=False,
-                            variants=Variants(**variants) if variants else None)
+                            variants=Variants(**{"deterministic": True, **variants}))
   return step, args
 
 

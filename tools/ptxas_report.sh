@@ -7,9 +7,10 @@
 # SHAPE is the first word of a backward shape of tools/mosaic_gpu_sweep.py (dense, causal, gqa,
 # h64, h256, docs, dense4k, causal4k); each further argument is one pallas_mosaic_gpu.Variants
 # setting ("" or none: the defaults; "fp8", alone or with fields: the FP8 kernels). Prints, per
-# setting, one line per kernel compiled, in order (forward, dQ, dK/dV; forward and the fused
-# kernel with deterministic=False; in FP8 the two backward kernels do not depend on each other
-# and XLA may put dK/dV first): its spill stores and loads. XLA may compile the program
+# setting, one line per kernel compiled, in order (forward and the fused kernel, the default at
+# H <= 128; forward, dQ, dK/dV where the reproducible pair runs, tiles.fused_backward; in FP8 the
+# two backward kernels do not depend on each other and XLA may put dK/dV first): its spill
+# stores and loads. XLA may compile the program
 # twice (JAX 0.11.2 did), so the sequence can repeat. ptxas's "Used N registers" is the launch
 # bound (65536 / threads), not what each warpgroup holds after setmaxnreg, so it is left out.
 #

@@ -143,7 +143,7 @@ def check_variants(block_sizes) -> None:
   raise ValueError(
       f"block_sizes.variants={v!r} is not the kernel-variant config of any backend (those are "
       f"{', '.join(owned)}): pass one of them, e.g. "
-      "BlockSizes(variants=pallas_ring.kernels.pallas_mosaic_gpu.Variants(deterministic=False)), "
+      "BlockSizes(variants=pallas_ring.kernels.pallas_mosaic_gpu.Variants(deterministic=True)), "
       "or variants=None for each backend's defaults.")
 
 

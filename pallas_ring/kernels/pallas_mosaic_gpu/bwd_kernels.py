@@ -14,8 +14,8 @@ Above head dim 128 ("wide"), a warpgroup's float32 dK and dV of 64 keys alone wo
 registers, so the dK/dV kernel owns 64 rows per CTA, which its two consumers share, splitting
 the work (``dkv_mainloop``); above 192 the dQ kernel too, with one consumer (two sets of q, dO
 and K/V slots do not fit in shared memory). At head dims <= 128 one fused kernel runs instead
-unless gradients are to be reproducible (``tiles.fused_backward``; ``dkv_fused``): the dK/dV
-kernel also adds to dQ. Measured in BENCHMARKS.md.
+by default (``tiles.fused_backward`` says where; ``dkv_fused``): the dK/dV kernel also adds to
+dQ, in no fixed order. Measured in BENCHMARKS.md.
 
 v, dO and dV may be narrower than q and k (``Hv``, MLA): those tiles and matmuls are ``Hv``
 wide.
@@ -303,8 +303,8 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # dQ first (``_dq_pass``). Fused (``tiles.fused_backward``): no dQ kernel; the dK/dV kernel
   # adds to dQ.
-  fused = want_dq and want_dkv and fused_backward(variants, hp, ops.fp8 is not None,
-                                                  ops.q_info.segment_ids is not None)
+  fused = (want_dq and want_dkv and f8 is None and
+           fused_backward(variants, hp, segments=ops.q_info.segment_ids is not None))
   if not variants.delta_in_dq or not want_dq or fused:
     delta = common.delta_array(delta, do)
   dq, do = None, do if f8 is None else f8.do

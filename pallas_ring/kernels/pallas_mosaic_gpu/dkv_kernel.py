@@ -6,10 +6,10 @@ several CTAs per block (``tiles.dkv_head_splits``), each writing float32 partial
 the kernel. The consumers alternate their matmuls like the forward's (``pipeline.pingpong``).
 
 Above head dim 128 ("wide") the two consumers share the CTA's 64 keys and split the work
-(``dkv_mainloop.p_and_dv``, ``ds_and_dk``); with ``Variants(deterministic=False)`` the
-consumers also add each tile's ``ds^T K`` to dQ (``dkv_fused``). This module holds the CTA's
-context (its owned keys, the walked tiles' score terms) and the producer; the consumers' main
-loops are ``dkv_mainloop``'s."""
+(``dkv_mainloop.p_and_dv``, ``ds_and_dk``). Fused (``tiles.fused_backward``, head dims up to
+128) the consumers also add each tile's ``ds^T K`` to dQ (``dkv_fused``). This module holds the
+CTA's context (its owned keys, the walked tiles' score terms) and the producer; the consumers'
+main loops are ``dkv_mainloop``'s."""
 
 from __future__ import annotations
 

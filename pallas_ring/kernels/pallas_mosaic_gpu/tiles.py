@@ -50,8 +50,8 @@ class Variants:
   # False: one fused backward kernel at head dims <= 128 (``dkv_fused``): the dK/dV kernel
   # also adds each tile's ds^T K to a float32 dQ by atomic (TMA reduce) adds, in no fixed order,
   # so dQ is not bitwise reproducible. True: dQ by its own kernel, reproducible. None: the rule
-  # (``fused_backward``: fused unless XLA_FLAGS asks XLA for deterministic ops, FP8 q, k, v run
-  # the backward's FP8 mode, or segment ids are given).
+  # (``fused_backward``: fused unless XLA_FLAGS asks XLA for deterministic ops or segment ids
+  # are given; FP8 q, k, v in the backward's FP8 mode run the pair).
   deterministic: Optional[bool] = None
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls (one wgmma wait) at head
   # dims up to this; None: the rule (``dq_with_dkv``).
@@ -380,43 +380,38 @@ _DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondet
 def xla_deterministic_ops() -> bool:
   """Whether ``XLA_FLAGS`` asks XLA:GPU for deterministic ops (``--xla_gpu_deterministic_ops``
   or ``--xla_gpu_exclude_nondeterministic_ops``, as for XLA's own scatters and cuDNN's
-  backward): the fused backward's unordered dQ adds then give way to the reproducible pair."""
+  backward; a flag's last value counts, as in XLA). Read while tracing, as XLA reads it once:
+  set it before the first call."""
+  on = {}
   for flag in os.environ.get("XLA_FLAGS", "").split():
     name, eq, value = flag.partition("=")
-    if name in _DETERMINISTIC_FLAGS and (not eq or value.lower() in ("true", "1")):
-      return True
-  return False
+    if name in _DETERMINISTIC_FLAGS:
+      on[name] = not eq or value.lower() in ("true", "1")
+  return any(on.values())
 
 
-def reproducible(variants: Variants, fp8_operands: bool = False) -> bool:
-  """Whether the backward runs the two reproducible kernels (dQ by its own kernel) rather than
-  the fused one where both serve (``Variants.deterministic``). The rule: the fused kernel, which
-  is faster at head dims 64 and 128 (BENCHMARKS.md, "The backward: two kernels or fused"),
-  unless ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or FP8 q, k, v
-  (``fp8_operands``) run the backward's FP8 mode (``Variants.fp8_backward``), which the pair
-  runs."""
-  if variants.deterministic is not None:
-    return variants.deterministic
-  return xla_deterministic_ops() or (fp8_operands and variants.fp8_backward)
-
-
-def fused_backward(variants: Variants, head_dim: int, fp8_operands: bool = False,
-                   segments: bool = False) -> bool:
-  """Whether dQ, dK and dV come from the fused kernel (``dkv_fused``): at head dims up to
-  ``wide_dkv_above`` where the backward is not to be reproducible (``reproducible``). With
-  segment ids (packed documents: short rows, where the fused kernel's per-CTA start and drain
-  weigh more) the rule keeps the pair, which ran 4-6% faster on documents of 1024 tokens
-  (BENCHMARKS.md); ``Variants(deterministic=False)`` fuses them too."""
-  if head_dim > variants.wide_dkv_above or reproducible(variants, fp8_operands):
+def fused_backward(variants: Variants, head_dim: int, segments: bool = False) -> bool:
+  """Whether dQ, dK and dV come from the fused kernel (``dkv_fused``; dQ added in no fixed
+  order) rather than the reproducible pair (dK/dV, then dQ by its own kernel), at head dims up
+  to ``wide_dkv_above``: as ``Variants.deterministic`` says, else by the rule. The rule: fused
+  (faster at head dims 64 and 128: BENCHMARKS.md, "The backward: two kernels or fused") unless
+  ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or ``segments`` (packed
+  documents: short rows, where the fused kernel's start and drain per CTA weigh more; the pair
+  ran 4-6% faster on documents of 1024 tokens). FP8 q, k, v that run the backward's FP8 mode
+  (``fp8_backward``) take the pair."""
+  if head_dim > variants.wide_dkv_above:
     return False
-  return variants.deterministic is False or not segments
+  if variants.deterministic is not None:
+    return not variants.deterministic
+  return not (xla_deterministic_ops() or segments)
 
 
 def fp8_backward(cfg: common.KernelConfig, head_dim: int, variants: Variants) -> bool:
-  """Whether FP8 q, k, v run the backward's FP8 mode: in the two reproducible kernels of head
-  dims up to ``wide_dkv_above`` (the wide and fused kernels, and the Triton backward, take them
+  """Whether FP8 q, k, v run the backward's FP8 mode: in the reproducible pair of kernels of
+  head dims up to ``wide_dkv_above``, unless the fused kernel is asked for
+  (``deterministic=False``; it, the wide kernels and the Triton backward take them
   dequantized)."""
-  return (variants.fp8_backward and reproducible(variants, fp8_operands=True) and
+  return (variants.fp8_backward and variants.deterministic is not False and
           not cfg.interpret and head_dim <= variants.wide_dkv_above and
           backward_unsupported(cfg, head_dim) is None)
 
