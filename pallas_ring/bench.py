@@ -366,7 +366,8 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, kv_heads=None, cases
   Args:
     tokens_per_device: T/R for each group of rows.
     kv_heads: K (default N).
-    cases: ``(strategy, layout, causal)`` triples (``RING_CASES``).
+    cases: ``(strategy, layout, causal)`` triples (``RING_CASES``), or with a fourth item, a
+      ``RingVariants`` (its name tagged with the fields it changes).
   """
   from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
   from pallas_ring.sharded import sharded_attention
@@ -393,12 +394,16 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, kv_heads=None, cases
     impls = {"one GPU, same work": (lambda q_, k_, v_: flash_attention(q_, k_, v_),
                                     (q1, k1, v1), do1, tl * t),
              "all_gather+cudnn dense": (gather_cudnn, (q, k, v), do, tl * t)}
-    for strategy, layout, causal in cases:
-      cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy)
+    for strategy, layout, causal, *variants in cases:
+      rv = variants[0] if variants else None
+      cfg = SequenceParallelConfig(axis_name="sp", layout=layout, strategy=strategy,
+                                   ring_variants=rv)
       mask = masks.Causal() if causal else None
       f = lambda q_, k_, v_, cfg=cfg, mask=mask: sharded_attention(q_, k_, v_, mesh=mesh,
                                                                    config=cfg, mask=mask)
-      name = f"{strategy} {layout} {'causal' if causal else 'dense'}"
+      tag = "".join(f"+{x.name}" for x in (dataclasses.fields(rv) if rv else ())
+                    if getattr(rv, x.name) != x.default)
+      name = f"{strategy}{tag} {layout} {'causal' if causal else 'dense'}"
       impls[name] = (f, (q, k, v), do, visible_pairs(t, "causal" if causal else "full") / r)
     for pass_ in ("fwd", "fwd+bwd"):
       calls = {}

@@ -65,15 +65,20 @@ class RingVariants:
       (``halo_gather``) instead of ring steps.
     forward_received: where a ring packs its sends into one buffer (GPU), each forward step
       sends on the buffer it received; False unpacks it and packs the K/V again.
+    whole_local_pair: the local pair's backward runs as one call at the first step (on Hopper
+      the fused kernel: q.k^T and dO.v^T once) and its dK/dV are added to the other devices'
+      once those come home, a hop that then ends the backward; False runs it in two halves, dQ
+      first and dK/dV last, so that hop overlaps the last half.
   """
 
   halo: bool = True
   halo_max_share: float = 0.75
   gather_halos: bool = True
   forward_received: bool = True
+  whole_local_pair: bool = False
 
   def __post_init__(self):
-    for name in ("halo", "gather_halos", "forward_received"):
+    for name in ("halo", "gather_halos", "forward_received", "whole_local_pair"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"RingVariants.{name}={getattr(self, name)!r} is invalid: it must be a "
                          "bool. Pass True or False.")

@@ -87,6 +87,7 @@ class RingStatic:
   # so separate permutes would not all overlap the kernel); forward steps send on what came.
   pack_sends: bool = False
   forward_received: bool = True
+  whole_local_pair: bool = False  # the local pair's backward in one call (``RingVariants``)
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
   quantize: Any = None  # ``call.Settings.quantize`` where the kernels read FP8, else None
   # (forward, backward): how many hops K/V travel toward higher and lower ranks
@@ -319,13 +320,14 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   # After a direction's last step its dK/dV go home (one collective; on the whole ring that is
   # the next device). The local pair runs in two halves: its dQ first, while the first K/V
   # travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV makes its
-  # way home (so that hop overlaps a kernel too).
+  # way home (so that hop overlaps a kernel too); or whole, first (``whole_local_pair``).
   # A chain with a halo sends its slice and gets the slice's dK/dV home.
   local = (kv, _moving_info(st, kv_info))
   first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]
   dterms = {name: jnp.zeros(x.shape, common.acc_dtype(q.dtype)) for name, x in fixed.terms.items()
             if operands.BY_NAME[name].differentiable}
-  dq, _, dterms = compute(*local, rank, dterms, parts=common.DQ)
+  whole = st.whole_local_pair
+  dq, own, dterms = compute(*local, rank, dterms, parts=common.BOTH if whole else common.DQ)
   home, slices = None, []
   for i, ((d, n), held) in enumerate(zip(st.chains, first)):
     dq, dkv, dterms = _backward_chain(st, functools.partial(compute, chain=i), rank, held, d, n,
@@ -335,7 +337,10 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
       slices.append((st.halo(i).runs, back))
     else:
       home = back if home is None else jax.tree.map(jnp.add, home, back)
-  _, dkv, _ = compute(*local, rank, {}, parts=common.DKV, dkv=home)
+  if whole:
+    dkv = own if home is None else jax.tree.map(jnp.add, own, home)
+  else:
+    _, dkv, _ = compute(*local, rank, {}, parts=common.DKV, dkv=home)
   for runs, back in slices:
     dkv = tuple(halo_lib.put(x, y, runs, add=True) for x, y in zip(dkv, back))
   return (dq, *dkv, dterms)
@@ -572,6 +577,7 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, forward_received=variants.forward_received,
+                  whole_local_pair=variants.whole_local_pair,
                   dropout_broadcast=cs.dropout_broadcast, quantize=quantize, reach=reach)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)

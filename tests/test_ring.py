@@ -1,5 +1,7 @@
 """Ring and all-gather sequence parallelism on 8 / 4 virtual CPU devices against the reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from jax.sharding import AxisType
 
 from pallas_ring import SequenceParallelConfig, layouts, masks, reference
 from pallas_ring import ring_attention, sharded_attention
+from pallas_ring.halo import RingVariants
 from conftest import check_ring_step, kernel_call_sites, rel_err
 
 MASKS = {
@@ -75,7 +78,6 @@ def test_packed_sends_forwarded_as_received(monkeypatch, forward_received):
   scan) or packs its K/V again (also in the scan's body); with documents, whose segment ids
   travel in the buffer too. Output and gradients as the reference."""
   from pallas_ring import ring, sends
-  from pallas_ring.halo import RingVariants
   packed = lambda *a, **kw: ring_static(*a, **{**kw, "pack_sends": True})
   ring_static, pack_buffers, packs = ring.RingStatic, sends.pack_buffers, []
   monkeypatch.setattr(ring, "RingStatic", packed)
@@ -88,6 +90,20 @@ def test_packed_sends_forwarded_as_received(monkeypatch, forward_received):
                                               segment_ids=seg))(q, k, v)
   assert packs == ([3] if forward_received else [3, 3])  # (K, V and segment ids)
   _check(mesh, cfg, masks.Causal(), q, k, v, seg)
+
+
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("layout, mask", [
+    ("zigzag", masks.Causal()), ("contiguous", masks.Causal() & masks.SlidingWindow(6))])
+def test_whole_local_pair_gives_the_same_gradients(layout, mask):
+  """``RingVariants(whole_local_pair=True)``: the local pair's backward in one call at the first
+  step, its dK/dV added to the other devices' once those come home (with a window: beside a
+  halo's slice, added at its runs). Output and gradients as the reference."""
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
+                               ring_variants=RingVariants(whole_local_pair=True,
+                                                          gather_halos=False))
+  _check(mesh, cfg, mask, *_problem(7, docs=True))
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
@@ -237,9 +253,10 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   from pallas_ring import ring_attention
   mesh = Mesh(jax.devices()[:ring], ("sp",))
 
-  def loss(q, k, v):
+  def loss(q, k, v, variants=None):
     f = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", mask=masks.Causal(),
-                                       layout="zigzag", backend=backend, interpret=False)
+                                       layout="zigzag", backend=backend, interpret=False,
+                                       ring_variants=variants)
     o = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
                       check_vma=False)(q, k, v)
     return jnp.sum(o.astype(jnp.float32))
@@ -254,6 +271,11 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128)
   steps, forwards = (1, 2) if ring == 2 else (3, 3)
   assert kernel_call_sites(text, marker) == forwards + 2 + steps * (1 if fused else 2)
+  if fused and ring == 2:  # the local pair's backward whole: one fused kernel too
+    whole = RingVariants(whole_local_pair=True)
+    text = jax.jit(jax.grad(functools.partial(loss, variants=whole), argnums=(0, 1, 2))).trace(
+        x, x, x).lower(lowering_platforms=(platform,)).as_text()
+    assert kernel_call_sites(text, marker) == forwards + 1 + steps
 
 
 def test_ring_jaxpr_has_ppermute_in_scan_and_no_repeated_kv():

@@ -5,9 +5,11 @@
 2. the sequence-parallel strategies at 32k tokens per GPU, MHA 16/16 and GQA 32/8, against
    all-gather + cuDNN and one GPU doing the same work (``bench.ring``).
 
-    PYTHONPATH=. python tools/multi_gpu.py [decode,ring,gqa,causal] [TOKENS_PER_GPU]
+    PYTHONPATH=. python tools/multi_gpu.py [decode,ring,gqa,causal,local] [TOKENS_PER_GPU]
 
-(``causal``: only the causal ring layouts, contiguous against zigzag, MHA 16/16.)
+(``causal``: only the causal ring layouts, contiguous against zigzag, MHA 16/16; ``local``: the
+ring with the local pair's backward whole or in two halves, ``RingVariants.whole_local_pair``,
+GQA 32/8, dense and causal zigzag.)
 
 Logs each row as it is measured; the table at the end.
 """
@@ -19,6 +21,7 @@ import sys
 import jax
 
 from pallas_ring import bench
+from pallas_ring.config import RingVariants
 
 
 def main(parts=("decode", "ring", "gqa"), tokens=32768):
@@ -36,6 +39,11 @@ def main(parts=("decode", "ring", "gqa"), tokens=32768):
     if "causal" in parts:
       rows += bench.ring((tokens,), n=16, log=log,
                          cases=(("ring", "contiguous", True), ("ring", "zigzag", True)))
+    if "local" in parts:
+      whole = RingVariants(whole_local_pair=True)
+      rows += bench.ring((tokens,), n=32, kv_heads=8, log=log, cases=(
+          ("ring", "contiguous", False), ("ring", "contiguous", False, whole),
+          ("ring", "zigzag", True), ("ring", "zigzag", True, whole)))
   print("\n| case | impl | pass | ms | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r.case} | {r.impl} | {r.pass_} | {r.ms:.3f} | {r.tflops:.1f} | {r.ratio} |")
