@@ -413,14 +413,19 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, kv_heads=None, cases
       tf = {name: _tflops(impls[name][3], b, n, h, secs, pass_) for name, secs in res.items()}
       for name, secs in res.items():
         rel = ""
-        if name.endswith("dense") and name != "all_gather+cudnn dense":
+        strategy, _, rest = name.partition(" ")
+        untagged = f"{strategy.split('+')[0]} {rest}"  # (the same case without its variants)
+        if untagged != name and untagged in res:
+          rel = f"{res[untagged] / secs:.2f}x {untagged}"
+        elif name.endswith("dense") and name != "all_gather+cudnn dense":
           rel = f"{tf[name] / tf['all_gather+cudnn dense']:.2f}x all_gather+cudnn"
         elif name.startswith("ring zigzag") and "ring contiguous causal" in res:
           rel = f"{res['ring contiguous causal'] / secs:.2f}x contiguous"
-        elif name.endswith("causal") and "ring zigzag causal" in res:
+        elif (name.endswith("causal") and "ring zigzag causal" in res and
+              name != "ring zigzag causal"):
           rel = f"{res['ring zigzag causal'] / secs:.2f}x ring zigzag"
         rows.append(Row(f"{tl}/GPU x{r} {heads}", name, pass_, secs * 1e3, tf[name], rel))
-        log(f"  {tl}/GPU x{r} {heads} {name:26s} {pass_:8s} {secs * 1e3:8.2f} ms "
+        log(f"  {tl}/GPU x{r} {heads} {name:42s} {pass_:8s} {secs * 1e3:8.2f} ms "
             f"{tf[name]:7.1f} TFLOP/s/GPU {rel}")
   peak = _peak_gib()
   log(f"peak memory per device (GiB): {[round(p, 2) for p in peak]}")

@@ -65,10 +65,12 @@ class RingVariants:
       (``halo_gather``) instead of ring steps.
     forward_received: where a ring packs its sends into one buffer (GPU), each forward step
       sends on the buffer it received; False unpacks it and packs the K/V again.
-    whole_local_pair: the local pair's backward runs as one call at the first step (on Hopper
-      the fused kernel: q.k^T and dO.v^T once) and its dK/dV are added to the other devices'
-      once those come home, a hop that then ends the backward; False runs it in two halves, dQ
-      first and dK/dV last, so that hop overlaps the last half.
+    whole_local_pair: the local pair's backward runs as one call at the first step and its
+      float32 dK/dV wait, added by XLA, for the other devices' to come home, a hop that then
+      ends the backward; it pays where that call is the fused kernel (Hopper, where
+      ``tiles.fused_backward`` takes it: q.k^T and dO.v^T once), elsewhere the same kernels run
+      back to back. False runs it in two halves, dQ first and dK/dV last, so that hop overlaps
+      the last half.
   """
 
   halo: bool = True

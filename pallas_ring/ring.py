@@ -27,7 +27,7 @@ lse and ``delta = sum(o * do)``; dQ accumulates locally, and each step adds its 
 received with its shard (inside the kernels on TPU, whose outputs take the received buffers: at
 2M tokens on a v5e-8 that is 3 GiB per chip less). The local pair runs its dQ first and its
 dK/dV last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel
-instead of ending the backward exposed.
+instead of ending the backward exposed (``RingVariants(whole_local_pair=True)``: whole, first).
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
 the ring's ``plans.Planner`` builds the plans of every (rank, source) pair while tracing and a

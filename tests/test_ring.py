@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from pallas_ring import SequenceParallelConfig, layouts, masks, reference
+from pallas_ring import BlockSizes, SequenceParallelConfig, layouts, masks, reference
 from pallas_ring import ring_attention, sharded_attention
 from pallas_ring.halo import RingVariants
 from conftest import check_ring_step, kernel_call_sites, rel_err
@@ -95,15 +95,36 @@ def test_packed_sends_forwarded_as_received(monkeypatch, forward_received):
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("layout, mask", [
     ("zigzag", masks.Causal()), ("contiguous", masks.Causal() & masks.SlidingWindow(6))])
-def test_whole_local_pair_gives_the_same_gradients(layout, mask):
+def test_whole_local_pair_gives_the_same_gradients(layout, mask, monkeypatch):
   """``RingVariants(whole_local_pair=True)``: the local pair's backward in one call at the first
-  step, its dK/dV added to the other devices' once those come home (with a window: beside a
-  halo's slice, added at its runs). Output and gradients as the reference."""
+  step (no dQ-only or dK/dV-only call), its dK/dV added to the other devices' once those come
+  home (with a window: beside a halo's slice, added at its runs). Output and gradients as the
+  reference's, and with a bias (its gradient computed once) as the two halves'."""
+  import inspect
+  from pallas_ring import ring
+  from pallas_ring.kernels import common
+  calls, pair_backward = [], ring.pair_backward
+  monkeypatch.setattr(ring, "pair_backward", lambda *a, **kw: calls.append(
+      inspect.signature(pair_backward).bind(*a, **kw).arguments.get("parts", common.BOTH))
+      or pair_backward(*a, **kw))
   mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
-  cfg = SequenceParallelConfig(axis_name="sp", layout=layout, backend="xla",
-                               ring_variants=RingVariants(whole_local_pair=True,
-                                                          gather_halos=False))
-  _check(mesh, cfg, mask, *_problem(7, docs=True))
+  config = lambda whole: SequenceParallelConfig(
+      axis_name="sp", layout=layout, backend="xla",
+      ring_variants=RingVariants(whole_local_pair=whole, gather_halos=False))
+  q, k, v, seg = _problem(7, docs=True)
+  _check(mesh, config(True), mask, q, k, v, seg)
+  bias = jnp.asarray(np.random.default_rng(8).standard_normal((1, 1, 64, 64)), jnp.float32)
+
+  def grads(whole):
+    calls.clear()
+    loss = lambda *a: jnp.sum(sharded_attention(*a[:3], mesh=mesh, config=config(whole),
+                                                mask=mask, segment_ids=seg, bias=a[3]))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias), set(calls)
+
+  (whole, parts), (halves, halves_parts) = grads(True), grads(False)
+  assert parts == {common.BOTH} and {common.DQ, common.DKV} <= halves_parts
+  for a, b in zip(whole, halves):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
@@ -248,15 +269,16 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   """The local pair's backward runs in two halves (its dQ kernel at the first step, its dK/dV
   kernel after the last), each without the other's kernel: forward+backward lowers to one
   forward kernel and one dQ and one dK/dV kernel per (q shard, kv shard) pair (Mosaic GPU: one
-  fused backward kernel per pair but the local one)."""
+  fused backward kernel per pair but the local one; all of them with
+  ``RingVariants(whole_local_pair=True)``)."""
   from jax.sharding import Mesh, PartitionSpec as P
   from pallas_ring import ring_attention
   mesh = Mesh(jax.devices()[:ring], ("sp",))
 
-  def loss(q, k, v, variants=None):
+  def loss(q, k, v, variants=None, block_sizes=None):
     f = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", mask=masks.Causal(),
                                        layout="zigzag", backend=backend, interpret=False,
-                                       ring_variants=variants)
+                                       ring_variants=variants, block_sizes=block_sizes)
     o = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
                       check_vma=False)(q, k, v)
     return jnp.sum(o.astype(jnp.float32))
@@ -271,10 +293,11 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128)
   steps, forwards = (1, 2) if ring == 2 else (3, 3)
   assert kernel_call_sites(text, marker) == forwards + 2 + steps * (1 if fused else 2)
-  if fused and ring == 2:  # the local pair's backward whole: one fused kernel too
-    whole = RingVariants(whole_local_pair=True)
-    text = jax.jit(jax.grad(functools.partial(loss, variants=whole), argnums=(0, 1, 2))).trace(
-        x, x, x).lower(lowering_platforms=(platform,)).as_text()
+  if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair whole: one fused kernel too
+    whole = functools.partial(loss, variants=RingVariants(whole_local_pair=True),
+                              block_sizes=BlockSizes(variants=Variants(deterministic=False)))
+    text = jax.jit(jax.grad(whole, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=(platform,)).as_text()
     assert kernel_call_sites(text, marker) == forwards + 1 + steps
 
 

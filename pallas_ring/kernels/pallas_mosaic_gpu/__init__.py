@@ -18,13 +18,14 @@ matmuls in FP8 (``fp8``; ``Backend.forward_reads_fp8``).
 
 The backward at head dims up to 128 is one fused kernel by default: dK/dV over the plan's
 transposed lists, adding ds^T K to dQ by TMA reduce-adds in no fixed order (``dkv_fused``).
-Where gradients must be bitwise reproducible, with segment ids, with FP8 q, k, v and above head
-dim 128 (``tiles.fused_backward``), it is two kernels of the same shape: dK/dV, and dQ over the
-plan's rows (no cross-CTA accumulation); dQ computes the row term ``delta`` when given a
-``common.RowTerm``. FP8 q, k, v run their products on q, k, v and dO in FP8 in those two
-kernels at head dims up to 128 (``fp8``; ``Backend.backward_reads_fp8``). For backward tiles
-other than 128 x 128 it is ``pallas_triton``'s on the same plan (``backward_unsupported`` says
-why; the contract allows different lowerings per pass).
+Where gradients must be bitwise reproducible, with segment ids and above head dim 128
+(``tiles.fused_backward``), and for FP8 q, k, v in the FP8 backward (``tiles.fp8_backward``), it
+is two kernels of the same shape: dK/dV, and dQ over the plan's rows (no cross-CTA
+accumulation); dQ computes the row term ``delta`` when given a ``common.RowTerm``. FP8 q, k, v
+run their products on q, k, v and dO in FP8 in those two kernels at head dims up to 128
+(``fp8``; ``Backend.backward_reads_fp8``). For backward tiles other than 128 x 128 it is
+``pallas_triton``'s on the same plan (``backward_unsupported`` says why; the contract allows
+different lowerings per pass).
 
 Every score term is applied in every kernel (``terms``, the only module that names the
 features behind them). Not served here (``unsupported`` says why; ``backend="auto"`` then uses

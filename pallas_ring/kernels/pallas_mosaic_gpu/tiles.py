@@ -398,7 +398,7 @@ def fused_backward(variants: Variants, head_dim: int, segments: bool = False) ->
   ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or ``segments`` (packed
   documents: short rows, where the fused kernel's start and drain per CTA weigh more; the pair
   ran 4-6% faster on documents of 1024 tokens). FP8 q, k, v that run the backward's FP8 mode
-  (``fp8_backward``) take the pair."""
+  (``fp8_backward``) take the pair whatever this says: the caller checks that first."""
   if head_dim > variants.wide_dkv_above:
     return False
   if variants.deterministic is not None:
