@@ -281,8 +281,9 @@ def test_lowers_under_x64(name):
     assert _lower(f, *args, qs).count(MOSAIC) == 1
     assert _kernels_of_gradients(_lower(grad, *args, qs), _fused(name))
     for deterministic, fused in _backward_modes(name).items():  # (H=128: fused, dQ split)
-      modes = _grad(_attention(kw, deterministic=deterministic))
-      assert _kernels_of_gradients(_lower(modes, *args, qs, qs), fused)
+      if fused != _fused(name):  # (the mode the default did not run)
+        other = _grad(_attention(kw, deterministic=deterministic))
+        assert _kernels_of_gradients(_lower(other, *args, qs, qs), fused)
     step, _, step_args = ring_step(CASES[name], "pallas_mosaic_gpu", interpret=False)
     # merging into the ring's results
     assert _lower(step, *step_args).count(MOSAIC) == _step_kernels(name)

@@ -64,10 +64,15 @@ def _structs(name):
   return args + seg, dict(mask=mask, softcap=cap)
 
 
+def _pinned(**variants) -> Variants:
+  """``Variants(**variants)`` with the reproducible backward unless they say otherwise."""
+  return Variants(**{"deterministic": True, **variants})
+
+
 def _attention(kw, **variants):
   """``f(q, k, v, *segment_ids)``: flash_attention on the Mosaic GPU kernels (the reproducible
   backward unless ``variants`` say otherwise)."""
-  bs = BlockSizes(variants=Variants(**{"deterministic": True, **variants}))
+  bs = BlockSizes(variants=_pinned(**variants))
 
   def f(q, k, v, *seg):
     extra = dict(segment_ids=seg[0], kv_segment_ids=seg[1]) if seg else {}
@@ -106,8 +111,8 @@ def _row_term(head_dim, dlse, in_dq):
   b, t, n, kh = 2, 256, 4, 2
   sd = jax.ShapeDtypeStruct
   q, k = sd((b, t, n, head_dim), jnp.bfloat16), sd((b, t, kh, head_dim), jnp.bfloat16)
-  tiles = tuning.resolve(BACKEND, BlockSizes(variants=Variants(
-      delta_in_dq=in_dq, deterministic=True)), t, t, head_dim)
+  tiles = tuning.resolve(BACKEND, BlockSizes(variants=_pinned(delta_in_dq=in_dq)), t, t,
+                         head_dim)
   cfg = pair.kernel_config(tiles, mask=masks.Causal(), scale=0.1, softcap=None, q_len=t,
                            kv_len=t, out_dtype=jnp.bfloat16, interpret=False)
 
@@ -130,7 +135,7 @@ def _ring_attention(head_dim):
   def loss(q, k, v):
     ring = lambda q, k, v: ring_attention(
         q, k, v, axis_name="sp", mask=masks.Causal(), layout="zigzag", backend=BACKEND,
-        interpret=False, block_sizes=BlockSizes(variants=Variants(deterministic=True)))
+        interpret=False, block_sizes=BlockSizes(variants=_pinned()))
     o = jax.shard_map(ring, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"),
                       check_vma=False)(q, k, v)
     return jnp.sum(o.astype(jnp.float32))
@@ -150,7 +155,7 @@ def _decode(n, kh, h):
 
 def _ring_step(name, **variants):
   step, _, args = ring_step(CASES[name], BACKEND, interpret=False,
-                            variants=Variants(**{"deterministic": True, **variants}))
+                            variants=_pinned(**variants))
   return step, args
 
 
