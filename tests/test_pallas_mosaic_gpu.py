@@ -779,12 +779,17 @@ def test_backward_is_fused_unless_reproducibility_is_asked(flags, fused, monkeyp
 KERNEL_PRIMITIVES = ("mpmd_map", "core_map", "pallas_call")  # a kernel's equation in a jaxpr
 
 
-def _per_kernel(jaxpr, name: str) -> list:
-  """Equations of primitive ``name`` in each kernel's body (``jaxpr_eqns``), in the order of the
-  kernels in ``jaxpr``."""
+def _kernel_eqns(jaxpr, name: str) -> list:
+  """The equations of primitive ``name`` in each kernel's body (``jaxpr_eqns``), in the order
+  of the kernels in ``jaxpr``."""
   kernels = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name in KERNEL_PRIMITIVES]
-  return [sum(e.primitive.name == name for e in jaxpr_eqns(types.SimpleNamespace(eqns=[k])))
+  return [[e for e in jaxpr_eqns(types.SimpleNamespace(eqns=[k])) if e.primitive.name == name]
           for k in kernels]
+
+
+def _per_kernel(jaxpr, name: str) -> list:
+  """How many equations of primitive ``name`` each kernel's body has (``_kernel_eqns``)."""
+  return [len(eqns) for eqns in _kernel_eqns(jaxpr, name)]
 
 
 @pytest.mark.ci_cases(every=True)
@@ -834,6 +839,33 @@ def test_fused_backward_splits_dq_columns_at_head_dim_128(name, by_default):
   assert with_dkv(Variants(), 128) and not with_dkv(Variants(dq_split=False), 128)
   assert with_dkv(Variants(dq_split=False), 64)
   assert not with_dkv(Variants(dq_with_dkv_up_to=64), 128)
+
+
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("name, deterministic, by_rule", [
+    ("causal_gqa", False, {2}), ("causal_gqa", True, set()), ("softcap_h64", False, set())])
+def test_backward_overlaps_with_its_matmuls_in_flight(name, deterministic, by_rule):
+  """``Variants.overlap_softmax``: the dK/dV consumers read q.k^T with dO.v^T's wgmma in flight
+  (an accumulator read waiting for all but 1); ``overlap_dq``: the fused kernel reads ds^T K
+  with dV's and dK's in flight (all but 2) and adds it to dQ. The rule (``tiles.overlap_dq``):
+  at head dim 128 (dQ's columns split) only; the dQ kernel never."""
+  args, (qs, ks), kw = _structs(name)
+  seg = (qs, ks) if qs is not None else ()
+
+  def waits(**variants):  # the backward kernels' partial waits (after the forward)
+    f = _attention(kw, deterministic=deterministic, **variants)
+    eqns = _kernel_eqns(jax.make_jaxpr(_grad(f))(*args, *seg).jaxpr,
+                        "wgmma_accumulator_deref_p")[1:]
+    return [{e.params["wait_n"] for e in k if e.params["wait_n"]} for k in eqns]
+
+  fused = not deterministic
+  dkv = lambda w: [*([] if fused else [set()]), w]  # (the dQ kernel first, when it runs)
+  assert waits() == dkv(by_rule)
+  assert waits(overlap_softmax=True, overlap_dq=False) == dkv({1})
+  assert waits(overlap_softmax=True, overlap_dq=True) == dkv({1, 2} if fused else {1})
+  assert waits(overlap_dq=True) == dkv({2} if fused else set())
+  assert tiles.overlap_dq(Variants(), 128) and not tiles.overlap_dq(Variants(), 64)
+  assert not tiles.overlap_dq(Variants(dq_split=False, overlap_dq=True), 128)  # (dQ after)
 
 
 def test_fused_backward_lowers_under_vmap():
@@ -971,11 +1003,13 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
     # dQ's columns not split (``Variants.dq_split``; at head dim 64 they never are)
     ("causal_gqa", False, False), ("hv64_documents_fp16", False, False),
     ("causal_gqa", True, False)])
-def test_native_fused_backward_matches(name, terms, split):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_native_fused_backward_matches(name, terms, split, overlap):
   """The fused backward (``deterministic=False``; ``split``: dQ's columns split over the
   consumers, where the head dim allows): gradients against the float32 xla backend and the
   deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with ALiBi,
-  dropout, a bias and a dense mask where ``terms``."""
+  dropout, a bias and a dense mask where ``terms``; ``overlap``: both with their softmax beside
+  dO.v^T's matmul, the fused one also with dQ's add beside dK's and dV's."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   hv = HV.get(name, h)
   rng = np.random.default_rng(8)
@@ -993,8 +1027,9 @@ def test_native_fused_backward_matches(name, terms, split):
         jnp.float32) * do)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
-  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split)
-  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True)
+  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split,
+                overlap_softmax=overlap, overlap_dq=overlap)
+  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True, overlap_softmax=overlap)
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):
     assert rel_err(a, r) < 2e-2 and rel_err(a, d) < 5e-3

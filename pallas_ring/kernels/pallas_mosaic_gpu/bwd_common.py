@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_ring.kernels import common
-from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import meet
+from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import meet, wgmma_accumulator_load
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import Terms, keep, kept, logits, with_terms
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import BWD_BLOCK, BWD_ROWS, COMPUTE_WGS, Variants
 
@@ -48,6 +48,8 @@ class BwdGeometry:
   dq_with_dkv: bool = False  # fused: ds^T K issued with the dV/dK matmuls (else after them)
   dq_split: bool = False  # fused: dQ's columns split over the consumers (``tiles.dq_split``)
   step_refs: bool = False  # consumers' own tiles re-derived per step (``tiles.step_refs``)
+  overlap_softmax: bool = False  # dK/dV: p from q.k^T while dO.v^T runs (``Variants``)
+  overlap_dq: bool = False  # fused with dq_with_dkv: dQ's add while dV/dK's matmuls run
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   # FP8 mode: q, k, v and dO's FP8 dtype (``fp8.backward_operands``: q.k^T, dO.v^T and the dK/dV
   # kernel's p^T dO in FP8; ds's products in ``dtype``); else None
@@ -119,27 +121,41 @@ def zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def products(tile, pairs, issued=lambda: None):
+def products(tile, pairs, issued=lambda: None, first=None):
   """``[a b^T for a, b in pairs]``, float32 ``tile``-shaped, from shared-memory operands (one
-  wgmma wait); ``issued()`` runs once all are issued."""
+  wgmma wait); ``issued()`` runs once all are issued. ``first``: the first product is replaced
+  by ``first(it)``, computed as soon as it is done, while the others' wgmmas run."""
+  if first is None:
+    def run(refs):
+      for ref, (a, b) in zip(refs, pairs):
+        plgpu.wgmma(ref, a, b.transpose((1, 0)))
+      issued()
 
-  def run(refs):
+    return pl.run_state(run)(tuple(plgpu.ACC.init(zeros(tile)) for _ in pairs))
+
+  def run_first(*refs):
     for ref, (a, b) in zip(refs, pairs):
       plgpu.wgmma(ref, a, b.transpose((1, 0)))
     issued()
+    # (issued first: done once at most the others are in flight)
+    head = first(wgmma_accumulator_load(refs[0], wait_n=len(refs) - 1))
+    return (head, *(wgmma_accumulator_load(ref, wait_n=0) for ref in refs[1:]))
 
-  return pl.run_state(run)(tuple(plgpu.ACC.init(zeros(tile)) for _ in pairs))
+  return pl.run_scoped(run_first, *(plgpu.ACC(tile, jnp.float32) for _ in pairs))
 
 
-def accumulate(terms):
+def accumulate(terms, first=None):
   """``[acc + a b for acc, a, b in terms]``: ``a`` in registers (16-bit, wgmma layout) or shared
   memory, ``b`` in shared memory (one wgmma wait); a term ``(acc, ((a, b), ...))`` adds several
-  products."""
+  products. ``first``: called with the first result as soon as it is done, while the others'
+  wgmmas run."""
 
   def run(refs):
     for ref, (_, *ops) in zip(refs, terms):
       for a, b in ops[0] if len(ops) == 1 else (ops,):
         plgpu.wgmma(ref, a, b)
+    if first is not None:
+      first(wgmma_accumulator_load(refs[0], wait_n=len(refs) - 1))
 
   return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, *_ in terms))
 

@@ -4,7 +4,8 @@ global memory by TMA reduce-adds through staging tiles, in whatever order the CT
 is not bitwise reproducible, and q.k^T and dO.v^T are computed once instead of twice (5 matmuls
 per tile instead of 7). At head dim 128 each consumer adds half of dQ's columns over the CTA's
 128 keys (``Variants.dq_split``, below); else all columns over its own 64 keys. The matmul is
-issued with dV's and dK's where registers allow (``tiles.dq_with_dkv``), else after them.
+issued with dV's and dK's where registers allow (``tiles.dq_with_dkv``), else after them; with
+them, first, and at head dim 128 added to dQ while theirs run (``tiles.overlap_dq``).
 Here: those steps of a consumer, and the launch that updates dQ in place."""
 
 from __future__ import annotations

@@ -66,13 +66,18 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   q, do = r.q_smem.at[slot], r.do_smem.at[slot]
   plgpu.barrier_wait(r.q_bar.at[slot])
   plgpu.barrier_wait(r.do_bar.at[slot])
-  # s^T = K q^T, dp^T = V dO^T
-  s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched))
   descale, dp_scale = (fp8.bwd_descales(r.descales, c.batch, c.q_head(h)) if g.fp8 else
                        (None, None))
-  terms = c.tile_terms(h, start, slot, masked, keys, descale)
-  p, dlogits = probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1,
-                     descale=descale)
+
+  def softmax(s):
+    terms = c.tile_terms(h, start, slot, masked, keys, descale)
+    return terms, *probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1,
+                         descale=descale)
+
+  # s^T = K q^T, dp^T = V dO^T
+  s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched),
+                   softmax if g.overlap_softmax else None)
+  terms, p, dlogits = s if g.overlap_softmax else softmax(s)
   if g.fp8:
     dp = dp * dp_scale
   keep_mask = terms.keep_mask()
@@ -92,10 +97,13 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   if g.fused_dq:
     dq_term, add = (split_dq(c, n, h, start, last) if g.dq_split else
                     (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start)))
-  with_dkv = (dq_term(),) if g.dq_with_dkv else ()
-  dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
+  if g.overlap_dq:  # (ds^T K first: added while dV's and dK's matmuls run)
+    _, dv, dk = accumulate((dq_term(), (dv, p, do), (dk, ds, q)), first=add)
+  else:
+    with_dkv = (dq_term(),) if g.dq_with_dkv else ()
+    dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
   plgpu.barrier_arrive(r.free.at[slot])
-  if g.fused_dq:
+  if g.fused_dq and not g.overlap_dq:
     add((dq or accumulate((dq_term(),)))[0])
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
   return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start) if g.dq_split else ())

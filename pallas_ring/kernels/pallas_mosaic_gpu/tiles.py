@@ -62,6 +62,14 @@ class Variants:
   # halves are whole swizzle tiles (``dq_split``); False: each consumer adds all columns over
   # its own 64 keys.
   dq_split: bool = True
+  # The dK/dV consumers (head dims <= 128, without dropout) compute a tile's probabilities from
+  # q.k^T while its dO.v^T still runs (FlashAttention-3's intra-warpgroup overlap); off by
+  # default: 2% faster on two H=128 rows, 2% slower on GQA, and ptxas spills more (BENCHMARKS.md,
+  # "Kernel rules").
+  overlap_softmax: bool = False
+  # The fused kernel (where ``dq_with_dkv``) issues ds^T K first and adds it to dQ while the
+  # tile's dV and dK matmuls run; False: after all three; None: the rule (``overlap_dq``).
+  overlap_dq: Optional[bool] = None
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
@@ -360,6 +368,15 @@ def dq_with_dkv(variants: Variants, head_dim: int) -> bool:
   if up_to is None:
     up_to = 128 if dq_split(variants, head_dim) else 64
   return head_dim <= up_to
+
+
+def overlap_dq(variants: Variants, head_dim: int) -> bool:
+  """Whether the fused backward adds each tile's dQ while its dV and dK matmuls run
+  (``Variants.overlap_dq``, where ``dq_with_dkv``). The rule: where dQ's columns are split (head
+  dim 128: 2-4% faster; at 64 it measured 0.5-1.5% slower; BENCHMARKS.md, "Kernel rules")."""
+  if not dq_with_dkv(variants, head_dim):
+    return False
+  return dq_split(variants, head_dim) if variants.overlap_dq is None else variants.overlap_dq
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
