@@ -68,22 +68,25 @@ class RingVariants:
     whole_local_pair: the local pair's backward runs as one call at the first step and its
       float32 dK/dV wait, added by XLA, for the other devices' to come home, a hop that then
       ends the backward; it pays where that call is the fused kernel (Hopper, where
-      ``tiles.fused_backward`` takes it: q.k^T and dO.v^T once), elsewhere the same kernels run
-      back to back. False runs it in two halves, dQ first and dK/dV last, so that hop overlaps
-      the last half.
+      ``tiles.fused_backward`` takes it: q.k^T and dO.v^T once; 4-6% faster on 2 H200,
+      BENCHMARKS.md), elsewhere the same kernels run back to back. False runs it in two halves,
+      dQ first and dK/dV last, so that hop overlaps the last half. None: whole where the
+      backend's backward fuses (``Backend.fuses_backward``).
   """
 
   halo: bool = True
   halo_max_share: float = 0.75
   gather_halos: bool = True
   forward_received: bool = True
-  whole_local_pair: bool = False
+  whole_local_pair: Optional[bool] = None
 
   def __post_init__(self):
     for name in ("halo", "gather_halos", "forward_received", "whole_local_pair"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"RingVariants.{name}={getattr(self, name)!r} is invalid: it must be a "
-                         "bool. Pass True or False.")
+      value = getattr(self, name)
+      if not isinstance(value, bool) and not (name == "whole_local_pair" and value is None):
+        raise ValueError(f"RingVariants.{name}={value!r} is invalid: it must be a bool"
+                         f"{' or None (the rule)' if name == 'whole_local_pair' else ''}. "
+                         "Pass True or False.")
     share = self.halo_max_share
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
       raise ValueError(f"RingVariants.halo_max_share={share!r} is invalid: it must be a number "

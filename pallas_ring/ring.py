@@ -25,9 +25,11 @@ forward's stacked K/V: ``tools/ring_memory.py``). A second scan rotates K/V with
 accumulators (one step behind their shard, so every send overlaps a kernel), reusing the final
 lse and ``delta = sum(o * do)``; dQ accumulates locally, and each step adds its dK/dV to those
 received with its shard (inside the kernels on TPU, whose outputs take the received buffers: at
-2M tokens on a v5e-8 that is 3 GiB per chip less). The local pair runs its dQ first and its
-dK/dV last (the contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel
-instead of ending the backward exposed (``RingVariants(whole_local_pair=True)``: whole, first).
+2M tokens on a v5e-8 that is 3 GiB per chip less). Where the backend's backward fuses
+(Mosaic GPU), the local pair runs whole at the first step, its dK/dV added once the others' come
+home (``RingVariants.whole_local_pair``); elsewhere its dQ first and its dK/dV last (the
+contract's ``parts``), so the accumulated dK/dV's hop home overlaps that kernel instead of
+ending the backward exposed.
 Forward and backward build their plans from the same positions, so they make the same skip
 decisions. When the positions follow the layout and no segment ids or dense mask shape the plan,
 the ring's ``plans.Planner`` builds the plans of every (rank, source) pair while tracing and a
@@ -87,7 +89,7 @@ class RingStatic:
   # so separate permutes would not all overlap the kernel); forward steps send on what came.
   pack_sends: bool = False
   forward_received: bool = True
-  whole_local_pair: bool = False  # the local pair's backward in one call (``RingVariants``)
+  whole_local_pair: bool = False  # the local pair's backward in one call (``RingVariants``'s rule)
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head
   quantize: Any = None  # ``call.Settings.quantize`` where the kernels read FP8, else None
   # (forward, backward): how many hops K/V travel toward higher and lower ranks
@@ -575,9 +577,13 @@ def _ring_on(backend, interpret, q, k, v, segment_ids, kv_segment_ids, positions
                              plans.RingLayout(t * r, layout, r, gather) if derived else None)
   # The ring goes as far as the mask reaches, where the positions are the layout's own.
   reach = reach_lib.ring_reach(cs.mask, t * r, layout, r) if derived and not gather else None
+  whole = variants.whole_local_pair
+  if whole is None:  # (where one call is cheaper than its halves: the fused backward)
+    whole = impl.fuses_backward(cfg, hp, segments=segment_ids is not None,
+                                fp8="fp8" in terms or quantize is not None)
   st = RingStatic(cfg, backend, axis_name, r, strategy, scan_unroll, kv_padded, planner,
                   use_cond=not gpu, pack_sends=gpu, forward_received=variants.forward_received,
-                  whole_local_pair=variants.whole_local_pair,
+                  whole_local_pair=whole,
                   dropout_broadcast=cs.dropout_broadcast, quantize=quantize, reach=reach)
   if reach is not None:  # each chain sends only the slice of a shard the mask sees (a halo)
     halos = tuple(halo_lib.make(cfg, planner, c, blocks_kv, variants, tuning.padded_len)

@@ -266,11 +266,11 @@ def test_empty_steps_and_shards_are_zero_not_nan():
     ("pallas_triton", "cuda", "__gpu$xla.gpu.triton"),
     ("pallas_mosaic_gpu", "cuda", "@mosaic_gpu")])
 def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker, ring):
-  """The local pair's backward runs in two halves (its dQ kernel at the first step, its dK/dV
-  kernel after the last), each without the other's kernel: forward+backward lowers to one
-  forward kernel and one dQ and one dK/dV kernel per (q shard, kv shard) pair (Mosaic GPU: one
-  fused backward kernel per pair but the local one; all of them with
-  ``RingVariants(whole_local_pair=True)``)."""
+  """Forward+backward lowers to one forward kernel and one dQ and one dK/dV kernel per (q shard,
+  kv shard) pair: the local pair's backward in two halves (its dQ kernel at the first step, its
+  dK/dV kernel after the last), each without the other's kernel; on Mosaic GPU one fused
+  backward kernel per pair, the local one whole by the rule (``RingVariants.whole_local_pair``;
+  False: its two halves, the pair's kernels)."""
   from jax.sharding import Mesh, PartitionSpec as P
   from pallas_ring import ring_attention
   mesh = Mesh(jax.devices()[:ring], ("sp",))
@@ -287,18 +287,18 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
       lowering_platforms=(platform,)).as_text()
   # Call sites (a scan body counted once). Forward: the first step, (R=4: a scan body), the
-  # last. Backward: the local dQ; dQ and dK/dV (Mosaic GPU: one fused kernel) of step 1, (R=4:
-  # a scan body, the last step); the local dK/dV.
+  # last. Backward: the local dQ and dK/dV (Mosaic GPU: one fused kernel); dQ and dK/dV (Mosaic
+  # GPU: one fused kernel) of step 1, (R=4: a scan body, the last step).
   from pallas_ring.kernels.pallas_mosaic_gpu import Variants, tiles
   fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128)
   steps, forwards = (1, 2) if ring == 2 else (3, 3)
-  assert kernel_call_sites(text, marker) == forwards + 2 + steps * (1 if fused else 2)
-  if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair whole: one fused kernel too
-    whole = functools.partial(loss, variants=RingVariants(whole_local_pair=True),
-                              block_sizes=BlockSizes(variants=Variants(deterministic=False)))
-    text = jax.jit(jax.grad(whole, argnums=(0, 1, 2))).trace(x, x, x).lower(
+  assert kernel_call_sites(text, marker) == forwards + (1 + steps) * (1 if fused else 2)
+  if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair in halves: the pair's
+    halves = functools.partial(loss, variants=RingVariants(whole_local_pair=False),
+                               block_sizes=BlockSizes(variants=Variants(deterministic=False)))
+    text = jax.jit(jax.grad(halves, argnums=(0, 1, 2))).trace(x, x, x).lower(
         lowering_platforms=(platform,)).as_text()
-    assert kernel_call_sites(text, marker) == forwards + 1 + steps
+    assert kernel_call_sites(text, marker) == forwards + 2 + steps
 
 
 def test_ring_jaxpr_has_ppermute_in_scan_and_no_repeated_kv():

@@ -148,6 +148,14 @@ class Backend:
     """``(dq, dk, dv)`` of one pair (see ``kernels.common``)."""
     raise NotImplementedError
 
+  def fuses_backward(self, cfg, head_dim: int, segments: bool, fp8: bool) -> bool:
+    """Whether ``backward`` of both parts is one fused kernel for a pair with ``cfg`` at (padded)
+    ``head_dim``, with segment ids (``segments``) and FP8 operands (``fp8``): cheaper than its
+    dQ and dK/dV halves apart (the ring then runs its local pair whole,
+    ``RingVariants.whole_local_pair``)."""
+    del cfg, head_dim, segments, fp8
+    return False
+
   # A dedicated decode kernel ``decode(q, k, v, q_pos, lengths, offset, cfg: DecodeConfig) ->
   # (o, lse)`` (``pallas_triton_decode.decode`` documents the contract), or None: then
   # ``decode_attention`` runs ``forward`` over chunks of the cache with a block plan.

@@ -113,14 +113,23 @@ def _reduce_add(c: DkvCta, dq, dst) -> None:
 
 def fused_call(entry, out_shapes, mesh, params, args):
   """Runs the fused kernel ``entry`` over ``mesh``: it adds to dQ in place, its last argument,
-  float32, the start of a ref that it updates, as are dK/dV (``pl.run_state``; ``pl.kernel``
-  aliases ref arguments, which plgpu.kernel's batching wrapper does not take). Returns ``(dq,
-  *outputs)``; under vmap, one call per element (run_state has no batching rule)."""
+  float32, the start of a ref that it updates (``pl.run_state``; ``pl.kernel`` aliases ref
+  arguments, which plgpu.kernel's batching wrapper does not take), and writes ``out_shapes``
+  (dK, dV) as fresh outputs. Returns ``(dq, *outputs)``; under vmap, one call per element
+  (run_state has no batching rule).
+
+  Only dQ is aliased: given dK and dV as zero-filled refs too, XLA:GPU passed one buffer for
+  both where a program held several kernels (a ring's backward), and dK came back as dV."""
 
   @jax.custom_batching.custom_vmap
   def fused(*args):
-    run = lambda refs: pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(
-        *args[:-1], *refs)
+    def run(refs):
+      dq, *outs = refs
+      got = pl.kernel(entry, out_type=tuple(out_shapes), mesh=mesh, compiler_params=params)(
+          *args[:-1], dq)
+      for ref, x in zip(outs, got):  # (the refs take the outputs whole: no copy, no alias)
+        ref[...] = x
+
     return pl.run_state(run)((args[-1], *(jnp.zeros(o.shape, o.dtype) for o in out_shapes)))
 
   @fused.def_vmap
