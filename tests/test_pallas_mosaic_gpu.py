@@ -1091,6 +1091,29 @@ def test_native_ring_backward_of_two_devices_in_one_program():
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+def test_native_gradients_of_stacked_layers_in_one_program():
+  """Three attention calls chained in one program (a model's layers: each output the next
+  query), gradients of every input against the float32 xla backend: several fused backward
+  kernels in one program each return their own dK and dV."""
+  rng = np.random.default_rng(13)
+  t, n, kh, h = 2048, 8, 2, 128
+  q, do = (jnp.asarray(rng.standard_normal((1, t, n, h)), jnp.bfloat16) for _ in range(2))
+  kvs = [jnp.asarray(rng.standard_normal((1, t, kh, h)), jnp.bfloat16) for _ in range(6)]
+
+  def grads(backend, *args):
+    def loss(q, *kvs):
+      for i in range(3):
+        q = flash_attention(q, kvs[2 * i], kvs[2 * i + 1], mask=masks.Causal(), backend=backend)
+      return jnp.sum(q.astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)
+
+  ref = grads("xla", *(x.astype(jnp.float32) for x in (q, *kvs)))
+  for got, want in zip(grads("pallas_mosaic_gpu", q, *kvs), ref):
+    assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 def test_native_fused_backward_adds_the_rings_running_dq():
   check_ring_step(CASES["documents"], "pallas_mosaic_gpu", interpret=False,
                   variants=Variants(deterministic=False))
