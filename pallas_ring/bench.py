@@ -401,7 +401,8 @@ def ring(tokens_per_device=(8192, 32768), b=1, n=16, h=128, kv_heads=None, cases
       mask = masks.Causal() if causal else None
       f = lambda q_, k_, v_, cfg=cfg, mask=mask: sharded_attention(q_, k_, v_, mesh=mesh,
                                                                    config=cfg, mask=mask)
-      tag = "".join(f"+{x.name}" for x in (dataclasses.fields(rv) if rv else ())
+      tag = "".join(f"+{x.name}={getattr(rv, x.name)}"
+                    for x in (dataclasses.fields(rv) if rv else ())
                     if getattr(rv, x.name) != x.default)
       name = f"{strategy}{tag} {layout} {'causal' if causal else 'dense'}"
       impls[name] = (f, (q, k, v), do, visible_pairs(t, "causal" if causal else "full") / r)

@@ -81,12 +81,13 @@ class RingVariants:
   whole_local_pair: Optional[bool] = None
 
   def __post_init__(self):
-    for name in ("halo", "gather_halos", "forward_received", "whole_local_pair"):
+    for name, rule in (("halo", False), ("gather_halos", False), ("forward_received", False),
+                       ("whole_local_pair", True)):
       value = getattr(self, name)
-      if not isinstance(value, bool) and not (name == "whole_local_pair" and value is None):
+      if not isinstance(value, bool) and not (rule and value is None):
         raise ValueError(f"RingVariants.{name}={value!r} is invalid: it must be a bool"
-                         f"{' or None (the rule)' if name == 'whole_local_pair' else ''}. "
-                         "Pass True or False.")
+                         f"{' or None (the rule)' if rule else ''}. Pass True or False"
+                         f"{' (or None)' if rule else ''}.")
     share = self.halo_max_share
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
       raise ValueError(f"RingVariants.halo_max_share={share!r} is invalid: it must be a number "

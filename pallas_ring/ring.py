@@ -320,9 +320,10 @@ def _ring_backward(st: RingStatic, q, kv, do, lse, delta, q_info, kv_info, fixed
   # dK/dV travel with the shard they belong to, one step behind it: each step first sends the
   # next K/V and the finished dK/dV of the previous step's shard, so both overlap the kernels.
   # After a direction's last step its dK/dV go home (one collective; on the whole ring that is
-  # the next device). The local pair runs in two halves: its dQ first, while the first K/V
-  # travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV makes its
-  # way home (so that hop overlaps a kernel too); or whole, first (``whole_local_pair``).
+  # the next device). The local pair runs whole, first, where the backend's backward fuses
+  # (``whole_local_pair``: one call cheaper than two), else in two halves: its dQ first, while
+  # the first K/V travel, and its dK/dV last, while the other devices' sum of this shard's dK/dV
+  # makes its way home (so that hop overlaps a kernel too).
   # A chain with a halo sends its slice and gets the slice's dK/dV home.
   local = (kv, _moving_info(st, kv_info))
   first = [rotate(_sent(st, local, i), st, d) for i, (d, _) in enumerate(st.chains)]

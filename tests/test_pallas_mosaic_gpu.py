@@ -779,6 +779,29 @@ def test_backward_is_fused_unless_reproducibility_is_asked(flags, fused, monkeyp
       jax.clear_caches()  # (... nor of these for later tests)
 
 
+def test_ring_runs_its_local_pair_whole_where_the_backward_fuses():
+  """``Backend.fuses_backward`` (the rule of ``RingVariants.whole_local_pair``): Mosaic GPU's
+  backward of both parts is one kernel where ``tiles.fused_backward`` takes the call, not with
+  segment ids, FP8 operands in the FP8 mode, above head dim 128 or interpreted; other backends'
+  never."""
+  from pallas_ring import pair
+  from pallas_ring.kernels import tuning
+
+  def fuses(h=128, segments=False, fp8=False, interpret=False, backend="pallas_mosaic_gpu",
+            **variants):
+    tiles = tuning.resolve(backend, BlockSizes(variants=Variants(**variants) if variants else
+                                               None), 256, 256, h)
+    cfg = pair.kernel_config(tiles, mask=masks.Causal(), scale=1.0, softcap=None, q_len=256,
+                             kv_len=256, out_dtype=jnp.float32, interpret=interpret)
+    return kernels.get(backend).fuses_backward(cfg, h, segments, fp8)
+
+  assert fuses() == tiles.fused_backward(Variants(), 128) and fuses(h=64, deterministic=False)
+  assert not fuses(segments=True) and fuses(segments=True, deterministic=False)
+  assert not fuses(fp8=True) and fuses(fp8=True, deterministic=False)
+  assert not fuses(h=256) and not fuses(deterministic=True) and not fuses(interpret=True)
+  assert not fuses(backend="pallas_triton") and not fuses(backend="xla")
+
+
 KERNEL_PRIMITIVES = ("mpmd_map", "core_map", "pallas_call")  # a kernel's equation in a jaxpr
 
 
@@ -1041,9 +1064,11 @@ def test_native_fused_backward_matches(name, terms, split, overlap):
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-def test_native_ring_backward_of_two_devices_in_one_program():
+@pytest.mark.parametrize("whole", [True, False])
+def test_native_ring_backward_of_two_devices_in_one_program(whole):
   """Both devices' backward of a 2-device dense ring as one program on one GPU (no sends): the
-  local pair's dQ, the other shard's pair fused (its dK/dV sent home), then the local dK/dV
+  local pair whole (``RingVariants.whole_local_pair``, the rule here) or its dQ first, the
+  other shard's pair fused (its dK/dV sent home), then the local dK/dV (or the whole pair's)
   added to them. Against the float32 xla backend. (XLA:GPU once passed one buffer for the
   fused kernel's dK and dV, aliased zero-filled refs, in such a program: dK came back as dV.)"""
   from pallas_ring import block_sparse, pair, plans
@@ -1053,7 +1078,7 @@ def test_native_ring_backward_of_two_devices_in_one_program():
   q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2 * t, heads, h)), jnp.bfloat16)
                  for heads in (n, kh, kh, n))
   tiles = tuning.resolve("pallas_mosaic_gpu", BlockSizes(), t, t, h, dtype=jnp.bfloat16,
-                         group=n // kh, mask_class="causal")
+                         group=n // kh, mask_class="full")
   cfg = pair.kernel_config(tiles, mask=masks.Full(), scale=h ** -0.5, softcap=None, q_len=t,
                            kv_len=t, out_dtype=jnp.float32, interpret=False)
   lowering = kernels.get("pallas_mosaic_gpu")
@@ -1071,15 +1096,19 @@ def test_native_ring_backward_of_two_devices_in_one_program():
       o, lse = lowering.forward(shard(q, i), *kv[1 - i], ops, fwd_plan, cfg,
                                 common.Partial(o, lse))
       args = (shard(q, i), shard(do, i), lse, common.RowTerm(o.astype(jnp.bfloat16)))
-      dq, _, _ = lowering.backward(args[0], *kv[i], *args[1:], ops, bwd_plan, cfg, None,
-                                   common.DQ)
+      dq, *own = lowering.backward(args[0], *kv[i], *args[1:], ops, bwd_plan, cfg, None,
+                                   common.BOTH if whole else common.DQ)
       dq, *sent = lowering.backward(args[0], *kv[1 - i], *args[1:], ops, bwd_plan, cfg, dq)
-      rows.append((args, dq, sent))
+      rows.append((args, dq, own, sent))
     grads = []
     for i in range(2):  # device i's own dK/dV added to those the other sent home
-      args, dq, _ = rows[i]
-      _, dk, dv = lowering.backward(args[0], *kv[i], *args[1:], ops, bwd_plan, cfg, None,
-                                    common.DKV, tuple(rows[1 - i][2]))
+      args, dq, own, _ = rows[i]
+      home = rows[1 - i][3]
+      if whole:
+        dk, dv = (a + b for a, b in zip(own, home))
+      else:
+        _, dk, dv = lowering.backward(args[0], *kv[i], *args[1:], ops, bwd_plan, cfg, None,
+                                      common.DKV, tuple(home))
       grads.append((dq, dk, dv))
     return [jnp.concatenate([g[j] for g in grads], axis=1) for j in range(3)]
 

@@ -293,7 +293,7 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128)
   steps, forwards = (1, 2) if ring == 2 else (3, 3)
   assert kernel_call_sites(text, marker) == forwards + (1 + steps) * (1 if fused else 2)
-  if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair in halves: the pair's
+  if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair in halves: two kernels
     halves = functools.partial(loss, variants=RingVariants(whole_local_pair=False),
                                block_sizes=BlockSizes(variants=Variants(deterministic=False)))
     text = jax.jit(jax.grad(halves, argnums=(0, 1, 2))).trace(x, x, x).lower(

@@ -59,8 +59,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.bwd_kernels import backward
 from pallas_ring.kernels.pallas_mosaic_gpu.fp8 import is_fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.fwd_kernel import forward
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
-    BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles, fused_backward,
-    key_tile, padded_head_dim, slots, unsupported)
+    BWD_BLOCK, COMPUTE_WGS, WG_ROWS, Variants, backward_unsupported, check_tiles, fp8_backward,
+    fused_backward, key_tile, padded_head_dim, slots, unsupported)
 
 
 def hopper() -> bool:
@@ -144,9 +144,10 @@ class MosaicGpuBackend(backend.Backend):
     return backend.gpu_programs(interpret)
 
   def fuses_backward(self, cfg, head_dim, segments, fp8):
-    # (FP8 operands: conservatively not, as the FP8 backward mode runs the pair)
-    return (not fp8 and not cfg.interpret and backward_unsupported(cfg, head_dim) is None
-            and fused_backward(cfg.variants or Variants(), head_dim, segments))
+    variants = cfg.variants or Variants()  # (FP8 operands in the FP8 mode run the pair)
+    return (not cfg.interpret and backward_unsupported(cfg, head_dim) is None
+            and not (fp8 and fp8_backward(cfg, head_dim, variants))
+            and fused_backward(variants, head_dim, segments))
 
   forward = staticmethod(forward)
   backward = staticmethod(backward)

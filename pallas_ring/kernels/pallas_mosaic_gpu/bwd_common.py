@@ -154,7 +154,7 @@ def accumulate(terms, first=None):
     for ref, (_, *ops) in zip(refs, terms):
       for a, b in ops[0] if len(ops) == 1 else (ops,):
         plgpu.wgmma(ref, a, b)
-    if first is not None:
+    if first is not None:  # (the later terms one wgmma each: as many may stay in flight)
       first(wgmma_accumulator_load(refs[0], wait_n=len(refs) - 1))
 
   return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, *_ in terms))

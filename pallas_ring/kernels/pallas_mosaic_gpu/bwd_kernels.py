@@ -55,8 +55,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, overlap_dq, step_refs,
-    unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, overlap_dq,
+    overlap_softmax, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -128,8 +128,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      terms=dataclasses.replace(c.terms, staged=term_bytes > 0), fused_dq=fused,
                      dq_with_dkv=fused and dq_with_dkv(variants, hp), dq_split=split,
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
-                     overlap_softmax=(dkv and not wide and variants.overlap_softmax
-                                      and not c.terms.dropout),
+                     overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)

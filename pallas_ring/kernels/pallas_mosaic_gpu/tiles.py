@@ -64,7 +64,7 @@ class Variants:
   dq_split: bool = True
   # The dK/dV consumers (head dims <= 128, without dropout) compute a tile's probabilities from
   # q.k^T while its dO.v^T still runs (FlashAttention-3's intra-warpgroup overlap); off by
-  # default: 2% faster on two H=128 rows, 2% slower on GQA, and ptxas spills more (BENCHMARKS.md,
+  # default: 1% faster on two H=128 rows, 2% slower on GQA, and ptxas spills more (BENCHMARKS.md,
   # "Kernel rules").
   overlap_softmax: bool = False
   # The fused kernel (where ``dq_with_dkv``) issues ds^T K first and adds it to dQ while the
@@ -374,9 +374,23 @@ def overlap_dq(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward adds each tile's dQ while its dV and dK matmuls run
   (``Variants.overlap_dq``, where ``dq_with_dkv``). The rule: where dQ's columns are split (head
   dim 128: 2-4% faster; at 64 it measured 0.5-1.5% slower; BENCHMARKS.md, "Kernel rules")."""
-  if not dq_with_dkv(variants, head_dim):
+  if variants.overlap_dq and wgmma_accumulator_load is None:
+    raise ValueError("Variants(overlap_dq=True) needs the partial wgmma wait of a newer JAX "
+                     "(plgpu's wgmma_accumulator_load, as the forward's overlap_pv); upgrade JAX "
+                     "or leave overlap_dq=None.")
+  if not dq_with_dkv(variants, head_dim) or wgmma_accumulator_load is None:
     return False
   return dq_split(variants, head_dim) if variants.overlap_dq is None else variants.overlap_dq
+
+
+def overlap_softmax(variants: Variants, elsewhere: bool, dropout: bool) -> bool:
+  """Whether the dK/dV consumers compute p while dO.v^T runs (``Variants.overlap_softmax``):
+  not in the wide kernel or the dQ kernel (``elsewhere``), nor under dropout, whose keep mask is
+  computed where it is used, after the wgmma scope."""
+  if variants.overlap_softmax and wgmma_accumulator_load is None:
+    raise ValueError("Variants(overlap_softmax=True) needs the partial wgmma wait of a newer JAX "
+                     "(plgpu's wgmma_accumulator_load); upgrade JAX or leave it False.")
+  return variants.overlap_softmax and not (elsewhere or dropout)
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
