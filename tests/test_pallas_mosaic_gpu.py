@@ -1070,7 +1070,8 @@ def test_native_ring_backward_of_two_devices_in_one_program(whole):
   local pair whole (``RingVariants.whole_local_pair``, the rule here) or its dQ first, the
   other shard's pair fused (its dK/dV sent home), then the local dK/dV (or the whole pair's)
   added to them. Against the float32 xla backend. (XLA:GPU once passed one buffer for the
-  fused kernel's dK and dV, aliased zero-filled refs, in such a program: dK came back as dV.)"""
+  fused kernel's dK and dV, aliased zero-filled refs, where its k and v were slices, as here:
+  dK came back as dV.)"""
   from pallas_ring import block_sparse, pair, plans
   from pallas_ring.kernels import common, tuning
   t, n, kh, h = 4096, 8, 2, 128
@@ -1121,23 +1122,27 @@ def test_native_ring_backward_of_two_devices_in_one_program(whole):
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
 def test_native_gradients_of_stacked_layers_in_one_program():
-  """Three attention calls chained in one program (a model's layers: each output the next
-  query), gradients of every input against the float32 xla backend: several fused backward
-  kernels in one program each return their own dK and dV."""
+  """Three attention layers in one program, each's q, k and v slices of one projection (a
+  fused QKV) of the previous output, gradients against the float32 xla backend: every fused
+  backward kernel returns its own dK and dV (XLA:GPU once gave them one buffer where k and v
+  were slices)."""
   rng = np.random.default_rng(13)
   t, n, kh, h = 2048, 8, 2, 128
-  q, do = (jnp.asarray(rng.standard_normal((1, t, n, h)), jnp.bfloat16) for _ in range(2))
-  kvs = [jnp.asarray(rng.standard_normal((1, t, kh, h)), jnp.bfloat16) for _ in range(6)]
+  x, do = (jnp.asarray(rng.standard_normal((1, t, n, h)), jnp.bfloat16) for _ in range(2))
+  w = jnp.asarray(rng.standard_normal((3, n * h, (n + 2 * kh) * h)) * (n * h) ** -0.5,
+                  jnp.bfloat16)
 
-  def grads(backend, *args):
-    def loss(q, *kvs):
+  def grads(backend, x, w):
+    def loss(x, w):
       for i in range(3):
-        q = flash_attention(q, kvs[2 * i], kvs[2 * i + 1], mask=masks.Causal(), backend=backend)
-      return jnp.sum(q.astype(jnp.float32) * do.astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)
+        qkv = (x.reshape(1, t, n * h) @ w[i]).reshape(1, t, n + 2 * kh, h)
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+        x = flash_attention(q, k, v, mask=masks.Causal(), backend=backend)
+      return jnp.sum(x.astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
-  ref = grads("xla", *(x.astype(jnp.float32) for x in (q, *kvs)))
-  for got, want in zip(grads("pallas_mosaic_gpu", q, *kvs), ref):
+  ref = grads("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+  for got, want in zip(grads("pallas_mosaic_gpu", x, w), ref):
     assert rel_err(got, want) < 2e-2
 
 

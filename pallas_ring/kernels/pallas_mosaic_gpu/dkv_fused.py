@@ -119,7 +119,8 @@ def fused_call(entry, out_shapes, mesh, params, args):
   (run_state has no batching rule).
 
   Only dQ is aliased: given dK and dV as zero-filled refs too, XLA:GPU passed one buffer for
-  both where a program held several kernels (a ring's backward), and dK came back as dV."""
+  both where k and v were slices of a larger array (the fusion it builds around a call with
+  sliced operands merged the two identical ones), and dK came back as dV."""
 
   @jax.custom_batching.custom_vmap
   def fused(*args):
