@@ -125,18 +125,17 @@ def products(tile, pairs, issued=lambda: None, first=None):
   """``[a b^T for a, b in pairs]``, float32 ``tile``-shaped, from shared-memory operands (one
   wgmma wait); ``issued()`` runs once all are issued. ``first``: the first product is replaced
   by ``first(it)``, computed as soon as it is done, while the others' wgmmas run."""
-  if first is None:
-    def run(refs):
-      for ref, (a, b) in zip(refs, pairs):
-        plgpu.wgmma(ref, a, b.transpose((1, 0)))
-      issued()
 
-    return pl.run_state(run)(tuple(plgpu.ACC.init(zeros(tile)) for _ in pairs))
-
-  def run_first(*refs):
+  def issue(refs):
     for ref, (a, b) in zip(refs, pairs):
       plgpu.wgmma(ref, a, b.transpose((1, 0)))
     issued()
+
+  if first is None:
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(zeros(tile)) for _ in pairs))
+
+  def run_first(*refs):
+    issue(refs)
     # (issued first: done once at most the others are in flight)
     head = first(wgmma_accumulator_load(refs[0], wait_n=len(refs) - 1))
     return (head, *(wgmma_accumulator_load(ref, wait_n=0) for ref in refs[1:]))

@@ -374,10 +374,7 @@ def overlap_dq(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward adds each tile's dQ while its dV and dK matmuls run
   (``Variants.overlap_dq``, where ``dq_with_dkv``). The rule: where dQ's columns are split (head
   dim 128: 2-4% faster; at 64 it measured 0.5-1.5% slower; BENCHMARKS.md, "Kernel rules")."""
-  if variants.overlap_dq and wgmma_accumulator_load is None:
-    raise ValueError("Variants(overlap_dq=True) needs the partial wgmma wait of a newer JAX "
-                     "(plgpu's wgmma_accumulator_load, as the forward's overlap_pv); upgrade JAX "
-                     "or leave overlap_dq=None.")
+  _check_partial_wait(variants, "overlap_dq")
   if not dq_with_dkv(variants, head_dim) or wgmma_accumulator_load is None:
     return False
   return dq_split(variants, head_dim) if variants.overlap_dq is None else variants.overlap_dq
@@ -387,10 +384,17 @@ def overlap_softmax(variants: Variants, elsewhere: bool, dropout: bool) -> bool:
   """Whether the dK/dV consumers compute p while dO.v^T runs (``Variants.overlap_softmax``):
   not in the wide kernel or the dQ kernel (``elsewhere``), nor under dropout, whose keep mask is
   computed where it is used, after the wgmma scope."""
-  if variants.overlap_softmax and wgmma_accumulator_load is None:
-    raise ValueError("Variants(overlap_softmax=True) needs the partial wgmma wait of a newer JAX "
-                     "(plgpu's wgmma_accumulator_load); upgrade JAX or leave it False.")
+  _check_partial_wait(variants, "overlap_softmax")
   return variants.overlap_softmax and not (elsewhere or dropout)
+
+
+def _check_partial_wait(variants: Variants, field: str) -> None:
+  """Raises where ``Variants.<field>=True`` asks for an overlap this JAX cannot express (no
+  partial wgmma wait: plgpu's ``wgmma_accumulator_load``, as the forward's ``overlap_pv``)."""
+  if getattr(variants, field) and wgmma_accumulator_load is None:
+    raise ValueError(f"Variants({field}=True) needs the partial wgmma wait of a newer JAX "
+                     "(plgpu's wgmma_accumulator_load); upgrade JAX or leave "
+                     f"{field}={Variants.__dataclass_fields__[field].default}.")
 
 
 def dkv_head_splits(group: int, ctas: int, variants: Variants) -> int:
