@@ -894,6 +894,25 @@ def test_backward_overlaps_with_its_matmuls_in_flight(name, deterministic, by_ru
   assert not tiles.overlap_dq(Variants(dq_split=False, overlap_dq=True), 128)  # (dQ after)
 
 
+def test_split_fused_backward_reads_its_dkv_operands_from_shared_memory():
+  """``Variants.ds_from_smem``: the split fused kernel's dK matmul reads ds^T from the
+  shared-memory tile written for dQ's columns; ``p_from_smem``: its dV matmul reads p^T from a
+  tile of its own: each removes one of its two register A operands (p^T and ds^T, in the
+  mask-free and the masked walk). Unsplit nothing changes."""
+  args, _, kw = _structs("causal_gqa")
+
+  def register_operands(**variants):
+    f = _attention(kw, deterministic=False, **variants)
+    (_, fused) = _kernel_eqns(jax.make_jaxpr(_grad(f))(*args).jaxpr, "wgmma_ref")
+    return sum(type(e.invars[1].aval) is jax.core.ShapedArray for e in fused)  # (not refs)
+
+  assert register_operands(ds_from_smem=False, p_from_smem=False) == 4
+  assert register_operands(ds_from_smem=True) == register_operands(p_from_smem=True) == 2
+  assert register_operands(ds_from_smem=True, p_from_smem=True) == 0
+  assert (register_operands(dq_split=False, ds_from_smem=True, p_from_smem=True) ==
+          register_operands(dq_split=False, ds_from_smem=False, p_from_smem=False))
+
+
 def test_fused_backward_lowers_under_vmap():
   """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
   args, _, kw = _structs("causal_gqa")
@@ -1035,7 +1054,8 @@ def test_native_fused_backward_matches(name, terms, split, overlap):
   consumers, where the head dim allows): gradients against the float32 xla backend and the
   deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with ALiBi,
   dropout, a bias and a dense mask where ``terms``; ``overlap``: both with their softmax beside
-  dO.v^T's matmul, the fused one also with dQ's add beside dK's and dV's."""
+  dO.v^T's matmul, the fused one also with dQ's add beside dK's and dV's and (split) their
+  ds^T and p^T from shared memory."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   hv = HV.get(name, h)
   rng = np.random.default_rng(8)
@@ -1054,7 +1074,8 @@ def test_native_fused_backward_matches(name, terms, split, overlap):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
   fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split,
-                overlap_softmax=overlap, overlap_dq=overlap)
+                overlap_softmax=overlap, overlap_dq=overlap, ds_from_smem=overlap,
+                p_from_smem=overlap)
   det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True, overlap_softmax=overlap)
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):

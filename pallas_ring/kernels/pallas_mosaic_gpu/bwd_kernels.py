@@ -55,8 +55,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, overlap_dq,
-    overlap_softmax, step_refs, unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, ds_from_smem, fp8_backward, fused_backward,
+    overlap_dq, overlap_softmax, p_from_smem, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -101,10 +101,11 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
-  owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
   # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
-  # (by step parity), staging of half the columns.
+  # (by step parity), staging of half the columns, and a p^T tile each where dV's matmul reads it.
   split = fused and dq_split(variants, hp)
+  p_tiles = wide or (split and p_from_smem(variants, hp))
+  owned += 2 * rows * walk * dt.itemsize if dkv and p_tiles else 0
   if fused:
     owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
@@ -130,6 +131,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
+                     ds_from_smem=split and ds_from_smem(variants, hp),
+                     p_from_smem=split and p_from_smem(variants, hp),
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -232,7 +235,7 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
   *dq_out, dk, dv = _bwd_call(
       dkv_kernel, two,
       ((smem(*own, rows, hp), smem(*own, rows, hv), plgpu.SMEM((*own, g.key_rows, rows), i32),
-        smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
+        smem(2, rows, w) if wide or g.p_from_smem else None, dq_smem, _stage_of(c, g)),
        (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32),
         *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ())),

@@ -50,10 +50,13 @@ def add_dq(c: DkvCta, dq, h, start) -> None:
 # consumers' meetings order every write of a tile after both reads of its buffer's previous one.
 
 
-def write_ds(c: DkvCta, ds, n) -> None:
-  """Split: this consumer's ``ds^T`` of walked step ``n`` to its shared-memory tile."""
-  c.r.dq_smem[0].at[slot_of(n, 2), c.wg][...] = ds
+def write_ds(c: DkvCta, ds, n):
+  """Split: this consumer's ``ds^T`` of walked step ``n`` to its shared-memory tile; returns
+  the tile."""
+  tile = c.r.dq_smem[0].at[slot_of(n, 2), c.wg]
+  tile[...] = ds
   plgpu.commit_smem()
+  return tile
 
 
 def split_dq(c: DkvCta, n, h, start, last) -> tuple:

@@ -90,8 +90,15 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   else:
     p = p.astype(g.dtype)
   p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
+  if g.p_from_smem:  # (p's registers free from here; committed with ds^T's tile, ``write_ds``;
+    # the last step's dV read it before its accumulate returned)
+    p_tile = r.p_smem.at[c.wg]
+    p_tile[...] = p
+    p = p_tile
   if g.dq_split:
-    write_ds(c, ds, n)
+    ds_tile = write_ds(c, ds, n)
+    if g.ds_from_smem:  # (ds's registers free from here)
+      ds = ds_tile
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
   if g.fused_dq:
