@@ -1038,24 +1038,33 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
-                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("name, terms, split", [
+_FUSED_CASES = [  # name, terms, split
     ("causal_gqa", False, True), ("documents", False, True), ("softcap_h64", False, True),
     ("full_odd_lengths", False, True), ("window_mqa", False, True),
     ("h96_padded_fp16", False, True), ("hv64_documents_fp16", False, True),
     ("causal_gqa", True, True), ("softcap_h64", True, True),
     # dQ's columns not split (``Variants.dq_split``; at head dim 64 they never are)
     ("causal_gqa", False, False), ("hv64_documents_fp16", False, False),
-    ("causal_gqa", True, False)])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_native_fused_backward_matches(name, terms, split, overlap):
+    ("causal_gqa", True, False)]
+# Each case with its tile products' operands in registers and with the overlaps (both
+# ``overlap_*``); split at head dim 128 also with dK's and dV's from shared memory.
+_SCHEDULES = {"registers": dict(overlap_softmax=False, overlap_dq=False),
+              "overlap": dict(overlap_softmax=True, overlap_dq=True),
+              "smem": dict(ds_from_smem=True, p_from_smem=True)}
+
+
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name, terms, split, schedule", [
+    (*case, schedule) for case in _FUSED_CASES for schedule in _SCHEDULES
+    if schedule != "smem" or (case[2] and "h64" not in case[0])])
+def test_native_fused_backward_matches(name, terms, split, schedule):
   """The fused backward (``deterministic=False``; ``split``: dQ's columns split over the
   consumers, where the head dim allows): gradients against the float32 xla backend and the
   deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with ALiBi,
-  dropout, a bias and a dense mask where ``terms``; ``overlap``: both with their softmax beside
-  dO.v^T's matmul, the fused one also with dQ's add beside dK's and dV's and (split) their
-  ds^T and p^T from shared memory."""
+  dropout, a bias and a dense mask where ``terms``; ``schedule`` (``_SCHEDULES``): overlaps off,
+  both on (softmax beside dO.v^T's matmul in both; the fused kernel's dQ add beside dK's and
+  dV's), or ds^T and p^T read from shared memory (the rule's overlaps)."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   hv = HV.get(name, h)
   rng = np.random.default_rng(8)
@@ -1073,10 +1082,10 @@ def test_native_fused_backward_matches(name, terms, split, overlap):
         jnp.float32) * do)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
-  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split,
-                overlap_softmax=overlap, overlap_dq=overlap, ds_from_smem=overlap,
-                p_from_smem=overlap)
-  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True, overlap_softmax=overlap)
+  variants = _SCHEDULES[schedule]
+  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split, **variants)
+  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True,
+              overlap_softmax=variants.get("overlap_softmax", False))
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):
     assert rel_err(a, r) < 2e-2 and rel_err(a, d) < 5e-3

@@ -96,13 +96,14 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   if walk is None:  # (dQ above 128: 64-key tiles, its float32 dQ takes 96+ registers)
     walk = (dict(variants.dkv_walk_rows).get(hp, rows) if dkv else
             rows if hp > 128 else variants.dq_walk_rows)
-  # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and the wide kernel's
-  # p^T buffers; dQ: q, dO, lse, delta and token info of 64 rows per owner.
+  # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and two p^T tiles (the
+  # wide kernel's buffers, or ``p_from_smem``'s, one per consumer); dQ: q, dO, lse, delta and
+  # token info of 64 rows per owner.
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
   # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
-  # (by step parity), staging of half the columns, and a p^T tile each where dV's matmul reads it.
+  # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
   p_tiles = wide or (split and p_from_smem(variants, hp))
   owned += 2 * rows * walk * dt.itemsize if dkv and p_tiles else 0

@@ -90,8 +90,9 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   else:
     p = p.astype(g.dtype)
   p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
-  if g.p_from_smem:  # (p's registers free from here; committed with ds^T's tile, ``write_ds``;
-    # the last step's dV read it before its accumulate returned)
+  if g.p_from_smem:  # (p's registers free from here; only where split: committed with ds^T's
+    # tile, ``write_ds``; the last step's dV read it before its accumulate returned: run_state
+    # waits for every wgmma at its end)
     p_tile = r.p_smem.at[c.wg]
     p_tile[...] = p
     p = p_tile
