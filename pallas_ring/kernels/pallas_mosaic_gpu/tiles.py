@@ -75,8 +75,9 @@ class Variants:
   # accumulators are live. None: the rule (``ds_from_smem``).
   ds_from_smem: Optional[bool] = None
   # ... and its dV += p^T dO reads p^T from a shared-memory tile it writes (FlashAttention-3's
-  # at head dim 128): 16 registers fewer again, for a tile's store. None: the rule
-  # (``p_from_smem``).
+  # at head dim 128): 16 registers fewer again, for a tile's store and 16 KiB of shared memory
+  # (at H=128 a 16-bit tile term then no longer fits its stage: read from global memory).
+  # None: the rule (``p_from_smem``).
   p_from_smem: Optional[bool] = None
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
