@@ -72,13 +72,13 @@ class Variants:
   overlap_dq: Optional[bool] = None
   # The split fused kernel's dK += ds^T q reads ds^T from the shared-memory tile it writes for
   # dQ's columns, not from registers: 16 registers per thread fewer while dV's, dK's and dQ's
-  # accumulators are live. None: the rule (``ds_from_smem``).
-  ds_from_smem: Optional[bool] = None
+  # accumulators are live (``ds_from_smem``). Off: not yet measured.
+  ds_from_smem: bool = False
   # ... and its dV += p^T dO reads p^T from a shared-memory tile it writes (FlashAttention-3's
   # at head dim 128): 16 registers fewer again, for a tile's store and 16 KiB of shared memory
   # (at H=128 a 16-bit tile term then no longer fits its stage: read from global memory).
-  # None: the rule (``p_from_smem``).
-  p_from_smem: Optional[bool] = None
+  # Off: not yet measured.
+  p_from_smem: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
@@ -390,16 +390,17 @@ def overlap_dq(variants: Variants, head_dim: int) -> bool:
 
 
 def ds_from_smem(variants: Variants, head_dim: int) -> bool:
-  """Whether the fused backward's dK matmul reads ds^T from shared memory
-  (``Variants.ds_from_smem``), where dQ's columns are split (the tile is written for them). The
-  rule: off (not measured)."""
-  return dq_split(variants, head_dim) and bool(variants.ds_from_smem)
+  """Whether the split fused backward's dK matmul reads ds^T from shared memory
+  (``Variants.ds_from_smem``): only where dQ's columns are split (the tile is written for
+  them)."""
+  return dq_split(variants, head_dim) and variants.ds_from_smem
 
 
 def p_from_smem(variants: Variants, head_dim: int) -> bool:
   """Whether the split fused backward's dV matmul reads p^T from shared memory
-  (``Variants.p_from_smem``). The rule: off (not measured)."""
-  return dq_split(variants, head_dim) and bool(variants.p_from_smem)
+  (``Variants.p_from_smem``): only where dQ's columns are split (its store is committed with
+  ds^T's)."""
+  return dq_split(variants, head_dim) and variants.p_from_smem
 
 
 def overlap_softmax(variants: Variants, elsewhere: bool, dropout: bool) -> bool:
