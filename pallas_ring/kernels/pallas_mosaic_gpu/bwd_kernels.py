@@ -55,8 +55,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, dq_with_dkv, ds_from_smem, fp8_backward, fused_backward,
-    overlap_dq, overlap_softmax, p_from_smem, step_refs, unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, overlap_dq,
+    overlap_softmax, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -105,8 +105,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
   # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
-  p_tiles = wide or (split and p_from_smem(variants, hp))
-  owned += 2 * rows * walk * dt.itemsize if dkv and p_tiles else 0
+  p_from_smem = split and variants.p_from_smem
+  owned += 2 * rows * walk * dt.itemsize if dkv and (wide or p_from_smem) else 0
   if fused:
     owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
@@ -132,8 +132,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
-                     ds_from_smem=split and ds_from_smem(variants, hp),
-                     p_from_smem=split and p_from_smem(variants, hp),
+                     ds_from_smem=split and variants.ds_from_smem, p_from_smem=p_from_smem,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 

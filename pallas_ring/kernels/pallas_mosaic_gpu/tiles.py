@@ -72,12 +72,12 @@ class Variants:
   overlap_dq: Optional[bool] = None
   # The split fused kernel's dK += ds^T q reads ds^T from the shared-memory tile it writes for
   # dQ's columns, not from registers: 16 registers per thread fewer while dV's, dK's and dQ's
-  # accumulators are live (``ds_from_smem``). Off: not yet measured.
+  # accumulators are live. Off: not yet measured.
   ds_from_smem: bool = False
   # ... and its dV += p^T dO reads p^T from a shared-memory tile it writes (FlashAttention-3's
   # at head dim 128): 16 registers fewer again, for a tile's store and 16 KiB of shared memory
   # (at H=128 a 16-bit tile term then no longer fits its stage: read from global memory).
-  # Off: not yet measured.
+  # Split only: its store is committed with ds^T's. Off: not yet measured.
   p_from_smem: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
@@ -387,20 +387,6 @@ def overlap_dq(variants: Variants, head_dim: int) -> bool:
   if not dq_with_dkv(variants, head_dim) or wgmma_accumulator_load is None:
     return False
   return dq_split(variants, head_dim) if variants.overlap_dq is None else variants.overlap_dq
-
-
-def ds_from_smem(variants: Variants, head_dim: int) -> bool:
-  """Whether the split fused backward's dK matmul reads ds^T from shared memory
-  (``Variants.ds_from_smem``): only where dQ's columns are split (the tile is written for
-  them)."""
-  return dq_split(variants, head_dim) and variants.ds_from_smem
-
-
-def p_from_smem(variants: Variants, head_dim: int) -> bool:
-  """Whether the split fused backward's dV matmul reads p^T from shared memory
-  (``Variants.p_from_smem``): only where dQ's columns are split (its store is committed with
-  ds^T's)."""
-  return dq_split(variants, head_dim) and variants.p_from_smem
 
 
 def overlap_softmax(variants: Variants, elsewhere: bool, dropout: bool) -> bool:
