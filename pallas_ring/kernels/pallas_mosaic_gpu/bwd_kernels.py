@@ -96,17 +96,15 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   if walk is None:  # (dQ above 128: 64-key tiles, its float32 dQ takes 96+ registers)
     walk = (dict(variants.dkv_walk_rows).get(hp, rows) if dkv else
             rows if hp > 128 else variants.dq_walk_rows)
-  # Owned: dK/dV: K and V of 64 keys (and their token info) per owner, and two p^T tiles (the
-  # wide kernel's buffers, or ``p_from_smem``'s, one per consumer); dQ: q, dO, lse, delta and
-  # token info of 64 rows per owner.
+  # Owned: dK/dV: K and V of 64 keys (and their token info) per owner (wide: and two p^T
+  # buffers); dQ: q, dO, lse, delta and token info of 64 rows per owner.
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
   # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
   # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
-  p_from_smem = split and variants.p_from_smem
-  owned += 2 * rows * walk * dt.itemsize if dkv and (wide or p_from_smem) else 0
+  owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
   if fused:
     owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
@@ -132,7 +130,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
-                     ds_from_smem=split and variants.ds_from_smem, p_from_smem=p_from_smem,
+                     ds_from_smem=split and variants.ds_from_smem,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -235,7 +233,7 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
   *dq_out, dk, dv = _bwd_call(
       dkv_kernel, two,
       ((smem(*own, rows, hp), smem(*own, rows, hv), plgpu.SMEM((*own, g.key_rows, rows), i32),
-        smem(2, rows, w) if wide or g.p_from_smem else None, dq_smem, _stage_of(c, g)),
+        smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
        (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32),
         *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ())),

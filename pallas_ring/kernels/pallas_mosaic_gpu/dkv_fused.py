@@ -52,7 +52,7 @@ def add_dq(c: DkvCta, dq, h, start) -> None:
 
 def write_ds(c: DkvCta, ds, n):
   """Split: this consumer's ``ds^T`` of walked step ``n`` to its shared-memory tile; returns
-  the tile."""
+  the tile (dK's matmul reads it there where ``ds_from_smem``)."""
   tile = c.r.dq_smem[0].at[slot_of(n, 2), c.wg]
   tile[...] = ds
   plgpu.commit_smem()

@@ -51,7 +51,7 @@ class DkvRefs(NamedTuple):
   k_own: Any  # [COMPUTE_WGS, 64, H] ([64, H] when wide)
   v_own: Any  # as k_own, at Hv
   kinfo_own: Any  # [COMPUTE_WGS, key_rows, 64] int32 ([key_rows, 64] when wide)
-  p_smem: Any  # wide: [2, 64, walk], the p^T buffers; ``p_from_smem``: a tile per consumer
+  p_smem: Any  # wide: [2, 64, walk], the p^T buffers; else None
   # fused: (ds^T tiles [2, 64, walk], dQ staging [2, walk, H] float32); split dQ: ([2, 2, 64,
   # walk] by step parity, [2, walk, H/2]); else None
   dq_smem: Any

@@ -90,12 +90,6 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   else:
     p = p.astype(g.dtype)
   p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
-  if g.p_from_smem:  # (p's registers free from here; only where split: committed with ds^T's
-    # tile, ``write_ds``; the last step's dV read it before its accumulate returned: run_state
-    # waits for every wgmma at its end)
-    p_tile = r.p_smem.at[c.wg]
-    p_tile[...] = p
-    p = p_tile
   if g.dq_split:
     ds_tile = write_ds(c, ds, n)
     if g.ds_from_smem:  # (ds's registers free from here)

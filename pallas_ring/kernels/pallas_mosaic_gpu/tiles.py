@@ -72,13 +72,9 @@ class Variants:
   overlap_dq: Optional[bool] = None
   # The split fused kernel's dK += ds^T q reads ds^T from the shared-memory tile it writes for
   # dQ's columns, not from registers: 16 registers per thread fewer while dV's, dK's and dQ's
-  # accumulators are live. Off: not yet measured.
-  ds_from_smem: bool = False
-  # ... and its dV += p^T dO reads p^T from a shared-memory tile it writes (FlashAttention-3's
-  # at head dim 128): 16 registers fewer again, for a tile's store and 16 KiB of shared memory
-  # (at H=128 a 16-bit tile term then no longer fits its stage: read from global memory).
-  # Split only: its store is committed with ds^T's. Off: not yet measured.
-  p_from_smem: bool = False
+  # accumulators are live (no spills at H=128, 4-7% faster: BENCHMARKS.md, "The backward").
+  # False: from registers.
+  ds_from_smem: bool = True
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
