@@ -1040,31 +1040,24 @@ def test_native_term_variants_give_the_same_bits(name, deterministic, switch):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-_FUSED_CASES = [  # name, terms, split
+@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
+                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
+@pytest.mark.parametrize("name, terms, split", [
     ("causal_gqa", False, True), ("documents", False, True), ("softcap_h64", False, True),
     ("full_odd_lengths", False, True), ("window_mqa", False, True),
     ("h96_padded_fp16", False, True), ("hv64_documents_fp16", False, True),
     ("causal_gqa", True, True), ("softcap_h64", True, True),
     # dQ's columns not split (``Variants.dq_split``; at head dim 64 they never are)
     ("causal_gqa", False, False), ("hv64_documents_fp16", False, False),
-    ("causal_gqa", True, False)]
-# Each case with its tile products' operands in registers and no overlap, and with the
-# overlaps (both ``overlap_*``; split: ds^T from shared memory, the default).
-_SCHEDULES = {"registers": dict(overlap_softmax=False, overlap_dq=False, ds_from_smem=False),
-              "overlap": dict(overlap_softmax=True, overlap_dq=True)}
-
-
-@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
-                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("name, terms, split, schedule", [
-    (*case, schedule) for case in _FUSED_CASES for schedule in _SCHEDULES])
-def test_native_fused_backward_matches(name, terms, split, schedule):
+    ("causal_gqa", True, False)])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_native_fused_backward_matches(name, terms, split, overlap):
   """The fused backward (``deterministic=False``; ``split``: dQ's columns split over the
   consumers, where the head dim allows): gradients against the float32 xla backend and the
   deterministic kernels (dQ summed in another order; dK/dV from the same kernel), with ALiBi,
-  dropout, a bias and a dense mask where ``terms``; ``schedule`` (``_SCHEDULES``): overlaps off
-  and every A operand in registers, or both overlaps on (softmax beside dO.v^T's matmul in
-  both; the fused kernel's dQ add beside dK's and dV's)."""
+  dropout, a bias and a dense mask where ``terms``; ``overlap``: both with their softmax beside
+  dO.v^T's matmul, the fused one also with dQ's add beside dK's and dV's and (split) ds^T from
+  shared memory; else every A operand from registers."""
   mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
   hv = HV.get(name, h)
   rng = np.random.default_rng(8)
@@ -1082,10 +1075,9 @@ def test_native_fused_backward_matches(name, terms, split, schedule):
         jnp.float32) * do)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
-  variants = _SCHEDULES[schedule]
-  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split, **variants)
-  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True,
-              overlap_softmax=variants.get("overlap_softmax", False))
+  fused = grads("pallas_mosaic_gpu", q, k, v, deterministic=False, dq_split=split,
+                overlap_softmax=overlap, overlap_dq=overlap, ds_from_smem=overlap)
+  det = grads("pallas_mosaic_gpu", q, k, v, deterministic=True, overlap_softmax=overlap)
   ref = grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
   for a, d, r in zip(fused, det, ref):
     assert rel_err(a, r) < 2e-2 and rel_err(a, d) < 5e-3

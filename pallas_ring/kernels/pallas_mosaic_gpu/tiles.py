@@ -72,7 +72,7 @@ class Variants:
   overlap_dq: Optional[bool] = None
   # The split fused kernel's dK += ds^T q reads ds^T from the shared-memory tile it writes for
   # dQ's columns, not from registers: 16 registers per thread fewer while dV's, dK's and dQ's
-  # accumulators are live (no spills at H=128, 4-7% faster: BENCHMARKS.md, "The backward").
+  # accumulators are live (no spills at H=128, and faster: BENCHMARKS.md, "The backward").
   # False: from registers.
   ds_from_smem: bool = True
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
