@@ -101,10 +101,10 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
-  # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
-  # (by step parity), staging of half the columns.
+  # Fused: ds^T and the dQ staging tiles (float32, or int32 fixed point) of each owner; split:
+  # two ds^T tiles each (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
-  fixed = fused and variants.dq_accumulator == "int32"  # (its staging: int32, as float32's)
+  fixed = fused and variants.dq_accumulator == "int32"  # (and its row factors per slot)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
   if fused:
     owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))

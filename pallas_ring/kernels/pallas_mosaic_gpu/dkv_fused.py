@@ -158,10 +158,10 @@ def _reduce_add(c: DkvCta, dq, dst, fac) -> None:
 
 def fused_call(entry, out_shapes, mesh, params, args):
   """Runs the fused kernel ``entry`` over ``mesh``: it adds to dQ in place, its last argument
-  (float32, or int32 fixed point), the start of a ref that it updates (``pl.run_state``; ``pl.kernel`` aliases ref
-  arguments, which plgpu.kernel's batching wrapper does not take), and writes ``out_shapes``
-  (dK, dV) as fresh outputs. Returns ``(dq, *outputs)``; under vmap, one call per element
-  (run_state has no batching rule).
+  (float32, or int32 fixed point), the start of a ref that it updates (``pl.run_state``;
+  ``pl.kernel`` aliases ref arguments, which plgpu.kernel's batching wrapper does not take),
+  and writes ``out_shapes`` (dK, dV) as fresh outputs. Returns ``(dq, *outputs)``; under vmap,
+  one call per element (run_state has no batching rule).
 
   Only dQ is aliased: given dK and dV as zero-filled refs too, XLA:GPU passed one buffer for
   both where k and v were slices of a larger array (the fusion it builds around a call with

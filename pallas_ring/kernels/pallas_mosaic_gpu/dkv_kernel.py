@@ -229,7 +229,8 @@ def dkv_kernel(*refs, cfg, g: BwdGeometry):
 
 def _producer(c: DkvCta):
   """The producer warpgroup: streams the walked q, lse, (token info, row keys,) dO and delta
-  (and fixed-point dQ's row factor) tiles, and the staged tile term's windows, into the slot ring."""
+  (and fixed-point dQ's row factor) tiles, and the staged tile term's windows, into the slot
+  ring."""
   g, r, batch = c.g, c.r, c.batch
   plgpu.set_max_registers(g.regs[1], action="decrease")
 
