@@ -102,7 +102,9 @@ def split_dq(c: DkvCta, now, last) -> tuple:
   (consumer 0; none before the first: ``start < 0``, then the term reads a tile no one writes in
   this step, and ``add`` adds nothing)."""
   behind = c.wg == 1
-  pick = lambda x, then: jnp.where(lax.broadcast_in_dim(behind, jnp.shape(x), ()), x, then)
+  # (a vector's select needs its condition broadcast under warpgroup semantics)
+  pick = lambda x, then: jnp.where(
+      lax.broadcast_in_dim(behind, jnp.shape(x), ()) if jnp.ndim(x) else behind, x, then)
   n_at, h_at, start_at, fac_at = (None if x is None else pick(x, then)
                                   for x, then in zip(now, last))
   return (lambda: _columns_term(c, n_at, start_at),

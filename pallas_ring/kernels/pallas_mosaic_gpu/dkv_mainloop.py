@@ -99,9 +99,8 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
       ds = ds_tile
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
-  now = (n, jnp.asarray(h, jnp.int32), start, fac)
   if g.fused_dq:
-    dq_term, add = (split_dq(c, now, last) if g.dq_split else
+    dq_term, add = (split_dq(c, (n, h, start, fac), last) if g.dq_split else
                     (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start, fac)))
   if g.overlap_dq:  # (ds^T K first: added while dV's and dK's matmuls run)
     _, dv, dk = accumulate((dq_term(), (dv, p, do), (dk, ds, q)), first=add)
@@ -112,7 +111,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   if g.fused_dq and not g.overlap_dq:
     add((dq or accumulate((dq_term(),)))[0])
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
-  return n + 1, dk, dv, *(now if g.dq_split else ())
+  return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start, fac) if g.dq_split else ())
 
 
 def p_and_dv(c: DkvCta) -> None:
