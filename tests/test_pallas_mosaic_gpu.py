@@ -1253,15 +1253,15 @@ def test_native_fixed_point_dq_is_bitwise_reproducible(name, terms):
     kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
 
   def grads(backend, **variants):
-    bs = BlockSizes(variants=Variants(deterministic=False, **variants))
+    bs = BlockSizes(variants=Variants(deterministic=False, **variants)) if variants else None
     loss = lambda q, k, v, do: jnp.sum(flash_attention(
         q, k, v, backend=backend, block_sizes=bs, **kw).astype(jnp.float32) * do)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-  fixed_fn, float_fn = grads("pallas_mosaic_gpu", dq_accumulator="int32"), grads(
-      "pallas_mosaic_gpu")
+  fixed_fn = grads("pallas_mosaic_gpu", dq_accumulator="int32")
+  float_fn = grads("pallas_mosaic_gpu", dq_accumulator="float32")
   ref_fn = grads("xla")
-  for scale in (1.0, 4.0):
+  for scale in (1.0, 2.0):
     q, k, v = (jnp.asarray(scale * rng.standard_normal(shape), dt)
                for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, hv)))
     do = jnp.asarray(rng.standard_normal((2, t, n, hv)), jnp.float32)
