@@ -60,8 +60,9 @@ class Variants:
   # CTAs reach them (dQ not bitwise reproducible); "int32", fixed point: each row's terms scaled
   # by 2^30 over a bound of every partial sum of that row (``dkv_fused.fixed_point``) and
   # rounded, so the adds commute and dQ is bitwise reproducible (about 2e-5 relative error at
-  # 16k keys per call, against float32's 2e-7: below bfloat16's rounding). With "int32" the
-  # rule runs the fused kernel where ``XLA_FLAGS`` asks for deterministic ops too.
+  # 16k keys per call, against float32's 2e-7: below bfloat16's rounding), but 20% slower
+  # (BENCHMARKS.md, "The backward", Not kept). With "int32" the rule runs the fused kernel
+  # where ``XLA_FLAGS`` asks for deterministic ops too.
   dq_accumulator: str = "float32"
   # The fused kernel's dQ split by columns (FlashAttention-3's): each consumer adds half of dQ's
   # columns over the CTA's 128 keys (both consumers' ds^T tiles from shared memory), one
