@@ -7,7 +7,6 @@ Natively (PALLAS_RING_TEST_GPU=1 on an H100) the native tests below and the conf
 
 import dataclasses
 import functools
-import re
 import types
 
 import jax
@@ -316,63 +315,6 @@ def test_lowers_with_warpgroup_semantics(name, monkeypatch):
     assert _lower(step, *step_args).count(MOSAIC) == _step_kernels(name)
   finally:
     jax.clear_caches()
-
-
-@pytest.mark.parametrize("name", [n for n in CASES if _fused(n, deterministic=False)])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-def test_fixed_point_dq_lowers(name, semantics, monkeypatch):
-  """The fused kernel with int32 fixed-point dQ (``Variants.dq_accumulator``) in every case it
-  serves, with both lowering semantics (JAX 0.11's default is warpgroup): its dQ accumulator is
-  int32 and still reduce-added by TMA; the rule then serves ``XLA_FLAGS`` asking for
-  deterministic ops with it too."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  from jax.experimental.mosaic import gpu as mgpu
-  monkeypatch.setattr(plgpu, "CompilerParams", functools.partial(
-      plgpu.CompilerParams, lowering_semantics=getattr(mgpu.LoweringSemantics, semantics)))
-  args, (qs, ks), kw = _structs(name)
-  seg = (qs, ks) if qs is not None else ()
-  n, h = CASES[name][3], CASES[name][5]
-  jax.clear_caches()
-  try:
-    text = _lower(_grad(_attention(kw, deterministic=False, dq_accumulator="int32")), *args, *seg)
-  finally:
-    jax.clear_caches()
-  assert _kernels_of_gradients(text, True)
-  assert re.search(rf"tensor<2x\d+x{n}x{tiles.padded_head_dim(h)}xi32>", text)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
-  assert not tiles.fused_backward(Variants(), h)
-  assert tiles.fused_backward(Variants(dq_accumulator="int32"), h)
-  with pytest.raises(ValueError, match="dq_accumulator='int64' is invalid"):
-    Variants(dq_accumulator="int64")
-
-
-@pytest.mark.parametrize("scale, keep", [(0.1, 1.0), (1.0, 1.0), (8.0, 1.0), (1.0, 1 / 0.7)])
-def test_fixed_point_bound_holds(scale, keep):
-  """``dkv_fused.fixed_point``'s bound holds for every dQ row: the sum over keys of
-  ``|ds_ij K_jc|`` (so every partial sum, in any order) is within ``2^FIXED_POINT_BITS`` of its
-  units, here on random and peaked (large-scale) inputs in float64, GQA, with dropout's
-  ``keep``."""
-  from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import FIXED_POINT_BITS, fixed_point
-  b, t, s, n, kh, h = 2, 48, 80, 4, 2, 32
-  rng = np.random.default_rng(6)
-  q, do = (scale * rng.standard_normal((b, t, n, h)) for _ in range(2))
-  k, v = (scale * rng.standard_normal((b, s, kh, h)) for _ in range(2))
-  sm = h ** -0.5
-  kq, vq = (np.repeat(x, n // kh, axis=2) for x in (k, v))  # [B, S, N, H]
-  logits = np.einsum("btnh,bsnh->bnts", q, kq) * sm
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  dp = np.einsum("btnh,bsnh->bnts", do, vq) * keep  # (kept terms)
-  delta = np.sum(p * dp, -1)  # [B, N, T]
-  ds = p * (dp - delta[..., None])
-  worst = np.einsum("bnts,bsnh->bnth", np.abs(ds), np.abs(kq)).max(-1) * sm * keep
-  cfg = types.SimpleNamespace(scale=sm, keep_scale=keep)
-  fac, unit = fixed_point(jnp.asarray(do, jnp.float32), jnp.asarray(delta, jnp.float32),
-                          jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), n, cfg)
-  limit = np.asarray(unit, np.float64) * 2.0 ** FIXED_POINT_BITS
-  assert (worst <= limit).all()
-  assert (worst > 1e-3 * limit).any()  # (not vacuous: the bound is not far above every row)
-  np.testing.assert_allclose(np.asarray(fac) * np.asarray(unit), sm * keep, rtol=1e-6)
 
 
 def test_forward_overlaps_where_its_registers_fit():
@@ -1228,54 +1170,9 @@ def test_native_gradients_of_stacked_layers_in_one_program():
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
                     reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("accumulator", ["float32", "int32"])
-def test_native_fused_backward_adds_the_rings_running_dq(accumulator):
+def test_native_fused_backward_adds_the_rings_running_dq():
   check_ring_step(CASES["documents"], "pallas_mosaic_gpu", interpret=False,
-                  variants=Variants(deterministic=False, dq_accumulator=accumulator))
-
-
-@pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),
-                    reason="runs the Mosaic GPU kernels natively: PALLAS_RING_TEST_GPU=1 on sm_90+")
-@pytest.mark.parametrize("name, terms", [
-    ("causal_gqa", False), ("causal_gqa", True), ("softcap_h64", True), ("full_odd_lengths", False),
-    ("window_mqa", False), ("hv64_documents_fp16", False), ("h96_padded_fp16", False)])
-def test_native_fixed_point_dq_is_bitwise_reproducible(name, terms):
-  """The fused kernel's int32 fixed-point dQ (``Variants.dq_accumulator``): the same bits on a
-  second run (the CTAs' adds land in another order), gradients against the float32 xla backend,
-  and dQ within bfloat16's rounding of the float32 adds' (dK, dV: the same kernel's, the same
-  bits). Inputs scaled up (peaked rows, larger terms) too."""
-  mask, t, s, n, kh, h, dt, segs, cap = CASES[name]
-  hv = HV.get(name, h)
-  rng = np.random.default_rng(14)
-  kw = dict(mask=mask, softcap=cap, **(_terms(name, rate=0.3, bias=True, dense=True)
-                                        if terms else {}))
-  if segs:
-    kw["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1), jnp.int32)
-
-  def grads(backend, **variants):
-    bs = BlockSizes(variants=Variants(deterministic=False, **variants)) if variants else None
-    loss = lambda q, k, v, do: jnp.sum(flash_attention(
-        q, k, v, backend=backend, block_sizes=bs, **kw).astype(jnp.float32) * do)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-  fixed_fn = grads("pallas_mosaic_gpu", dq_accumulator="int32")
-  float_fn = grads("pallas_mosaic_gpu", dq_accumulator="float32")
-  ref_fn = grads("xla")
-  for scale in (1.0, 2.0):
-    q, k, v = (jnp.asarray(scale * rng.standard_normal(shape), dt)
-               for shape in ((2, t, n, h), (2, s, kh, h), (2, s, kh, hv)))
-    do = jnp.asarray(rng.standard_normal((2, t, n, hv)), jnp.float32)
-    fixed, again = (fixed_fn(q, k, v, do) for _ in range(2))
-    floats = float_fn(q, k, v, do)
-    ref = ref_fn(*(x.astype(jnp.float32) for x in (q, k, v)), do)
-    for i, (a, b, f, r) in enumerate(zip(fixed, again, floats, ref)):
-      a32 = np.asarray(a, np.float32)
-      np.testing.assert_array_equal(a32, np.asarray(b, np.float32))
-      assert rel_err(a, r) < 2e-2 and not np.isnan(a32).any()
-      if i == 0:
-        assert rel_err(a, f) < 5e-3
-      else:
-        np.testing.assert_array_equal(a32, np.asarray(f, np.float32))
+                  variants=Variants(deterministic=False))
 
 
 @pytest.mark.skipif(not ON_GPU or not pallas_mosaic_gpu.hopper(),

@@ -47,7 +47,7 @@ from pallas_ring import kernels
 from pallas_ring.kernels import common
 from pallas_ring.kernels.pallas_mosaic_gpu import fp8
 from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import BwdGeometry, owned_tiles
-from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import fixed_point, fused_call
+from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import fused_call
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_kernel import dkv_kernel
 from pallas_ring.kernels.pallas_mosaic_gpu.dq_kernel import dq_kernel
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import swizzled_smem, token_info
@@ -101,10 +101,9 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # Dropout: the keys' column keys (an extra token-info row) and the queries' row keys.
   owned = owners * (pair_bytes + 4 * rows * (c.info_rows if dkv else 2 + c.info_rows) +
                     4 * rows * c.drop)
-  # Fused: ds^T and the dQ staging tiles (float32, or int32 fixed point) of each owner; split:
-  # two ds^T tiles each (by step parity), staging of half the columns.
+  # Fused: ds^T and the dQ staging tiles (float32) of each owner; split: two ds^T tiles each
+  # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
-  fixed = fused and variants.dq_accumulator == "int32"  # (and its row factors per slot)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
   if fused:
     owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
@@ -113,7 +112,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   owned += term_bytes
   # one [64, H] tile per owner (dK/dV: per consumer; dV's [64, Hv] ones alias them)
   staging = (2 if dkv else owners) * rows * hp * jnp.dtype(staged).itemsize
-  per_slot = walk * ((hp + hv) * it + 4 * (2 + c.info_rows + c.drop + fixed))
+  per_slot = walk * ((hp + hv) * it + 4 * (2 + c.info_rows + c.drop))
   if c.fp8:  # 16-bit q (dK/dV) or K (dQ) for ds's product; dK/dV: dO^T for p^T dO
     per_slot += walk * (hp * dt.itemsize + (hv if dkv else 0))
   room = SMEM_BYTES - owned
@@ -131,7 +130,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
-                     ds_from_smem=split and variants.ds_from_smem, dq_fixed=fixed,
+                     ds_from_smem=split and variants.ds_from_smem,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -222,17 +221,12 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
                             splits=splits)
   sl, w, two, wide = g.slots, g.walk, COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
-  dq_smem, dq_in, fac, unit = None, (), (), None
+  dq_smem, dq_in = None, ()
   if fused:  # ds^T and dQ staging tiles per consumer (split: two ds^T, by step parity, and
-    # half-width staging; ``dkv_fused``); dQ's start (fixed point: zeros, and its row factors)
-    acc_dt = jnp.int32 if g.dq_fixed else f32
-    dq_smem = ((smem(2, two, rows, w), swizzled_smem(acc_dt, two, w, hp // two))
-               if g.dq_split else (smem(two, rows, w), swizzled_smem(acc_dt, two, w, hp)))
-    if g.dq_fixed:
-      fac, unit = fixed_point(do, delta, k, v, c.heads, cfg)
-      fac, dq_in = (fac,), (jnp.zeros(q.shape, acc_dt),)
-    else:
-      dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
+    # half-width staging; ``dkv_fused``); dQ's start
+    dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, two, w, hp // two)) if g.dq_split else
+               (smem(two, rows, w), swizzled_smem(f32, two, w, hp)))
+    dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
   dkv_shape = lambda h: jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, h), out_dt)
   # dK/dV staging: a tile per consumer, and for a narrower dV others aliasing them
   staging = tuple(swizzled_smem(out_dt, two, rows, h) for h in ((hp, hv) if hv != hp else (hp,)))
@@ -242,28 +236,20 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
         smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
        (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
         plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32),
-        *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ()),
-        *((plgpu.SMEM((sl, w), f32),) if g.dq_fixed else ())),
+        *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ())),
        staging,
-       (_barriers(3, two), _barriers(3 + c.drop + bool(c.fp8), sl),
-        _barriers(2 + bool(c.fp8) + g.dq_fixed, sl),
+       (_barriers(3, two), _barriers(3 + c.drop + bool(c.fp8), sl), _barriers(2 + bool(c.fp8), sl),
         _barriers(two, sl),
         _barriers(two, 1), _barriers(1, 2) if wide else None,
         _barriers(1, 2) if wide else None)),
       (dkv_shape(hp), dkv_shape(hv)), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *_infos(c, ops, cfg, True),
-       *((f8.descales, f8.q, f8.do_t) if c.fp8 else ()), q, k, v, do, lse2, delta, *fac,
-       *dq_in), cfg=cfg, g=g)
+       *((f8.descales, f8.q, f8.do_t) if c.fp8 else ()), q, k, v, do, lse2, delta, *dq_in),
+      cfg=cfg, g=g)
   if splits > 1:  # the partials in a fixed order (bitwise reproducible)
     total = lambda x: functools.reduce(jnp.add, [x[i] for i in range(splits)])
     dk, dv = (total(x).astype(cfg.out_dtype) for x in (dk, dv))
-  if not fused:
-    return None, dk, dv
-  (dq,) = dq_out
-  if g.dq_fixed:  # [B, Tp, N, H] = int32 sums x their rows' units
-    dq = dq.astype(f32) * unit.transpose(0, 2, 1)[..., None]
-    dq = dq if dq_acc is None else dq_acc.astype(f32) + dq
-  return dq, dk, dv
+  return (dq_out[0] if fused else None), dk, dv
 
 
 def _triton_backward(q, k, v, do, lse, delta, ops, plan, cfg, dq_acc, parts, dkv_acc):

@@ -45,7 +45,7 @@ class DkvRefs(NamedTuple):
   do: Any  # [B, Tp, N, Hv]
   lse: Any  # [B, N, Tp] float32, base 2
   delta: Any  # [B, N, Tp] float32
-  dq: Optional[Any]  # fused: dQ [B, Tp, N, H], float32 or fixed-point int32, a mutable input
+  dq: Optional[Any]  # fused: the float32 dQ [B, Tp, N, H], a mutable input
   dk: Any  # [B, Sp, K, H], or float32 partials [splits, B, Sp, K, H]
   dv: Any  # as dk, at Hv
   k_own: Any  # [COMPUTE_WGS, 64, H] ([64, H] when wide)
@@ -76,29 +76,23 @@ class DkvRefs(NamedTuple):
   do_t: Any = None  # FP8 mode: dO in ``fp8.v_layout`` [B, N, Hv, Tp] for p^T dO
   q16_smem: Any = None  # FP8 mode: [slots, walk, H], 16-bit (arrives with q)
   do_t_smem: Any = None  # FP8 mode: [slots, Hv, walk] (arrives with dO)
-  fac: Any = None  # fixed-point dQ: its row factors [B, N, Tp] float32 (``dkv_fused``)
-  fac_smem: Any = None  # fixed-point dQ: [slots, walk] float32 (arrives with dO)
 
 
 def _refs(refs, g: BwdGeometry) -> DkvRefs:
   """``DkvRefs`` of the kernel's refs: the plan's lists, both sides' token info, ``g.terms``'
-  inputs, q, k, v, dO, lse, delta, (fixed-point dQ) its row factors, (fused) dQ, dK, dV, then
-  the scratch."""
+  inputs, q, k, v, dO, lse, delta, (fused) dQ, dK, dV, then the scratch."""
   idx_ref, cnt_ref, full_ref, qinfo_ref, kinfo_ref, *refs = refs
   extra, refs = g.terms.refs(refs)
   fp8_in, refs = (refs[:3], refs[3:]) if g.fp8 else ((None,) * 3, refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
-  fac_ref = refs.pop(0) if g.dq_fixed else None
   dq_ref = refs.pop(0) if g.fused_dq else None
   dk_ref, dv_ref, owned, walked, *out, bars = refs
   *owned, stage = owned
-  walked, more = walked[:6], list(walked[6:])
-  fp8_smem = (more.pop(0), more.pop(0)) if g.fp8 else (None, None)
-  fac_smem = more.pop(0) if g.dq_fixed else None
+  walked, fp8_smem = (walked[:6], walked[6:]) if g.fp8 else (walked, (None, None))
   return DkvRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *owned,
                  TermStage(*stage) if g.terms.staged else None, *walked, out[0], out[-1], *bars,
-                 *fp8_in, *fp8_smem, fac_ref, fac_smem)
+                 *fp8_in, *fp8_smem)
 
 
 class OwnedKeys(NamedTuple):
@@ -229,8 +223,7 @@ def dkv_kernel(*refs, cfg, g: BwdGeometry):
 
 def _producer(c: DkvCta):
   """The producer warpgroup: streams the walked q, lse, (token info, row keys,) dO and delta
-  (and fixed-point dQ's row factor) tiles, and the staged tile term's windows, into the slot
-  ring."""
+  tiles, and the staged tile term's windows, into the slot ring."""
   g, r, batch = c.g, c.r, c.batch
   plgpu.set_max_registers(g.regs[1], action="decrease")
 
@@ -259,8 +252,6 @@ def _producer(c: DkvCta):
                               r.do_bar.at[slot])
     plgpu.copy_gmem_to_smem(r.delta.at[batch, qh, seq], r.delta_smem.at[slot],
                             r.do_bar.at[slot])
-    if g.dq_fixed:
-      plgpu.copy_gmem_to_smem(r.fac.at[batch, qh, seq], r.fac_smem.at[slot], r.do_bar.at[slot])
     copy_tile_term(g.terms, r.terms.tile_term, r.stage, g.owners, masked, batch, qh,
                    c.kj * g.cta_rows, start, c.tile)
     return n + 1

@@ -26,7 +26,7 @@ from pallas_ring.kernels.pallas_mosaic_gpu.bwd_common import (
 from pallas_ring.kernels.pallas_mosaic_gpu.dkv_fused import (
     add_dq, last_dq, split_dq, stage_ds, write_ds)
 from pallas_ring.kernels.pallas_mosaic_gpu.pipeline import (
-    COLS, ROWS, load_ref, meet, pingpong, slot_of)
+    COLS, load_ref, meet, pingpong, slot_of)
 from pallas_ring.kernels.pallas_mosaic_gpu.terms import kept, kept_delta, open_stage
 
 if TYPE_CHECKING:
@@ -40,10 +40,9 @@ def consumer(c: DkvCta) -> None:
   open_stage(g.terms, r.stage, c.wg)
   own, keys = c.own_keys()
   dk, dv = zeros((g.rows, g.head_dim)), zeros((g.rows, g.value_dim))
-  # split dQ: the previous step's (n, h, start, fixed-point row factor or None); none yet:
-  # start -1, and n 1, whose ds^T tiles no one writes in the first step (``dkv_fused.split_dq``)
-  fac = plgpu.layout_cast(jnp.zeros((g.walk,), jnp.float32), ROWS) if g.dq_fixed else None
-  last = (jnp.int32(1), jnp.int32(0), jnp.int32(-1), fac) if g.dq_split else ()
+  # split dQ: the previous step's (n, h, start); none yet: start -1, and n 1, whose ds^T tiles
+  # no one writes in the first step (``dkv_fused.split_dq``)
+  last = (jnp.int32(1), jnp.int32(0), jnp.int32(-1)) if g.dq_split else ()
   meet_other = functools.partial(meet, r.sched)
   dk, dv, *last = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv, *last),
                            meet_other, meet_other)
@@ -84,8 +83,6 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   keep_mask = terms.keep_mask()
   ds = grad_logits(p, dp, kept_delta(load_ref(r.delta_smem.at[slot], COLS), cfg), dlogits,
                    row_axis=1, keep_mask=keep_mask)
-  # (fixed-point dQ: its rows' factors, the step's own rows of dQ's tiles)
-  fac = load_ref(r.fac_smem.at[slot], ROWS) if g.dq_fixed else None
   p = kept(p, keep_mask)
   if g.fp8:  # p^T dO in FP8: p^T scaled into FP8's normal range, relabelled (``fp8``)
     p = fp8.a_operand(fp8.p_tile(p * (2.0 ** fp8.P_LOG2), g.fp8), g.fp8)
@@ -100,8 +97,8 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
   if g.fused_dq:
-    dq_term, add = (split_dq(c, (n, h, start, fac), last) if g.dq_split else
-                    (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start, fac)))
+    dq_term, add = (split_dq(c, n, h, start, last) if g.dq_split else
+                    (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start)))
   if g.overlap_dq:  # (ds^T K first: added while dV's and dK's matmuls run)
     _, dv, dk = accumulate((dq_term(), (dv, p, do), (dk, ds, q)), first=add)
   else:
@@ -111,7 +108,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   if g.fused_dq and not g.overlap_dq:
     add((dq or accumulate((dq_term(),)))[0])
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
-  return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start, fac) if g.dq_split else ())
+  return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start) if g.dq_split else ())
 
 
 def p_and_dv(c: DkvCta) -> None:

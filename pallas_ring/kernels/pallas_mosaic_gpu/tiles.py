@@ -56,14 +56,6 @@ class Variants:
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls (one wgmma wait) at head
   # dims up to this; None: the rule (``dq_with_dkv``).
   dq_with_dkv_up_to: Optional[int] = None
-  # The fused kernel's dQ adds (``dkv_fused``): "float32", TMA float adds in whatever order the
-  # CTAs reach them (dQ not bitwise reproducible); "int32", fixed point: each row's terms scaled
-  # by 2^30 over a bound of every partial sum of that row (``dkv_fused.fixed_point``) and
-  # rounded, so the adds commute and dQ is bitwise reproducible (about 2e-5 relative error at
-  # 16k keys per call, against float32's 2e-7: below bfloat16's rounding), but 20% slower
-  # (BENCHMARKS.md, "The backward", Not kept). With "int32" the rule runs the fused kernel
-  # where ``XLA_FLAGS`` asks for deterministic ops too.
-  dq_accumulator: str = "float32"
   # The fused kernel's dQ split by columns (FlashAttention-3's): each consumer adds half of dQ's
   # columns over the CTA's 128 keys (both consumers' ds^T tiles from shared memory), one
   # reduce-add of the tile per CTA instead of one per consumer (half the L2 traffic). Where
@@ -131,10 +123,6 @@ class Variants:
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
       raise ValueError(f"Variants.dkv_head_splits={self.dkv_head_splits} is invalid: use a "
                        "divisor of the query heads per kv head, or None (the rule).")
-    if self.dq_accumulator not in ("float32", "int32"):
-      raise ValueError(f"Variants.dq_accumulator={self.dq_accumulator!r} is invalid: use "
-                       "'float32' (fastest adds, not reproducible) or 'int32' (fixed point, "
-                       "bitwise reproducible).")
     if self.item_order not in (None, "heads", "blocks"):
       raise ValueError(f"Variants.item_order={self.item_order!r} is invalid: use 'heads', "
                        "'blocks' or None (the rule).")
@@ -444,21 +432,18 @@ def xla_deterministic_ops() -> bool:
 
 def fused_backward(variants: Variants, head_dim: int, segments: bool = False) -> bool:
   """Whether dQ, dK and dV come from the fused kernel (``dkv_fused``; dQ added in no fixed
-  order, reproducible only with ``Variants.dq_accumulator="int32"``) rather than the
-  reproducible pair (dK/dV, then dQ by its own kernel), at head dims up to ``wide_dkv_above``:
-  as ``Variants.deterministic`` says, else by the rule. The rule: fused (faster at head dims 64
-  and 128: BENCHMARKS.md, "The backward: two kernels or fused") unless ``segments`` (packed
+  order) rather than the reproducible pair (dK/dV, then dQ by its own kernel), at head dims up
+  to ``wide_dkv_above``: as ``Variants.deterministic`` says, else by the rule. The rule: fused
+  (faster at head dims 64 and 128: BENCHMARKS.md, "The backward: two kernels or fused") unless
+  ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or ``segments`` (packed
   documents: short rows, where the fused kernel's start and drain per CTA weigh more; the pair
-  ran 4-6% faster on documents of 1024 tokens) or ``XLA_FLAGS`` asks for deterministic ops
-  (``xla_deterministic_ops``) and the fused dQ's adds are float32. FP8 q, k, v that run the
-  backward's FP8 mode (``fp8_backward``) take the pair whatever this says: the caller checks
-  that first."""
+  ran 4-6% faster on documents of 1024 tokens). FP8 q, k, v that run the backward's FP8 mode
+  (``fp8_backward``) take the pair whatever this says: the caller checks that first."""
   if head_dim > variants.wide_dkv_above:
     return False
   if variants.deterministic is not None:
     return not variants.deterministic
-  reproducible = variants.dq_accumulator == "int32"
-  return not (segments or (xla_deterministic_ops() and not reproducible))
+  return not (xla_deterministic_ops() or segments)
 
 
 def fp8_backward(cfg: common.KernelConfig, head_dim: int, variants: Variants) -> bool:
