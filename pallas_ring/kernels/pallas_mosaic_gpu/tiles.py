@@ -39,6 +39,11 @@ class Variants:
   blocks_first_keys: int = 32768  # the rule's fewest padded keys launched q blocks first
   dkv_walk_rows: tuple[tuple[int, int], ...] = ((64, 128),)  # dK/dV q tile rows per head dim (64)
   dq_walk_rows: int = 128  # dQ kernel's K/V tile rows up to head dim 128 (64 above)
+  # The backward CTAs walk their plan row's mask-free tiles from the one at their own block's
+  # diagonal, wrapping around (``bwd_common.walk``): on a dense row, CTAs of neighbouring blocks
+  # then read each walked tile a step apart (one fetches it into L2 for the next) instead of all
+  # at once; causal rows already start there. False: in the plan's order.
+  rotate_walk: bool = True
   wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
   wide_dq_above: int = 192  # head dims above which dQ owns 64 rows per CTA
   delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
