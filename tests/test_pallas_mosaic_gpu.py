@@ -17,7 +17,7 @@ import pytest
 from pallas_ring import BlockSizes, flash_attention, kernels, masks, reference
 from pallas_ring.kernels import pallas_mosaic_gpu
 from pallas_ring.kernels.pallas_mosaic_gpu import (
-    Variants, bwd_common, fwd_kernel, fwd_scheduler, pipeline, tiles)
+    Variants, fwd_kernel, fwd_scheduler, pipeline, tiles)
 from conftest import (ON_GPU, check_ring_step, fused_backward, jaxpr_eqns, kernel_call_sites,
                       rel_err, ring_step)
 from conformance import Conformance
@@ -388,29 +388,6 @@ def test_work_items_cover_every_q_block_once_in_either_order():
   assert (order(keys // 2), order(keys)) == ("heads", "blocks")
   assert order(keys, item_order="heads") == "heads"
   assert order(1024, blocks_first_keys=1024) == "blocks"
-
-
-def test_backward_walk_starts_mask_free_tiles_at_the_diagonal():
-  """``bwd_common.walk`` visits every tile of a plan row once, the mask-free ones from the
-  CTA's own block (``Variants.rotate_walk``) wrapping around and the masked ones after them: a
-  dense row rotates, a causal one (which starts past its diagonal) keeps the plan's order."""
-  def starts(row, count, n_full, diagonal, rotate=True):
-    g = bwd_common.BwdGeometry(
-        slots=2, group=1, head_dim=128, value_dim=128, dtype=jnp.bfloat16, info_rows=1,
-        blocks=8, walked_heads=1, walk=64, wide=False, rotate_walk=rotate)
-    body = lambda h, start, masked, c: (c[0] + 1, c[1].at[c[0]].set(start + 10000 * masked))
-    run = lambda row, d: bwd_common.walk(g, lambda h: (row, count, n_full), body,
-                                         (jnp.int32(0), jnp.full((2 * count,), -1)), d)[1]
-    return [int(x) for x in jax.jit(run)(jnp.asarray(row, jnp.int32), jnp.int32(diagonal))]
-
-  # 64-row tiles of 128-row plan blocks; masked ones marked by 10000
-  expect = lambda blocks, masked=(): [b * 128 + s for b in blocks for s in (0, 64)] + [
-      10000 + b * 128 + s for b in masked for s in (0, 64)]
-  assert starts(range(8), 8, 8, 3) == expect([3, 4, 5, 6, 7, 0, 1, 2])
-  assert starts(range(8), 8, 8, 3, rotate=False) == expect(range(8))
-  assert starts([4, 5, 6, 7, 3, 0, 0, 0], 5, 4, 3) == expect([4, 5, 6, 7], [3])
-  assert starts([2, 3, 4, 5, 1, 6, 0, 0], 6, 4, 3) == expect([3, 4, 5, 2], [1, 6])
-  assert starts([5, 0, 0, 0, 0, 0, 0, 0], 1, 0, 3) == expect([], [5])
 
 
 @pytest.mark.parametrize("order", ["heads", "blocks"])

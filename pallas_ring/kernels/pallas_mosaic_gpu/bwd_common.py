@@ -51,7 +51,6 @@ class BwdGeometry:
   overlap_softmax: bool = False  # dK/dV: p from q.k^T while dO.v^T runs (``Variants``)
   overlap_dq: bool = False  # fused with dq_with_dkv: dQ's add while dV/dK's matmuls run
   ds_from_smem: bool = False  # split: dK's matmul reads ds^T from its shared-memory tile
-  rotate_walk: bool = False  # mask-free tiles walked from the diagonal (``Variants.rotate_walk``)
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   # FP8 mode: q, k, v and dO's FP8 dtype (``fp8.backward_operands``: q.k^T, dO.v^T and the dK/dV
   # kernel's p^T dO in FP8; ds's products in ``dtype``); else None
@@ -90,7 +89,7 @@ class BwdGeometry:
     return lax.div(cta, jnp.asarray(BWD_BLOCK // self.cta_rows, cta.dtype))
 
 
-def walk(g: BwdGeometry, plan_row, body, carry, diagonal=None):
+def walk(g: BwdGeometry, plan_row, body, carry):
   """Calls ``carry = body(head, start, masked, carry)`` for every tile the CTA walks.
 
   Args:
@@ -98,29 +97,17 @@ def walk(g: BwdGeometry, plan_row, body, carry, diagonal=None):
       ``[0, g.walked_heads)``); the entries ``[0, n_full)`` are walked mask-free, the rest masked.
     body: one walked tile at row ``start``; producer and consumers walk identically, so a carried
       tile counter gives both the same ring slot.
-    diagonal: the CTA's plan block (int32); with ``g.rotate_walk`` the mask-free entries are
-      walked from the one at this block (on an ascending row from the first, they are
-      ``diagonal - row[0]`` in), wrapping around.
   """
 
   def head(h, carry):
     idx_row, count, n_full = plan_row(h)
-    rotate = g.rotate_walk and diagonal is not None
-    if rotate:  # the first mask-free entry walked
-      n_full = jnp.asarray(n_full, jnp.int32)
-      first = lax.rem(jnp.maximum(jnp.asarray(diagonal, jnp.int32) - idx_row[0], 0),
-                      jnp.maximum(n_full, 1))
 
     def tile(t, carry, masked):
       t, nsub = jnp.asarray(t, jnp.int32), jnp.int32(g.nsub)
-      entry = lax.div(t, nsub)
-      if rotate and not masked:  # (t from first * nsub: past the last entry, wrap around)
-        entry = jnp.where(entry >= n_full, entry - n_full, entry)
-      start = idx_row[entry] * BWD_BLOCK + lax.rem(t, nsub) * g.walk
+      start = idx_row[lax.div(t, nsub)] * BWD_BLOCK + lax.rem(t, nsub) * g.walk
       return body(h, start, masked, carry)
 
-    span = (first * g.nsub, (first + n_full) * g.nsub) if rotate else (0, n_full * g.nsub)
-    carry = lax.fori_loop(*span, functools.partial(tile, masked=False), carry)
+    carry = lax.fori_loop(0, n_full * g.nsub, functools.partial(tile, masked=False), carry)
     return lax.fori_loop(n_full * g.nsub, count * g.nsub, functools.partial(tile, masked=True),
                          carry)
 

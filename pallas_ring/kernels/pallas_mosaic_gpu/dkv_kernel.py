@@ -151,8 +151,7 @@ class DkvCta(NamedTuple):
 
   def walk(self, body, *acc):
     """The consumers' walk from accumulators ``acc``; returns them."""
-    return bwd_common.walk(self.g, self.plan_row, body, (jnp.int32(0), *acc),
-                           self.g.plan_block(self.kj))[1:]
+    return bwd_common.walk(self.g, self.plan_row, body, (jnp.int32(0), *acc))[1:]
 
   def own_keys(self, k=True, v=True):
     """Loads this consumer's owned tiles: K with the keys' token info (``k``) and V (``v``).
@@ -257,4 +256,4 @@ def _producer(c: DkvCta):
                    c.kj * g.cta_rows, start, c.tile)
     return n + 1
 
-  bwd_common.walk(g, c.plan_row, body, jnp.int32(0), g.plan_block(c.kj))
+  bwd_common.walk(g, c.plan_row, body, jnp.int32(0))

@@ -160,7 +160,7 @@ def _consumer(c: DqCta):
   open_stage(g.terms, r.stage, c.wg)
   rows = _open_rows(c)
   _, dq = walk(g, c.plan_row, functools.partial(_step, c, rows),
-               (jnp.int32(0), zeros((g.rows, g.head_dim))), g.plan_block(c.qi))
+               (jnp.int32(0), zeros((g.rows, g.head_dim))))
   dq = dq * (cfg.scale * cfg.keep_scale)
   if r.dq_acc is not None:  # (read once the walk is done: no registers are free before)
     dq = dq + load_ref(r.dq_acc.at[rows.own], plgpu.Layout.WGMMA,
@@ -279,4 +279,4 @@ def _producer(c: DqCta):
                    c.qi * g.cta_rows, start, (g.rows, g.walk))
     return n + 1
 
-  walk(g, c.plan_row, body, jnp.int32(0), g.plan_block(c.qi))
+  walk(g, c.plan_row, body, jnp.int32(0))

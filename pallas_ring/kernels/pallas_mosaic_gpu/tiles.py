@@ -39,11 +39,6 @@ class Variants:
   blocks_first_keys: int = 32768  # the rule's fewest padded keys launched q blocks first
   dkv_walk_rows: tuple[tuple[int, int], ...] = ((64, 128),)  # dK/dV q tile rows per head dim (64)
   dq_walk_rows: int = 128  # dQ kernel's K/V tile rows up to head dim 128 (64 above)
-  # The backward CTAs walk their plan row's mask-free tiles from the one at their own block's
-  # diagonal, wrapping around (``bwd_common.walk``): on a dense row, CTAs of neighbouring blocks
-  # then read each walked tile a step apart (one fetches it into L2 for the next) instead of all
-  # at once; causal rows already start there. False: in the plan's order.
-  rotate_walk: bool = True
   wide_dkv_above: int = 128  # head dims above which dK/dV owns 64 rows per CTA ("wide")
   wide_dq_above: int = 192  # head dims above which dQ owns 64 rows per CTA
   delta_in_dq: bool = True  # the dQ kernel computes delta from o (False: XLA's separate pass)
@@ -69,8 +64,8 @@ class Variants:
   dq_split: bool = True
   # The dK/dV consumers (head dims <= 128, without dropout) compute a tile's probabilities from
   # q.k^T while its dO.v^T still runs (FlashAttention-3's intra-warpgroup overlap); off by
-  # default: 1% faster on two H=128 rows, 2% slower on GQA, and ptxas spills more (BENCHMARKS.md,
-  # "Kernel rules").
+  # default: slower on the dense H=128 row, within 1% on the causal ones, and ptxas spills more
+  # (BENCHMARKS.md, "Kernel rules").
   overlap_softmax: bool = False
   # The fused kernel (where ``dq_with_dkv``) issues ds^T K first and adds it to dQ while the
   # tile's dV and dK matmuls run; False: after all three; None: the rule (``overlap_dq``).
