@@ -131,7 +131,6 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
                      ds_from_smem=split and variants.ds_from_smem,
-                     release_early=split and variants.release_early,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 

@@ -60,23 +60,16 @@ def write_ds(c: DkvCta, ds, n):
 
 
 def split_dq(c: DkvCta, n, h, start, last) -> tuple:
-  """Split: ``(term, add, send)``: ``term()``, the ``accumulate`` term of this consumer's dQ
-  columns of the step it adds now, and ``add(dq)``, which adds them to dQ; where
-  ``g.release_early``, ``add`` only stages them and ``send()`` (after the slot's release) adds
-  them, else ``send`` does nothing. That step is step ``n`` at query head rank ``h`` from
-  ``start`` (consumer 1) or the previous one, ``last = (n, h, start)`` (consumer 0; none before
-  the first: ``start < 0``, then the term reads a tile no one writes in this step, and ``add``
-  adds nothing)."""
+  """Split: ``(term, add)``: ``term()``, the ``accumulate`` term of this consumer's dQ columns of
+  the step it adds now, and ``add(dq)``, which adds them to dQ. That step is step ``n`` at query
+  head rank ``h`` from ``start`` (consumer 1) or the previous one, ``last = (n, h, start)``
+  (consumer 0; none before the first: ``start < 0``, then the term reads a tile no one writes in
+  this step, and ``add`` adds nothing)."""
   behind = c.wg == 1
   n_at, h_at, start_at = (jnp.where(behind, now, then)
                           for now, then in zip((n, h, start), last))
-  when = lambda f: pl.when(start_at >= 0)(f)
-  term = lambda: _columns_term(c, n_at, start_at)
-  if not c.g.release_early:
-    return term, lambda dq: when(lambda: _add_columns(c, dq, h_at, start_at)), lambda: None
-  stage = lambda: c.r.dq_smem[1].at[c.wg]
-  return (term, lambda dq: when(lambda: _stage(c, dq, stage())),
-          lambda: when(lambda: _send(stage(), _columns_dst(c, h_at, start_at))))
+  return (lambda: _columns_term(c, n_at, start_at),
+          lambda dq: pl.when(start_at >= 0)(lambda: _add_columns(c, dq, h_at, start_at)))
 
 
 def last_dq(c: DkvCta, last) -> None:
@@ -105,34 +98,18 @@ def _columns_term(c: DkvCta, n, start):
   return zeros((g.walk, cols.size)), pairs
 
 
-def _columns_dst(c: DkvCta, h, start):
-  """``dq[start:start + walk, :, cols]`` (this consumer's columns)."""
-  start = pl.multiple_of(start, c.g.walk)  # (a selected step's: TMA's tiling needs it proven)
-  return c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h), _columns(c)]
-
-
 def _add_columns(c: DkvCta, dq, h, start) -> None:
-  """``dq[start:start + walk, :, cols] += dq``."""
-  _reduce_add(c, dq, _columns_dst(c, h, start))
+  """``dq[start:start + walk, :, cols] += dq`` (this consumer's columns)."""
+  start = pl.multiple_of(start, c.g.walk)  # (a selected step's: TMA's tiling needs it proven)
+  _reduce_add(c, dq, c.r.dq.at[c.batch, pl.ds(start, c.g.walk), c.q_head(h), _columns(c)])
 
 
 def _reduce_add(c: DkvCta, dq, dst) -> None:
   """``dst += dq`` (scaled) by a TMA reduce-add from this consumer's staging tile, once the
   previous one has read it."""
-  stage = c.r.dq_smem[1].at[c.wg]
-  _stage(c, dq, stage)
-  _send(stage, dst)
-
-
-def _stage(c: DkvCta, dq, stage) -> None:
-  """``dq`` (scaled) to this consumer's staging tile ``stage``, once the previous reduce-add
-  has read it."""
+  cfg, stage = c.cfg, c.r.dq_smem[1].at[c.wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  stage[...] = dq * (c.cfg.scale * c.cfg.keep_scale)
-
-
-def _send(stage, dst) -> None:
-  """``dst += stage`` by a TMA reduce-add."""
+  stage[...] = dq * (cfg.scale * cfg.keep_scale)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 

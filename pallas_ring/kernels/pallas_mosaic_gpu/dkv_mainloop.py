@@ -97,9 +97,8 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   meet(r.sched)  # the other warpgroup's matmuls are issued
   # dV += p^T dO, dK += ds^T q (and the fused dQ's ds^T K where it fits beside them)
   if g.fused_dq:
-    dq_term, add, send = (split_dq(c, n, h, start, last) if g.dq_split else
-                          (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start),
-                           lambda: None))
+    dq_term, add = (split_dq(c, n, h, start, last) if g.dq_split else
+                    (lambda: stage_ds(c, ds), lambda dq: add_dq(c, dq, h, start)))
   if g.overlap_dq:  # (ds^T K first: added while dV's and dK's matmuls run)
     _, dv, dk = accumulate((dq_term(), (dv, p, do), (dk, ds, q)), first=add)
   else:
@@ -108,8 +107,6 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   plgpu.barrier_arrive(r.free.at[slot])
   if g.fused_dq and not g.overlap_dq:
     add((dq or accumulate((dq_term(),)))[0])
-  if g.fused_dq:
-    send()
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)
   return n + 1, dk, dv, *((n, jnp.asarray(h, jnp.int32), start) if g.dq_split else ())
 

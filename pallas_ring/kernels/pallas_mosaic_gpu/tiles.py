@@ -75,10 +75,6 @@ class Variants:
   # accumulators are live (no spills at H=128, and faster: BENCHMARKS.md, "The backward").
   # False: from registers.
   ds_from_smem: bool = True
-  # The split fused kernel's consumers release a step's q and dO slot once its matmuls are done,
-  # after staging dQ's columns but before the fence and reduce-add that send them: the slot is
-  # refilled sooner. False: after the reduce-add is issued.
-  release_early: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
