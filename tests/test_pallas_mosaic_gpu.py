@@ -915,22 +915,6 @@ def test_split_fused_backward_reads_ds_from_shared_memory():
                                                                  ds_from_smem=False) == 4)
 
 
-def test_fused_backward_adds_dq_by_atomics_with_a_third_slot():
-  """``Variants.dq_atomics``: the fused kernel adds dQ by ``red.global.add`` from registers, no
-  TMA reduce-add, and its staging tiles' room gives H=128 a third q/dO slot."""
-  from pallas_ring.kernels.pallas_mosaic_gpu import bwd_kernels, terms
-  args, _, kw = _structs("causal_gqa")
-  text = _lower(_grad(_attention(kw, deterministic=False, dq_atomics=True)), *args)
-  assert text.count(MOSAIC) == 2 and REDUCE_ADD not in text
-  c = bwd_kernels._Call(heads=16, kv_heads=16, head_dim=128, value_dim=128,
-                        dtype=jnp.dtype("bfloat16"), out_dtype=jnp.dtype("bfloat16"), info_rows=1,
-                        terms=terms.Terms(), term_dtype=jnp.bfloat16,
-                        variants=Variants(dq_atomics=True))
-  assert bwd_kernels._geometry(c, True, 16384, 1, fused=True).slots == 3
-  assert bwd_kernels._geometry(c._replace(variants=Variants()), True, 16384, 1,
-                               fused=True).slots == 2
-
-
 def test_fused_backward_lowers_under_vmap():
   """vmap of the fused backward's gradients: one fused kernel call per element (a loop)."""
   args, _, kw = _structs("causal_gqa")

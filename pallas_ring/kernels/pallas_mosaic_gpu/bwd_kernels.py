@@ -105,10 +105,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
-  atomics = fused and variants.dq_atomics
-  if fused:  # (atomics: no staging tiles)
-    owned += owners * walk * ((1 + split) * rows * dt.itemsize +
-                              (0 if atomics else 4 * hp // (1 + split)))
+  if fused:
+    owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
                 if stage else 0)
   owned += term_bytes
@@ -133,7 +131,6 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
                      ds_from_smem=split and variants.ds_from_smem,
-                     dq_atomics=atomics,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -229,8 +226,6 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
     # half-width staging; ``dkv_fused``); dQ's start
     dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, two, w, hp // two)) if g.dq_split else
                (smem(two, rows, w), swizzled_smem(f32, two, w, hp)))
-    if g.dq_atomics:  # (no staging tiles)
-      dq_smem = (dq_smem[0], None)
     dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
   dkv_shape = lambda h: jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, h), out_dt)
   # dK/dV staging: a tile per consumer, and for a narrower dV others aliasing them

@@ -107,9 +107,6 @@ def _add_columns(c: DkvCta, dq, h, start) -> None:
 def _reduce_add(c: DkvCta, dq, dst) -> None:
   """``dst += dq`` (scaled) by a TMA reduce-add from this consumer's staging tile, once the
   previous one has read it."""
-  if c.g.dq_atomics:  # (element-wise atomic adds from registers, no staging)
-    plgpu.atomic_add(dst, dq * (c.cfg.scale * c.cfg.keep_scale))
-    return
   cfg, stage = c.cfg, c.r.dq_smem[1].at[c.wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   stage[...] = dq * (cfg.scale * cfg.keep_scale)

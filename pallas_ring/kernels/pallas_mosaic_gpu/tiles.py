@@ -75,10 +75,6 @@ class Variants:
   # accumulators are live (no spills at H=128, and faster: BENCHMARKS.md, "The backward").
   # False: from registers.
   ds_from_smem: bool = True
-  # The fused kernel adds dQ by atomic adds from registers (``red.global.add``) instead of TMA
-  # reduce-adds through shared-memory staging tiles; the staging's 32 KiB then hold a third
-  # q/dO slot at head dim 128. Experimental: not measured.
-  dq_atomics: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
