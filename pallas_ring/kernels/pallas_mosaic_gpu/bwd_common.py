@@ -51,7 +51,6 @@ class BwdGeometry:
   overlap_softmax: bool = False  # dK/dV: p from q.k^T while dO.v^T runs (``Variants``)
   overlap_dq: bool = False  # fused with dq_with_dkv: dQ's add while dV/dK's matmuls run
   ds_from_smem: bool = False  # split: dK's matmul reads ds^T from its shared-memory tile
-  shared_dq_stage: bool = False  # split: one dQ staging tile, the consumers' in turn
   terms: Terms = Terms()  # score terms beyond q.k (``terms``)
   # FP8 mode: q, k, v and dO's FP8 dtype (``fp8.backward_operands``: q.k^T, dO.v^T and the dK/dV
   # kernel's p^T dO in FP8; ds's products in ``dtype``); else None

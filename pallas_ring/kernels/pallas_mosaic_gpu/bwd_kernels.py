@@ -105,10 +105,8 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   # (by step parity), staging of half the columns.
   split = fused and dq_split(variants, hp)
   owned += 2 * rows * walk * dt.itemsize if dkv and wide else 0
-  shared = split and variants.shared_dq_stage
   if fused:
-    owned += walk * (owners * (1 + split) * rows * dt.itemsize +
-                     (1 if shared else owners) * 4 * hp // (1 + split))
+    owned += owners * walk * ((1 + split) * rows * dt.itemsize + 4 * hp // (1 + split))
   term_bytes = (staged_bytes(c.terms, c.term_dtype, variants, owners, rows, walk)
                 if stage else 0)
   owned += term_bytes
@@ -132,7 +130,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
-                     ds_from_smem=split and variants.ds_from_smem, shared_dq_stage=shared,
+                     ds_from_smem=split and variants.ds_from_smem,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -226,8 +224,7 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
   dq_smem, dq_in = None, ()
   if fused:  # ds^T and dQ staging tiles per consumer (split: two ds^T, by step parity, and
     # half-width staging; ``dkv_fused``); dQ's start
-    stages = 1 if g.shared_dq_stage else two
-    dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, stages, w, hp // two)) if g.dq_split else
+    dq_smem = ((smem(2, two, rows, w), swizzled_smem(f32, two, w, hp // two)) if g.dq_split else
                (smem(two, rows, w), swizzled_smem(f32, two, w, hp)))
     dq_in = (jnp.zeros(q.shape, f32) if dq_acc is None else dq_acc.astype(f32),)
   dkv_shape = lambda h: jax.ShapeDtypeStruct((splits,) * (splits > 1) + (b, sp, kh, h), out_dt)

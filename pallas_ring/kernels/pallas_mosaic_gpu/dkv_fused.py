@@ -107,7 +107,7 @@ def _add_columns(c: DkvCta, dq, h, start) -> None:
 def _reduce_add(c: DkvCta, dq, dst) -> None:
   """``dst += dq`` (scaled) by a TMA reduce-add from this consumer's staging tile, once the
   previous one has read it."""
-  cfg, stage = c.cfg, c.r.dq_smem[1].at[0 if c.g.shared_dq_stage else c.wg]
+  cfg, stage = c.cfg, c.r.dq_smem[1].at[c.wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   stage[...] = dq * (cfg.scale * cfg.keep_scale)
   plgpu.commit_smem()

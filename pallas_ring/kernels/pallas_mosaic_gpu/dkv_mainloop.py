@@ -43,11 +43,9 @@ def consumer(c: DkvCta) -> None:
   # split dQ: the previous step's (n, h, start); none yet: start -1, and n 1, whose ds^T tiles
   # no one writes in the first step (``dkv_fused.split_dq``)
   last = (jnp.int32(1), jnp.int32(0), jnp.int32(-1)) if g.dq_split else ()
-  meet_other = functools.partial(_hand_over_stage if g.shared_dq_stage else meet, r.sched)
+  meet_other = functools.partial(meet, r.sched)
   dk, dv, *last = pingpong(lambda: c.walk(functools.partial(_step, c, keys), dk, dv, *last),
                            meet_other, meet_other)
-  if g.shared_dq_stage:  # consumer 1's last reduce-add has read the tile: consumer 0's turn
-    _hand_over_stage(r.sched)
   if g.dq_split:
     last_dq(c, last)
   finish(r.sched, (r.out_k.at[c.wg], c.out_at(r.dk, own), dk * (cfg.scale * cfg.keep_scale)))
@@ -57,13 +55,6 @@ def consumer(c: DkvCta) -> None:
   if g.fp8:  # (dO's descale is its kv head's: the group's first query head's)
     dv_scale = dv_scale * fp8.dv_descale(r.descales, c.batch, c.q_head(0))
   finish(None, (r.out_v.at[c.wg], c.out_at(r.dv, own), dv * dv_scale))
-
-
-def _hand_over_stage(sched) -> None:
-  """Meets the other consumer once this one's last dQ reduce-add has read the shared staging
-  tile (``Variants.shared_dq_stage``): the other writes it next, after this meeting."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  meet(sched)
 
 
 def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
@@ -84,8 +75,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
                          descale=descale)
 
   # s^T = K q^T, dp^T = V dO^T
-  issued = functools.partial(_hand_over_stage if g.shared_dq_stage else meet, r.sched)
-  s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), issued,
+  s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched),
                    softmax if g.overlap_softmax else None)
   terms, p, dlogits = s if g.overlap_softmax else softmax(s)
   if g.fp8:

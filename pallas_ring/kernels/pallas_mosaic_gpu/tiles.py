@@ -75,10 +75,6 @@ class Variants:
   # accumulators are live (no spills at H=128, and faster: BENCHMARKS.md, "The backward").
   # False: from registers.
   ds_from_smem: bool = True
-  # The split fused kernel's consumers share one dQ staging tile, in turn (each waits for its
-  # reduce-add to have read the tile before their next meeting): its 16 KiB at head dim 128
-  # make room for a third q/dO slot. Experimental.
-  shared_dq_stage: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
