@@ -237,7 +237,18 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     ("causal64k T=64k", 65536, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("mqa 16/1 T=16k", 16384, 16, 1, 128, masks.Causal(), "causal", jnp.bfloat16),
-    ("gqa32k 32/8 T=32k", 32768, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16)]
+    ("gqa32k 32/8 T=32k", 32768, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
+    # short H=64 rows, batched (``_BATCH``): bench --models's, GPT-2's and BERT's shapes
+    ("h64b8 B=8 T=2k", 2048, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
+    ("gpt2 B=8 N=12 T=1k", 1024, 12, 12, 64, masks.Causal(), "causal", jnp.bfloat16),
+    ("bert B=16 N=12 T=512", 512, 12, 12, 64, None, "full", jnp.bfloat16)]
+_BATCH = {"h64b8": 8, "gpt2": 8, "bert": 16}  # B of the batched rows (others: 1)
+
+
+def _shape_inputs(name, t, n, h, kh, dt):
+  """``(B, (q, k, v, do))``: a ``_FWD_SHAPES`` row's batch and random inputs."""
+  b = _BATCH.get(name.split()[0], 1)
+  return b, random_inputs(b, t, n, h, kv_heads=kh, dtype=dt)
 
 
 def variants(*opts):
@@ -251,10 +262,10 @@ def variants(*opts):
   for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
     if only and name.split()[0] not in only:
       continue
-    q, k, v, _ = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+    b, (q, k, v, _) = _shape_inputs(name, t, n, h, kh, dt)
     seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     window = masks.window_width(mask) if kind == "window" else None
-    pairs = visible_pairs(t, kind, window=window or 0)
+    pairs = b * visible_pairs(t, kind, window=window or 0)
     comp = lambda f: _compiled(jax.jit(f), q, k, v)
     ours = lambda q, k, v, be="pallas_mosaic_gpu", bs=None: flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend=be, block_sizes=bs)
@@ -513,7 +524,7 @@ def spans(*only):
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
       if not _picked(name, dt, only):
         continue
-      q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+      b, (q, k, v, do) = _shape_inputs(name, t, n, h, kh, dt)
       seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
       window = masks.window_width(mask) if kind == "window" else None
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
@@ -527,7 +538,7 @@ def spans(*only):
         fns["cudnn"] = comp(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=kind != "full", local_window_size=window and (window, 0),
             implementation="cudnn"))
-      flops = 4 * n * visible_pairs(t, kind, window=window or 0) * h * (
+      flops = 4 * b * n * visible_pairs(t, kind, window=window or 0) * h * (
           1 if pass_ == "fwd" else 3.5)
       _span_rows(f"{pass_} {name}", {i: (f, args) for i, f in fns.items()}, flops, "cudnn")
 
@@ -588,7 +599,7 @@ def features(*only):
     for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
       if not _picked(name, dt, only) or kind in ("documents", "window"):
         continue
-      q, k, v, do = random_inputs(1, t, n, h, kv_heads=kh, dtype=dt)
+      b, (q, k, v, do) = _shape_inputs(name, t, n, h, kh, dt)
       args = (q, k, v) if pass_ == "fwd" else (q, k, v, do)
 
       def call(f, **kw):
@@ -609,7 +620,7 @@ def features(*only):
           calls[f"triton {feat}"] = call(attn("pallas_triton"), **kw)
       calls["cudnn"] = call(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=kind != "full", implementation="cudnn"))
-      flops = 4 * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
+      flops = 4 * b * n * visible_pairs(t, kind) * h * (1 if pass_ == "fwd" else 3.5)
       _span_rows(f"{pass_} {name}", calls, flops, "plain")
 
 
