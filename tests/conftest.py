@@ -202,7 +202,7 @@ def fused_backward(case, backend, interpret, variants=None) -> bool:
   ``tiles.fused_backward``) natively with ``variants`` (None: the defaults)."""
   from pallas_ring.kernels.pallas_mosaic_gpu import Variants, tiles
   return (backend == "pallas_mosaic_gpu" and not interpret and
-          tiles.fused_backward(variants or Variants(), tiles.padded_head_dim(case[5]),
+          tiles.fused_backward(variants or Variants(), tiles.padded_head_dim(case[5]), case[2],
                                segments=case[7]))
 
 

@@ -473,7 +473,7 @@ def test_ring_gradients_lower_to_mosaic_kernels_with_float32_outputs(head_dim, d
   # Two ring steps: the forward kernel alone, then merging into the first step's result; the
   # backward's local dQ and dK/dV kernels (fused: one kernel, the local pair whole), the other
   # step's dQ (adding) and dK/dV (fused: one kernel).
-  fused = tiles.fused_backward(Variants(deterministic=deterministic), head_dim)
+  fused = tiles.fused_backward(Variants(deterministic=deterministic), head_dim, 512)
   assert kernel_call_sites(text, MOSAIC) == (4 if fused else 6) and TRITON not in text
 
 
@@ -769,11 +769,17 @@ def test_backward_is_fused_unless_reproducibility_is_asked(flags, fused, monkeyp
   do for XLA's own ops); the field, when set, decides. The gradients' lowering follows."""
   monkeypatch.setenv("XLA_FLAGS", flags)
   assert tiles.xla_deterministic_ops() != fused
-  assert tiles.fused_backward(Variants(), 128) == fused
-  assert not tiles.fused_backward(Variants(), 192)
-  assert not tiles.fused_backward(Variants(), 128, segments=True)  # (short rows: the pair)
-  assert tiles.fused_backward(Variants(deterministic=False), 64, segments=True)
-  assert not tiles.fused_backward(Variants(deterministic=True), 64)
+  assert tiles.fused_backward(Variants(), 128, 512) == fused
+  assert tiles.fused_backward(Variants(), 64, 4096) == fused
+  assert not tiles.fused_backward(Variants(), 192, 4096)
+  # short rows take the pair: documents, and at head dims up to 64 few keys
+  assert not tiles.fused_backward(Variants(), 128, 4096, segments=True)
+  assert not tiles.fused_backward(Variants(), 64, 2048)
+  assert tiles.fused_backward(Variants(pair_up_to_keys=0), 64, 2048) == fused
+  assert tiles.fused_backward(Variants(deterministic=False), 64, 512, segments=True)
+  assert not tiles.fused_backward(Variants(deterministic=True), 64, 4096)
+  with pytest.raises(ValueError, match="pair_up_to_keys=-1 is invalid"):
+    Variants(pair_up_to_keys=-1)
   if flags in ("", "--xla_gpu_deterministic_ops=true"):
     jax.clear_caches()  # (the flag is read while tracing: no trace of another test's flags...)
     try:
@@ -799,7 +805,8 @@ def test_ring_runs_its_local_pair_whole_where_the_backward_fuses():
                              kv_len=256, out_dtype=jnp.float32, interpret=interpret)
     return kernels.get(backend).fuses_backward(cfg, h, segments, fp8)
 
-  assert fuses() == tiles.fused_backward(Variants(), 128) and fuses(h=64, deterministic=False)
+  assert fuses() == tiles.fused_backward(Variants(), 128, 256) and fuses(h=64, deterministic=False)
+  assert not fuses(h=64)  # (256 keys: short rows)
   assert not fuses(segments=True) and fuses(segments=True, deterministic=False)
   assert not fuses(fp8=True) and fuses(fp8=True, deterministic=False)
   assert not fuses(h=256) and not fuses(deterministic=True) and not fuses(interpret=True)

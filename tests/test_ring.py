@@ -290,7 +290,7 @@ def test_ring_backward_runs_each_kernel_once_per_pair(backend, platform, marker,
   # last. Backward: the local dQ and dK/dV (Mosaic GPU: one fused kernel); dQ and dK/dV (Mosaic
   # GPU: one fused kernel) of step 1, (R=4: a scan body, the last step).
   from pallas_ring.kernels.pallas_mosaic_gpu import Variants, tiles
-  fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128)
+  fused = backend == "pallas_mosaic_gpu" and tiles.fused_backward(Variants(), 128, 512)
   steps, forwards = (1, 2) if ring == 2 else (3, 3)
   assert kernel_call_sites(text, marker) == forwards + (1 + steps) * (1 if fused else 2)
   if backend == "pallas_mosaic_gpu" and ring == 2:  # the local pair in halves: two kernels

@@ -147,7 +147,7 @@ class MosaicGpuBackend(backend.Backend):
     variants = cfg.variants or Variants()  # (FP8 operands in the FP8 mode run the pair)
     return (not cfg.interpret and backward_unsupported(cfg, head_dim) is None
             and not (fp8 and fp8_backward(cfg, head_dim, variants))
-            and fused_backward(variants, head_dim, segments))
+            and fused_backward(variants, head_dim, cfg.kv_len, segments))
 
   forward = staticmethod(forward)
   backward = staticmethod(backward)

@@ -307,8 +307,9 @@ def backward(q, k, v, do, lse, delta, ops: common.Operands, plan, cfg: common.Ke
   lse2 = common.safe_lse(lse) * common.LOG2E  # base 2; empty rows: +inf, so p = 0
   # dQ first (``_dq_pass``). Fused (``tiles.fused_backward``): no dQ kernel; the dK/dV kernel
   # adds to dQ.
+  segments = ops.q_info.segment_ids is not None
   fused = (want_dq and want_dkv and f8 is None and
-           fused_backward(variants, hp, segments=ops.q_info.segment_ids is not None))
+           fused_backward(variants, hp, cfg.kv_len, segments=segments))
   if not variants.delta_in_dq or not want_dq or fused:
     delta = common.delta_array(delta, do)
   dq, do = None, do if f8 is None else f8.do

@@ -53,6 +53,9 @@ class Variants:
   # (``fused_backward``: fused unless XLA_FLAGS asks XLA for deterministic ops or segment ids
   # are given; FP8 q, k, v in the backward's FP8 mode run the pair).
   deterministic: Optional[bool] = None
+  # The rule runs the pair at head dims up to 64 where at most this many keys are attended
+  # (short rows: there the pair measured 1-5% faster; BENCHMARKS.md, "The backward"). 0: never.
+  pair_up_to_keys: int = 2048
   # The fused kernel issues ds^T K with the tile's dV and dK matmuls (one wgmma wait) at head
   # dims up to this; None: the rule (``dq_with_dkv``).
   dq_with_dkv_up_to: Optional[int] = None
@@ -120,6 +123,9 @@ class Variants:
                        "each must be a multiple of 8 in [24, 256], and (2 x consumer_regs + "
                        f"producer_regs) x 128 threads at most the {REGISTER_FILE} registers of "
                        "an SM, e.g. 232 and 40.")
+    if self.pair_up_to_keys < 0:
+      raise ValueError(f"Variants.pair_up_to_keys={self.pair_up_to_keys} is invalid: use a "
+                       "number of keys >= 0 (0: the fused backward at every length).")
     if self.dkv_head_splits is not None and self.dkv_head_splits < 1:
       raise ValueError(f"Variants.dkv_head_splits={self.dkv_head_splits} is invalid: use a "
                        "divisor of the query heads per kv head, or None (the rule).")
@@ -430,20 +436,23 @@ def xla_deterministic_ops() -> bool:
   return any(on.values())
 
 
-def fused_backward(variants: Variants, head_dim: int, segments: bool = False) -> bool:
+def fused_backward(variants: Variants, head_dim: int, kv_len: int,
+                   segments: bool = False) -> bool:
   """Whether dQ, dK and dV come from the fused kernel (``dkv_fused``; dQ added in no fixed
   order) rather than the reproducible pair (dK/dV, then dQ by its own kernel), at head dims up
   to ``wide_dkv_above``: as ``Variants.deterministic`` says, else by the rule. The rule: fused
   (faster at head dims 64 and 128: BENCHMARKS.md, "The backward: two kernels or fused") unless
-  ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or ``segments`` (packed
-  documents: short rows, where the fused kernel's start and drain per CTA weigh more; the pair
-  ran 4-6% faster on documents of 1024 tokens). FP8 q, k, v that run the backward's FP8 mode
-  (``fp8_backward``) take the pair whatever this says: the caller checks that first."""
+  ``XLA_FLAGS`` asks for deterministic ops (``xla_deterministic_ops``) or the rows are short:
+  ``segments`` (packed documents; the pair ran 4-6% faster on documents of 1024 tokens) or, at
+  head dims up to 64, ``kv_len`` keys up to ``Variants.pair_up_to_keys``. FP8 q, k, v that run
+  the backward's FP8 mode (``fp8_backward``) take the pair whatever this says: the caller
+  checks that first."""
   if head_dim > variants.wide_dkv_above:
     return False
   if variants.deterministic is not None:
     return not variants.deterministic
-  return not (xla_deterministic_ops() or segments)
+  short = segments or (head_dim <= 64 and kv_len <= variants.pair_up_to_keys)
+  return not (xla_deterministic_ops() or short)
 
 
 def fp8_backward(cfg: common.KernelConfig, head_dim: int, variants: Variants) -> bool:
