@@ -238,11 +238,15 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     ("causal4k T=4k", 4096, 16, 16, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("mqa 16/1 T=16k", 16384, 16, 1, 128, masks.Causal(), "causal", jnp.bfloat16),
     ("gqa32k 32/8 T=32k", 32768, 32, 8, 128, masks.Causal(), "causal", jnp.bfloat16),
-    # short H=64 rows, batched (``_BATCH``): bench --models's, GPT-2's and BERT's shapes
+    # short H=64 rows, batched (``_BATCH``): bench --models's, the pair/fused crossover
+    # (``Variants.pair_up_to_keys``), GPT-2's and BERT's shapes
     ("h64b8 B=8 T=2k", 2048, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
+    ("h64b4 B=4 T=4k", 4096, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
+    ("h64b2 B=2 T=8k", 8192, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
     ("gpt2 B=8 N=12 T=1k", 1024, 12, 12, 64, masks.Causal(), "causal", jnp.bfloat16),
     ("bert B=16 N=12 T=512", 512, 12, 12, 64, None, "full", jnp.bfloat16)]
-_BATCH = {"h64b8": 8, "gpt2": 8, "bert": 16}  # B of the batched rows (others: 1)
+_BATCH = {"h64b8": 8, "h64b4": 4, "h64b2": 2, "gpt2": 8, "bert": 16}  # B of batched rows
+# (others: 1)
 
 
 def _shape_inputs(name, t, n, h, kh, dt):
