@@ -245,8 +245,8 @@ _FWD_SHAPES = [  # name, T, N, K, H, mask, kind (for bench.visible_pairs), dtype
     ("h64b2 B=2 T=8k", 8192, 16, 16, 64, masks.Causal(), "causal", jnp.bfloat16),
     ("gpt2 B=8 N=12 T=1k", 1024, 12, 12, 64, masks.Causal(), "causal", jnp.bfloat16),
     ("bert B=16 N=12 T=512", 512, 12, 12, 64, None, "full", jnp.bfloat16)]
-_BATCH = {"h64b8": 8, "h64b4": 4, "h64b2": 2, "gpt2": 8, "bert": 16}  # B of batched rows
-# (others: 1)
+# B of the batched rows (others: 1)
+_BATCH = {"h64b8": 8, "h64b4": 4, "h64b2": 2, "gpt2": 8, "bert": 16}
 
 
 def _shape_inputs(name, t, n, h, kh, dt):
