@@ -31,7 +31,7 @@ def owned_tiles(wide: bool) -> int:
 class BwdGeometry:
   """Static sizes of one backward kernel call."""
 
-  slots: int  # walked-tile shared-memory slots
+  slots: int  # walked-tile shared-memory slots (dK/dV: dO's and delta's)
   group: int  # query heads per kv head
   head_dim: int  # H: q's and k's (padded)
   value_dim: int  # Hv: v's and dO's (padded), at most H
@@ -56,8 +56,15 @@ class BwdGeometry:
   # kernel's p^T dO in FP8; ds's products in ``dtype``); else None
   fp8: Any = None
   regs: tuple = Variants().regs  # registers per thread: consumer, producer
+  extra_q_slot: bool = False  # dK/dV: q, lse and token info in one slot more (``Variants``)
 
   rows = BWD_ROWS  # owned rows per warpgroup
+
+  @property
+  def q_slots(self) -> int:
+    """Slots of the walked q-side tiles (q, lse, token info): the dK/dV kernel's may have one
+    more than ``slots``."""
+    return self.slots + self.extra_q_slot
 
   @property
   def narrow_v(self) -> bool:
@@ -122,13 +129,17 @@ def zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def products(tile, pairs, issued=lambda: None, first=None):
+def products(tile, pairs, issued=lambda: None, first=None, ready=()):
   """``[a b^T for a, b in pairs]``, float32 ``tile``-shaped, from shared-memory operands (one
   wgmma wait); ``issued()`` runs once all are issued. ``first``: the first product is replaced
-  by ``first(it)``, computed as soon as it is done, while the others' wgmmas run."""
+  by ``first(it)``, computed as soon as it is done, while the others' wgmmas run. ``ready``:
+  per pair, None or a function run just before its matmul is issued (a wait for its operands;
+  the earlier ones' run meanwhile)."""
 
   def issue(refs):
-    for ref, (a, b) in zip(refs, pairs):
+    for ref, (a, b), wait in zip(refs, pairs, (*ready, *[None] * (len(pairs) - len(ready)))):
+      if wait is not None:
+        wait()
       plgpu.wgmma(ref, a, b.transpose((1, 0)))
     issued()
 

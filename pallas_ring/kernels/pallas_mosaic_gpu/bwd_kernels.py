@@ -122,6 +122,10 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   if n_slots < 2 and term_bytes:  # the tile term from global memory
     return _geometry(c, dkv, seq, heads, walk, staged, fused, False)
   assert n_slots >= 2 and staging <= room, (hp, c.out_dtype)  # (holds for every served head dim)
+  # the fused kernel's q-side tiles (q, lse, token info) in one slot more, where it fits
+  q_side = walk * (hp * it + 4 * (1 + c.info_rows))
+  extra_q = (fused and variants.extra_q_slot and not c.fp8 and not c.drop and n_slots < 4 and
+             room - n_slots * per_slot >= q_side)
   return BwdGeometry(slots=n_slots, group=c.heads // c.kv_heads, head_dim=hp, value_dim=hv,
                      dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),
                      walked_heads=heads, walk=walk, wide=wide,
@@ -130,7 +134,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
                      fp8=c.fp8, step_refs=step_refs(variants, hp, fused),
                      overlap_softmax=overlap_softmax(variants, wide or not dkv, c.terms.dropout),
                      overlap_dq=fused and overlap_dq(variants, hp),
-                     ds_from_smem=split and variants.ds_from_smem,
+                     ds_from_smem=split and variants.ds_from_smem, extra_q_slot=extra_q,
                      regs=(variants.lone_consumer_regs, variants.producer_regs)
                      if owners == 1 and not dkv else variants.regs)
 
@@ -219,7 +223,7 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
     out_dt = jnp.dtype(f32)
     g = dataclasses.replace(_geometry(c, True, sp, group // splits, staged=f32, fused=fused),
                             splits=splits)
-  sl, w, two, wide = g.slots, g.walk, COMPUTE_WGS, g.wide
+  sl, qs, w, two, wide = g.slots, g.q_slots, g.walk, COMPUTE_WGS, g.wide
   own = () if wide else (two,)  # owned K/V tiles: one pair (wide) or one per consumer
   dq_smem, dq_in = None, ()
   if fused:  # ds^T and dQ staging tiles per consumer (split: two ds^T, by step parity, and
@@ -234,14 +238,15 @@ def _dkv_pass(c: _Call, q, k, v, do, lse2, delta, ops, plan, cfg, dq_acc, fused,
       dkv_kernel, two,
       ((smem(*own, rows, hp), smem(*own, rows, hv), plgpu.SMEM((*own, g.key_rows, rows), i32),
         smem(2, rows, w) if wide else None, dq_smem, _stage_of(c, g)),
-       (smem(sl, w, hp), smem(sl, w, hv), plgpu.SMEM((sl, w), f32), plgpu.SMEM((sl, w), f32),
-        plgpu.SMEM((sl, c.info_rows, w), i32), plgpu.SMEM((sl, w if c.drop else 8), i32),
-        *((swizzled_smem(c.dtype, sl, w, hp), smem(sl, hv, w)) if c.fp8 else ())),
+       (smem(qs, w, hp), smem(sl, w, hv), plgpu.SMEM((qs, w), f32), plgpu.SMEM((sl, w), f32),
+        plgpu.SMEM((qs, c.info_rows, w), i32), plgpu.SMEM((qs, w if c.drop else 8), i32),
+        *((swizzled_smem(c.dtype, qs, w, hp), smem(sl, hv, w)) if c.fp8 else ())),
        staging,
-       (_barriers(3, two), _barriers(3 + c.drop + bool(c.fp8), sl), _barriers(2 + bool(c.fp8), sl),
+       (_barriers(3, two), _barriers(3 + c.drop + bool(c.fp8), qs), _barriers(2 + bool(c.fp8), sl),
         _barriers(two, sl),
         _barriers(two, 1), _barriers(1, 2) if wide else None,
-        _barriers(1, 2) if wide else None)),
+        _barriers(1, 2) if wide else None,
+        _barriers(two, qs) if g.extra_q_slot else None)),
       (dkv_shape(hp), dkv_shape(hv)), (kh * splits, g.blocks, b), ("heads", "kv_seq", "batch"),
       (plan.q_index, plan.q_count, plan.q_full, *_infos(c, ops, cfg, True),
        *((f8.descales, f8.q, f8.do_t) if c.fp8 else ()), q, k, v, do, lse2, delta, *dq_in),

@@ -56,26 +56,27 @@ class DkvRefs(NamedTuple):
   # walk] by step parity, [2, walk, H/2]); else None
   dq_smem: Any
   stage: Optional[TermStage]  # a staged tile term's windows (read by warpgroup 0 alone when wide)
-  q_smem: Any  # [slots, walk, H]
+  q_smem: Any  # [q_slots, walk, H]
   do_smem: Any  # [slots, walk, Hv]
-  lse_smem: Any  # [slots, walk] float32
+  lse_smem: Any  # [q_slots, walk] float32
   delta_smem: Any  # [slots, walk] float32
-  qinfo_smem: Any  # [slots, info_rows, walk] int32
-  rkey_smem: Any  # [slots, walk] int32: dropout's row keys (8 columns without dropout)
+  qinfo_smem: Any  # [q_slots, info_rows, walk] int32
+  rkey_smem: Any  # [q_slots, walk] int32: dropout's row keys (8 columns without dropout)
   out_k: Any  # [2, 64, H]: dK staging (aliases the walked slots)
   out_v: Any  # [2, 64, Hv]: dV staging (``out_k``, or aliasing it where Hv < H)
   own_bar: Any  # per consumer: its owned tiles landed
-  q_bar: Any  # per slot: q, lse (token info, row keys) landed
+  q_bar: Any  # per q slot: q, lse (token info, row keys) landed
   do_bar: Any  # per slot: dO, delta landed
-  free: Any  # per slot: both consumers are done with it
+  free: Any  # per slot: both consumers are done with it (and its q slot, but with extra_q_slot)
   sched: Any  # the consumers' meetings (``pipeline.meet``)
   p_full: Any  # wide: per p^T buffer: written
   p_free: Any  # wide: per p^T buffer: read
   descales: Any = None  # FP8 mode: float32 [B, N, 4] (``fp8.backward_operands``)
   q16: Any = None  # FP8 mode: 16-bit q [B, Tp, N, H] for ds^T q
   do_t: Any = None  # FP8 mode: dO in ``fp8.v_layout`` [B, N, Hv, Tp] for p^T dO
-  q16_smem: Any = None  # FP8 mode: [slots, walk, H], 16-bit (arrives with q)
+  q16_smem: Any = None  # FP8 mode: [q_slots, walk, H], 16-bit (arrives with q)
   do_t_smem: Any = None  # FP8 mode: [slots, Hv, walk] (arrives with dO)
+  q_free: Any = None  # extra_q_slot: per q slot: both consumers are done with it
 
 
 def _refs(refs, g: BwdGeometry) -> DkvRefs:
@@ -89,10 +90,11 @@ def _refs(refs, g: BwdGeometry) -> DkvRefs:
   dk_ref, dv_ref, owned, walked, *out, bars = refs
   *owned, stage = owned
   walked, fp8_smem = (walked[:6], walked[6:]) if g.fp8 else (walked, (None, None))
+  *bars, q_free = bars
   return DkvRefs((idx_ref, cnt_ref, full_ref), qinfo_ref, kinfo_ref, extra, q_ref, k_ref, v_ref,
                  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *owned,
                  TermStage(*stage) if g.terms.staged else None, *walked, out[0], out[-1], *bars,
-                 *fp8_in, *fp8_smem)
+                 *fp8_in, *fp8_smem, q_free)
 
 
 class OwnedKeys(NamedTuple):
@@ -227,27 +229,33 @@ def _producer(c: DkvCta):
   g, r, batch = c.g, c.r, c.batch
   plgpu.set_max_registers(g.regs[1], action="decrease")
 
-  def body(h, start, masked, n):
-    slot = slot_of(n, g.slots)
-    qh, seq = c.q_head(h), pl.ds(start, g.walk)
-
-    @pl.when(n >= g.slots)
+  def wait_free(free, slot, slots, n):
+    @pl.when(n >= slots)
     def _():
-      plgpu.barrier_wait(r.free.at[slot])
+      plgpu.barrier_wait(free.at[slot])
 
-    plgpu.copy_gmem_to_smem(r.q.at[batch, seq, qh], r.q_smem.at[slot], r.q_bar.at[slot])
-    plgpu.copy_gmem_to_smem(r.lse.at[batch, qh, seq], r.lse_smem.at[slot], r.q_bar.at[slot])
-    if g.terms.tile_info(masked):
-      plgpu.copy_gmem_to_smem(r.q_info.at[c.q_info_b, :, seq], r.qinfo_smem.at[slot],
-                              r.q_bar.at[slot])
+  def body(h, start, masked, n):
+    slot, q_slot = slot_of(n, g.slots), slot_of(n, g.q_slots)
+    qh, seq = c.q_head(h), pl.ds(start, g.walk)
+    if g.extra_q_slot:  # (q-side tiles first, into their own ring)
+      wait_free(r.q_free, q_slot, g.q_slots, n)
     else:
-      plgpu.barrier_arrive(r.q_bar.at[slot])  # the phase's third arrival, without data
+      wait_free(r.free, slot, g.slots, n)
+    q_bar = r.q_bar.at[q_slot]
+    plgpu.copy_gmem_to_smem(r.q.at[batch, seq, qh], r.q_smem.at[q_slot], q_bar)
+    plgpu.copy_gmem_to_smem(r.lse.at[batch, qh, seq], r.lse_smem.at[q_slot], q_bar)
+    if g.terms.tile_info(masked):
+      plgpu.copy_gmem_to_smem(r.q_info.at[c.q_info_b, :, seq], r.qinfo_smem.at[q_slot], q_bar)
+    else:
+      plgpu.barrier_arrive(q_bar)  # the phase's third arrival, without data
     if g.terms.dropout:
       plgpu.copy_gmem_to_smem(head_view(r.terms.row_keys, batch, qh).at[seq],
-                              r.rkey_smem.at[slot], r.q_bar.at[slot])
+                              r.rkey_smem.at[q_slot], q_bar)
+    if g.extra_q_slot:
+      wait_free(r.free, slot, g.slots, n)
     plgpu.copy_gmem_to_smem(r.do.at[batch, seq, qh], r.do_smem.at[slot], r.do_bar.at[slot])
     if g.fp8:
-      plgpu.copy_gmem_to_smem(r.q16.at[batch, seq, qh], r.q16_smem.at[slot], r.q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(r.q16.at[batch, seq, qh], r.q16_smem.at[q_slot], q_bar)
       plgpu.copy_gmem_to_smem(r.do_t.at[batch, qh, :, seq], r.do_t_smem.at[slot],
                               r.do_bar.at[slot])
     plgpu.copy_gmem_to_smem(r.delta.at[batch, qh, seq], r.delta_smem.at[slot],

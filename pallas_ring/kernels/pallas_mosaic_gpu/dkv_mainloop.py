@@ -62,21 +62,24 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   g, cfg, r = c.g, c.cfg, c.r
   n, dk, dv, *last = carry
   c = c.at_step(start)
-  slot = slot_of(n, g.slots)
-  q, do = r.q_smem.at[slot], r.do_smem.at[slot]
-  plgpu.barrier_wait(r.q_bar.at[slot])
-  plgpu.barrier_wait(r.do_bar.at[slot])
+  slot, q_slot = slot_of(n, g.slots), slot_of(n, g.q_slots)
+  q, do = r.q_smem.at[q_slot], r.do_smem.at[slot]
+  plgpu.barrier_wait(r.q_bar.at[q_slot])
+  wait_do = functools.partial(plgpu.barrier_wait, r.do_bar.at[slot])
+  if not g.extra_q_slot:  # (else dO is waited for once q.k^T is issued)
+    wait_do()
   descale, dp_scale = (fp8.bwd_descales(r.descales, c.batch, c.q_head(h)) if g.fp8 else
                        (None, None))
 
   def softmax(s):
-    terms = c.tile_terms(h, start, slot, masked, keys, descale)
-    return terms, *probs(s, load_ref(r.lse_smem.at[slot], COLS), terms, cfg, row_axis=1,
+    terms = c.tile_terms(h, start, q_slot, masked, keys, descale)
+    return terms, *probs(s, load_ref(r.lse_smem.at[q_slot], COLS), terms, cfg, row_axis=1,
                          descale=descale)
 
   # s^T = K q^T, dp^T = V dO^T
   s, dp = products(c.tile, ((c.k_own, q), (c.v_own, do)), functools.partial(meet, r.sched),
-                   softmax if g.overlap_softmax else None)
+                   softmax if g.overlap_softmax else None,
+                   ready=(None, wait_do) if g.extra_q_slot else ())
   terms, p, dlogits = s if g.overlap_softmax else softmax(s)
   if g.fp8:
     dp = dp * dp_scale
@@ -86,7 +89,7 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
   p = kept(p, keep_mask)
   if g.fp8:  # p^T dO in FP8: p^T scaled into FP8's normal range, relabelled (``fp8``)
     p = fp8.a_operand(fp8.p_tile(p * (2.0 ** fp8.P_LOG2), g.fp8), g.fp8)
-    do, q = fp8.v_operand(r.do_t_smem.at[slot], True), r.q16_smem.at[slot]
+    do, q = fp8.v_operand(r.do_t_smem.at[slot], True), r.q16_smem.at[q_slot]
   else:
     p = p.astype(g.dtype)
   p, ds = lax.optimization_barrier((p, ds.astype(g.dtype)))
@@ -105,6 +108,8 @@ def _step(c: DkvCta, keys: OwnedKeys, h, start, masked, carry):
     with_dkv = (dq_term(),) if g.dq_with_dkv else ()
     dv, dk, *dq = accumulate(((dv, p, do), (dk, ds, q), *with_dkv))
   plgpu.barrier_arrive(r.free.at[slot])
+  if g.extra_q_slot:
+    plgpu.barrier_arrive(r.q_free.at[q_slot])
   if g.fused_dq and not g.overlap_dq:
     add((dq or accumulate((dq_term(),)))[0])
   # (h: a Python 0 where one head is walked; int32 in the carry, also under x64)

@@ -78,6 +78,10 @@ class Variants:
   # accumulators are live (no spills at H=128, and faster: BENCHMARKS.md, "The backward").
   # False: from registers.
   ds_from_smem: bool = True
+  # The fused kernel (without FP8 or dropout) gives the walked q-side tiles (q, lse, token info)
+  # one slot more than the dO-side ones (dO, delta) where it fits: q arrives a step earlier, and
+  # a consumer issues q.k^T before waiting for dO. Experimental.
+  extra_q_slot: bool = False
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
