@@ -1,4 +1,4 @@
-"""extra_q_slot (exp/dq-atomics): gradients against the xla backend and the two-slot kernel; dK/dV
+"""extra_q_slot (branch exp/q-slots): gradients against the xla backend and the two-slot kernel; dK/dV
 bitwise equal to theirs. One H100: PYTHONPATH=. python tools/q_slots_check.py"""
 import os, traceback
 import jax, jax.numpy as jnp, numpy as np
