@@ -923,22 +923,22 @@ def test_split_fused_backward_reads_ds_from_shared_memory():
 
 
 def test_fused_backward_gives_q_an_extra_slot():
-  """``Variants.extra_q_slot``: the fused kernel's q-side tiles get a third slot beside dO's two
-  (H=64 and 128), not with dropout or FP8, nor in the pair; it lowers with every score term."""
+  """``Variants.extra_q_slot`` (the default): the fused kernel's q-side tiles get a third slot
+  beside dO's two (H=64 and 128), not with dropout or FP8, nor in the pair, nor when switched off;
+  it lowers with every score term."""
   from pallas_ring.kernels.pallas_mosaic_gpu import bwd_kernels, terms
   args, _, kw = _structs("full_odd_lengths")
-  f = _attention({**kw, **_terms("full_odd_lengths", bias=True, dense=True)}, deterministic=False,
-                 extra_q_slot=True)
+  f = _attention({**kw, **_terms("full_odd_lengths", bias=True, dense=True)}, deterministic=False)
   assert _lower(_grad(f), *args).count(MOSAIC) == 2
   c = bwd_kernels._Call(heads=16, kv_heads=16, head_dim=128, value_dim=128,
                         dtype=jnp.dtype("bfloat16"), out_dtype=jnp.dtype("bfloat16"), info_rows=1,
                         terms=terms.Terms(), term_dtype=jnp.bfloat16,
-                        variants=Variants(extra_q_slot=True))
+                        variants=Variants())
   geometry = lambda c, fused=True: bwd_kernels._geometry(c, True, 16384, 1, fused=fused)
   for h in (64, 128):
     g = geometry(c._replace(head_dim=h, value_dim=h))
     assert (g.slots, g.q_slots) == (2, 3)
-  assert geometry(c._replace(variants=Variants())).q_slots == 2
+  assert geometry(c._replace(variants=Variants(extra_q_slot=False))).q_slots == 2
   assert geometry(c, fused=False).q_slots == geometry(c, fused=False).slots
   assert not geometry(c._replace(terms=terms.Terms(dropout=True))).extra_q_slot
 

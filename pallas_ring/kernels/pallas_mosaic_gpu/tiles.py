@@ -80,8 +80,8 @@ class Variants:
   ds_from_smem: bool = True
   # The fused kernel (without FP8 or dropout) gives the walked q-side tiles (q, lse, token info)
   # one slot more than the dO-side ones (dO, delta) where it fits: q arrives a step earlier, and
-  # a consumer issues q.k^T before waiting for dO. Experimental.
-  extra_q_slot: bool = False
+  # a consumer issues q.k^T before waiting for dO (BENCHMARKS.md, "The backward").
+  extra_q_slot: bool = True
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
