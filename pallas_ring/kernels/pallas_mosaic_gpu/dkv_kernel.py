@@ -237,10 +237,8 @@ def _producer(c: DkvCta):
   def body(h, start, masked, n):
     slot, q_slot = slot_of(n, g.slots), slot_of(n, g.q_slots)
     qh, seq = c.q_head(h), pl.ds(start, g.walk)
-    if g.extra_q_slot:  # (q-side tiles first, into their own ring)
-      wait_free(r.q_free, q_slot, g.q_slots, n)
-    else:
-      wait_free(r.free, slot, g.slots, n)
+    # The q-side tiles first: into their own ring when they have one, else into the shared one.
+    wait_free(r.q_free if g.extra_q_slot else r.free, q_slot, g.q_slots, n)
     q_bar = r.q_bar.at[q_slot]
     plgpu.copy_gmem_to_smem(r.q.at[batch, seq, qh], r.q_smem.at[q_slot], q_bar)
     plgpu.copy_gmem_to_smem(r.lse.at[batch, qh, seq], r.lse_smem.at[q_slot], q_bar)
