@@ -923,9 +923,9 @@ def test_split_fused_backward_reads_ds_from_shared_memory():
 
 
 def test_fused_backward_gives_q_an_extra_slot():
-  """``Variants.extra_q_slot`` (the default): the fused kernel's q-side tiles get a third slot
-  beside dO's two (H=64 and 128), not with dropout or FP8, nor in the pair, nor when switched off;
-  it lowers with every score term."""
+  """``Variants.extra_q_slot``: by the rule the fused kernel's q-side tiles get a third slot
+  beside dO's two at H=128, not at 64 (unless asked), not with dropout or FP8, nor in the pair,
+  nor when switched off; it lowers with every score term."""
   from pallas_ring.kernels.pallas_mosaic_gpu import bwd_kernels, terms
   args, _, kw = _structs("full_odd_lengths")
   f = _attention({**kw, **_terms("full_odd_lengths", bias=True, dense=True)}, deterministic=False)
@@ -935,9 +935,10 @@ def test_fused_backward_gives_q_an_extra_slot():
                         terms=terms.Terms(), term_dtype=jnp.bfloat16,
                         variants=Variants())
   geometry = lambda c, fused=True: bwd_kernels._geometry(c, True, 16384, 1, fused=fused)
-  for h in (64, 128):
-    g = geometry(c._replace(head_dim=h, value_dim=h))
-    assert (g.slots, g.q_slots) == (2, 3)
+  h64 = c._replace(head_dim=64, value_dim=64)
+  assert (geometry(c).slots, geometry(c).q_slots) == (2, 3)
+  assert geometry(h64).q_slots == geometry(h64).slots
+  assert geometry(h64._replace(variants=Variants(extra_q_slot=True))).q_slots == 3
   assert geometry(c._replace(variants=Variants(extra_q_slot=False))).q_slots == 2
   assert geometry(c, fused=False).q_slots == geometry(c, fused=False).slots
   assert not geometry(c._replace(terms=terms.Terms(dropout=True))).extra_q_slot

@@ -55,8 +55,8 @@ from pallas_ring.kernels.pallas_mosaic_gpu.terms import (
     Terms, key_info, ops_call, stage_scratch, staged_bytes, terms_of, tile_term_dtype)
 from pallas_ring.kernels.pallas_mosaic_gpu.tiles import (
     BWD_ROWS, COMPUTE_WGS, SMEM_BYTES, Variants, backward_unsupported, check_value_dim,
-    dkv_head_splits, dq_split, dq_with_dkv, fp8_backward, fused_backward, overlap_dq,
-    overlap_softmax, step_refs, unsupported)
+    dkv_head_splits, dq_split, dq_with_dkv, extra_q_slot, fp8_backward, fused_backward,
+    overlap_dq, overlap_softmax, step_refs, unsupported)
 
 
 class _Call(NamedTuple):
@@ -124,7 +124,7 @@ def _geometry(c: _Call, dkv: bool, seq, heads, walk=None, staged=None, fused=Fal
   assert n_slots >= 2 and staging <= room, (hp, c.out_dtype)  # (holds for every served head dim)
   # the fused kernel's q-side tiles (q, lse, token info) in one slot more, where it fits
   q_side = walk * (hp * it + 4 * (1 + c.info_rows))
-  extra_q = (fused and variants.extra_q_slot and not c.fp8 and not c.drop and n_slots < 4 and
+  extra_q = (fused and extra_q_slot(variants, hp) and not c.fp8 and not c.drop and n_slots < 4 and
              room - n_slots * per_slot >= q_side)
   return BwdGeometry(slots=n_slots, group=c.heads // c.kv_heads, head_dim=hp, value_dim=hv,
                      dtype=dt, info_rows=c.info_rows, blocks=seq // (owners * rows),

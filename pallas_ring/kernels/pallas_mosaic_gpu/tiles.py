@@ -80,8 +80,8 @@ class Variants:
   ds_from_smem: bool = True
   # The fused kernel (without FP8 or dropout) gives the walked q-side tiles (q, lse, token info)
   # one slot more than the dO-side ones (dO, delta) where it fits: q arrives a step earlier, and
-  # a consumer issues q.k^T before waiting for dO (BENCHMARKS.md, "The backward").
-  extra_q_slot: bool = True
+  # a consumer issues q.k^T before waiting for dO. None: the rule (``extra_q_slot``).
+  extra_q_slot: Optional[bool] = None
   # Consumers re-derive the refs of their own tiles (the forward's q, the dQ and dK/dV kernels'
   # owned tiles; not the wide dK/dV kernel's, which does not spill) in each step of their main
   # loop (``pipeline.step_index``): else LLVM hoists their wgmma descriptors out of it and
@@ -383,6 +383,15 @@ def dq_with_dkv(variants: Variants, head_dim: int) -> bool:
   if up_to is None:
     up_to = 128 if dq_split(variants, head_dim) else 64
   return head_dim <= up_to
+
+
+def extra_q_slot(variants: Variants, head_dim: int) -> bool:
+  """Whether the fused backward gives its q-side tiles a slot more than dO's, where it fits
+  (``Variants.extra_q_slot``). The rule: above head dim 64 (at 128, 1-7% faster, most on the
+  dense row; at 64, 4-8% slower; BENCHMARKS.md, "The backward")."""
+  if variants.extra_q_slot is not None:
+    return variants.extra_q_slot
+  return head_dim > 64
 
 
 def overlap_dq(variants: Variants, head_dim: int) -> bool:
