@@ -930,6 +930,9 @@ def test_fused_backward_gives_q_an_extra_slot():
   args, _, kw = _structs("full_odd_lengths")
   f = _attention({**kw, **_terms("full_odd_lengths", bias=True, dense=True)}, deterministic=False)
   assert _lower(_grad(f), *args).count(MOSAIC) == 2
+  args, _, kw = _structs("softcap_h64")  # (asked for at H=64)
+  f = _attention(kw, deterministic=False, extra_q_slot=True)
+  assert _lower(_grad(f), *args).count(MOSAIC) == 2
   c = bwd_kernels._Call(heads=16, kv_heads=16, head_dim=128, value_dim=128,
                         dtype=jnp.dtype("bfloat16"), out_dtype=jnp.dtype("bfloat16"), info_rows=1,
                         terms=terms.Terms(), term_dtype=jnp.bfloat16,
