@@ -24,7 +24,7 @@ if [[ $mode == tests ]]; then
   # 8 workers share the GPU (their compiles run on the host's cores): none preallocates it.
   export PALLAS_RING_TEST_GPU=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
   pytest=(python -m pytest -q -p no:cacheprovider)
-  # run LOG FILES... -k EXPR: this share of the selected tests, by node id
+  # run LOG PYTEST_ARGS...: this share of the tests they select, by node id
   run() {
     local log=$1
     shift

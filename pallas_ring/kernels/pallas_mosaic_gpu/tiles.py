@@ -387,8 +387,8 @@ def dq_with_dkv(variants: Variants, head_dim: int) -> bool:
 
 def extra_q_slot(variants: Variants, head_dim: int) -> bool:
   """Whether the fused backward gives its q-side tiles a slot more than dO's, where it fits
-  (``Variants.extra_q_slot``). The rule: above head dim 64 (at 128, 1-7% faster, most on the
-  dense row; at 64, 4-8% slower; BENCHMARKS.md, "The backward")."""
+  (``Variants.extra_q_slot``). The rule: above head dim 64 (at 128, 1-10% faster, most on the
+  dense row; at 64, 4-10% slower; BENCHMARKS.md, "The backward")."""
   if variants.extra_q_slot is not None:
     return variants.extra_q_slot
   return head_dim > 64
