@@ -91,7 +91,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     segment_ids: ``[B, T]`` int32 document ids; tokens attend within their segment.
     kv_segment_ids: ``[B, S]``; defaults to ``segment_ids`` when ``T == S``.
     q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) int positions the mask compares;
-      default ``arange``.
+      default ``arange``. Ids and positions of wider integer types (x64) must fit int32: values
+      beyond it raise where they are concrete, and are cast as they are under ``jit``.
     dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest. A
       float mask must hold 0/1 (1 = attend): other values raise when they are concrete (an
       additive ``0 / -inf`` mask belongs in ``bias``); under ``jit`` they are not checked.
@@ -101,7 +102,8 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     bias: float additive logit bias broadcastable to ``[B, N, T, S]``, differentiable (its
       gradient has its shape). Logits are ``softcap(q.k * scale) + bias - alibi``.
     alibi_slopes: ``[N]`` or ``[B, N]`` ALiBi slopes: ``-slope * |q_pos - k_pos|`` is added to
-      the logits, computed in the kernels from the positions (not differentiated).
+      the logits, computed in the kernels from the positions. They have no gradient:
+      differentiating them raises (a learned term goes in ``bias``).
     dropout_rate: attention-probability dropout rate in ``[0, 1)``; kept probabilities are scaled
       by ``1 / (1 - rate)``; sinks are never dropped.
     dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``. Each keep decision is a hash

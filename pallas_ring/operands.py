@@ -25,6 +25,7 @@ on the entry points, and its kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
@@ -68,6 +69,9 @@ class Operand:
   # descales, from ``q_descale``, ``k_descale`` and ``v_descale`` by ``fp8.prepare``).
   keyword: bool = True
   differentiable: bool = False  # it has a gradient (else it is held with stop_gradient)
+  # Not differentiable, but not a constant by design either (as the FP8 descales are): being
+  # differentiated raises (``no_gradient``) rather than giving zeros silently.
+  gradient_raises: bool = False
 
   def __post_init__(self):
     # A differentiable kernel operand is an additive logit term: its gradient is dS summed over
@@ -170,7 +174,7 @@ def _sinks(x, d: Dims):
 DECLARED = (
     Operand("dense", "dense_mask", TILE, _dense_mask),
     Operand("bias", "bias", TILE, _bias, differentiable=True),
-    Operand("alibi", "alibi_slopes", (BATCH, HEADS, ONE), _alibi_slopes),
+    Operand("alibi", "alibi_slopes", (BATCH, HEADS, ONE), _alibi_slopes, gradient_raises=True),
     # (not differentiated: descales are constants; gradients reach the FP8 operands)
     Operand("fp8", "fp8_descales", (BATCH, HEADS, PARTS), _fp8_descales, keyword=False),
     Operand("sinks", "sinks", (HEADS,), _sinks, in_kernel=False, differentiable=True),
@@ -187,8 +191,32 @@ def normalize(given: Mapping[str, Any], dims: Dims) -> dict:
     value = given.get(o.argument)
     if value is not None:
       x = o.normalize(value, dims)
+      if o.gradient_raises:
+        x = no_gradient(o.argument, x)
       terms[o.name] = x if o.differentiable else jax.lax.stop_gradient(x)
   return terms
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def no_gradient(argument: str, x):
+  """``x``; differentiating it raises, naming ``argument`` (its gradient is not implemented)."""
+  return x
+
+
+def _no_gradient_fwd(argument, x):
+  if x.perturbed:
+    raise NotImplementedError(
+        f"`{argument}` is differentiated, but attention has no gradient with respect to it "
+        "(q, k, v, `bias` and `sinks` have one): hold it constant with "
+        f"jax.lax.stop_gradient({argument}), or pass its term as `bias` to learn it.")
+  return x.value, None
+
+
+def _no_gradient_bwd(argument, _, ct):
+  return (None,)
+
+
+no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd, symbolic_zeros=True)
 
 
 def spanning(terms: Mapping[str, Array], role: str) -> dict:

@@ -89,6 +89,8 @@ def _varying_axes(x) -> frozenset:
 def check_positive(name: str, value, default):
   if value is None:
     return default
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"`{name}`={value!r} is a string: it must be a Python number.")
   try:
     fval = float(value)
   except TypeError:
@@ -97,6 +99,9 @@ def check_positive(name: str, value, default):
     raise ValueError(f"`{name}`={value!r} is invalid: it must be a finite number > 0"
                      f"{' (or None for no cap)' if name == 'softcap' else ''}.")
   return fval
+
+
+_INT32 = np.iinfo(np.int32)
 
 
 def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False) -> None:
@@ -109,9 +114,19 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
     want = f"[{b}, {length}]" + (f" or [{length}]" if allow_1d else "")
     raise ValueError(f"`{name}` has shape {shape}; expected {want} to match the sequence it "
                      "describes.")
-  if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-    raise TypeError(f"`{name}` has dtype {jnp.result_type(x)}; it must be an integer array "
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array "
                     f"(cast with `.astype(jnp.int32)`).")
+  if jnp.iinfo(dtype).max > _INT32.max and not isinstance(x, jax.core.Tracer):
+    # The kernels compare int32 values: wider ones are read here where they are concrete (traced
+    # ones, under jit, are cast as they are).
+    lo, hi = int(np.min(x)), int(np.max(x))
+    if lo < _INT32.min or hi > _INT32.max:
+      fix = ("renumber them into int32, q's and kv's ids alike (e.g. by their ranks in "
+             "`np.unique` of both)" if "segment" in name else "pass positions that fit int32")
+      raise ValueError(f"`{name}` holds values from {lo} to {hi}, outside int32 (the kernels "
+                       f"compare int32 values): {fix}.")
 
 
 def bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:

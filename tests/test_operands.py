@@ -39,10 +39,20 @@ def test_normalize_specs_and_padding():
   assert padded["bias"].shape == (1, 4, 8, 16) and padded["alibi"].shape == (2, 4, 1)
   assert sorted(operands.in_kernel(terms)) == ["alibi", "bias"]
   assert operands.repeat_batch(operands.in_kernel(terms), 3)["alibi"].shape == (6, 4, 1)
-  # Only the differentiable operands carry a gradient.
-  g = jax.grad(lambda s: jnp.sum(operands.normalize(dict(alibi_slopes=s), d)["alibi"]))(
-      jnp.ones(4))
-  assert not jnp.any(g)
+
+
+def test_differentiating_alibi_slopes_raises():
+  """ALiBi slopes have no gradient: differentiating them raises (naming them and the fixes)
+  instead of giving zeros; the gradients of q, k, v with constant slopes are unaffected."""
+  q = jax.random.normal(jax.random.key(0), (1, 12, 2, 8))
+  loss = lambda q, a: jnp.sum(flash_attention(q, q, q, alibi_slopes=a) ** 2)
+  a = jnp.full((2,), 0.3)
+  ref = jax.grad(lambda q: jnp.sum(reference.attention(q, q, q, alibi_slopes=a)[0] ** 2))(q)
+  got = jax.jit(jax.grad(loss))(q, a)
+  assert jnp.linalg.norm(got - ref) <= 1e-4 * jnp.linalg.norm(ref)
+  with pytest.raises(NotImplementedError, match=r"`alibi_slopes` is differentiated.*stop_grad"):
+    jax.grad(loss, argnums=1)(q, a)
+  assert not jnp.any(jax.grad(lambda a: loss(q, jax.lax.stop_gradient(a)))(a))
 
 
 def test_bad_operands_name_the_argument():
