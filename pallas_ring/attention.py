@@ -92,7 +92,7 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     kv_segment_ids: ``[B, S]``; defaults to ``segment_ids`` when ``T == S``.
     q_positions, kv_positions: ``[T]`` / ``[S]`` (or ``[B, .]``) int positions the mask compares;
       default ``arange``. Ids and positions of wider integer types (x64) must fit int32: values
-      beyond it raise where they are concrete, and are cast as they are under ``jit``.
+      beyond it raise where they are concrete, and make the output NaN under ``jit``.
     dense_mask: bool broadcastable to ``[B, N, T, S]``, True = attend; ANDed with the rest. A
       float mask must hold 0/1 (1 = attend): other values raise when they are concrete (an
       additive ``0 / -inf`` mask belongs in ``bias``); under ``jit`` they are not checked.
@@ -165,10 +165,12 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
     checked = checked._replace(arrays=checked.arrays._replace(segment_ids=seg,
                                                               kv_segment_ids=kv_seg))
-  # A float dense mask's values cannot be read under jit: misuse (an additive 0 / -inf mask)
-  # makes the output NaN instead of silently wrong.
+  # Values cannot be read under jit: a float dense mask's misuse (an additive 0 / -inf mask) and
+  # x64 ids or positions beyond int32 make the output NaN instead of silently wrong.
   out = fp8.cast_output(run(q, k, v, checked), out_dtype)
-  return validation.poison(out, operands.dense_mask_misuse(dense_mask))
+  return validation.poison(out, operands.dense_mask_misuse(dense_mask),
+                           validation.int32_overflow(segment_ids, kv_segment_ids, q_positions,
+                                                     kv_positions))
 
 
 def run(q, k, v, checked: call.Checked):

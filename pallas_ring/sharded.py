@@ -187,7 +187,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t, b, segment_ids)
   # Traced (under jit): flags that poison the output, since the values cannot be read here.
   misuse = [operands.dense_mask_misuse(dense_mask),
-            natural_order_mask(checked.arrays.terms.get("dense"), positions, config.layout, r)]
+            natural_order_mask(checked.arrays.terms.get("dense"), positions, config.layout, r),
+            validation.int32_overflow(segment_ids, positions)]
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
   out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
              settings=checked.settings, platforms=tuple(checked.per_platform.items()),

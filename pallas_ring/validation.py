@@ -120,7 +120,7 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
                     f"(cast with `.astype(jnp.int32)`).")
   if jnp.iinfo(dtype).max > _INT32.max and not isinstance(x, jax.core.Tracer):
     # The kernels compare int32 values: wider ones are read here where they are concrete (traced
-    # ones, under jit, are cast as they are).
+    # ones, under jit, poison the entry points' output: ``int32_overflow``).
     lo, hi = int(np.min(x)), int(np.max(x))
     if lo < _INT32.min or hi > _INT32.max:
       fix = ("renumber them into int32, q's and kv's ids alike (e.g. by their ranks in "
@@ -141,6 +141,15 @@ def bnts_shape(name: str, x, b: int, n: int, t: int, s: int) -> tuple:
       raise ValueError(f"`{name}` has shape {shape}, which does not broadcast to [B, N, T, S]"
                        f" = {(b, n, t, s)}: axis {axis} is {dim}, expected 1 or {want}.")
   return full
+
+
+def int32_overflow(*arrays):
+  """A traced bool scalar, True when a traced integer array wider than int32 (x64) holds a value
+  beyond int32, which the kernels' int32 comparisons would wrap (for ``poison``); None when
+  there is nothing to check (concrete values are checked by ``check_token_array``)."""
+  flags = [jnp.any((x < _INT32.min) | (x > _INT32.max)) for x in arrays
+           if isinstance(x, jax.core.Tracer) and jnp.iinfo(x.dtype).max > _INT32.max]
+  return functools.reduce(jnp.logical_or, flags) if flags else None
 
 
 def poison(out, *flags):

@@ -368,8 +368,9 @@ def test_mask_sizes_must_fit_int32(make):
 
 
 def test_wide_token_arrays_must_fit_int32():
-  """Under x64, int64 segment ids and positions beyond int32 raise where they are concrete:
-  the kernels compare int32 values, and wrapping would merge documents or reorder tokens."""
+  """Under x64, int64 segment ids and positions beyond int32 raise where they are concrete and
+  make the output NaN under jit: the kernels compare int32 values, and wrapping would merge
+  documents or reorder tokens."""
   with jax.enable_x64(True):
     q, k, v = _qkv(12, t=12, h=16)
     ok = flash_attention(q, k, v, segment_ids=np.array([[0] * 6 + [5] * 6], np.int64),
@@ -380,6 +381,10 @@ def test_wide_token_arrays_must_fit_int32():
     pos = np.arange(12, dtype=np.int64) + 2**31 - 6
     with pytest.raises(ValueError, match=r"`q_positions` holds values .* outside int32"):
       flash_attention(q, k, v, mask=masks.Causal(), q_positions=pos, kv_positions=pos)
+    # Under jit the values cannot be read: the output is NaN rather than silently wrong.
+    f = jax.jit(lambda seg: flash_attention(q, k, v, segment_ids=seg))
+    assert jnp.all(jnp.isnan(f(np.array([[0] * 6 + [2**32] * 6], np.int64))))
+    assert not jnp.any(jnp.isnan(f(np.array([[0] * 6 + [7] * 6], np.int64))))
 
 
 # --------------------------------------------------------------- 5/6. float64 and x64 mode --
