@@ -27,6 +27,10 @@ def demo(args) -> int:
 
   r = jax.device_count()
   t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, args.head_dim, 16
+  if t % (r * blk):  # (the work table counts tiles of blk tokens in each device's shard)
+    print(f"demo: --seq-len {t} must be a multiple of {r * blk} ({r} devices x tiles of {blk} "
+          f"tokens), e.g. --seq-len {max(1, round(t / (r * blk))) * r * blk}.", file=sys.stderr)
+    return 2
   if args.strategy == "ulysses":  # (its heads split over the devices)
     n = r * 4 // np.gcd(r, 4)
   print(f"devices: {r} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -198,6 +202,24 @@ def tune_cmd(args) -> int:
   return 0
 
 
+def _positive(text: str) -> int:
+  """An argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+  return value
+
+
+def _passes(text: str) -> str:
+  """An argparse type: ``fwd``, ``bwd`` or both, comma-separated."""
+  if not text or not set(text.split(",")) <= {"fwd", "bwd"}:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected fwd, bwd or fwd,bwd")
+  return text
+
+
 def _parser() -> argparse.ArgumentParser:
   fmt = argparse.ArgumentDefaultsHelpFormatter
   argv0 = os.path.basename(sys.argv[0])
@@ -208,8 +230,8 @@ def _parser() -> argparse.ArgumentParser:
   p = sub.add_parser("demo", formatter_class=fmt,
                      help="ring attention on all devices (8 virtual CPU devices on CPU), each "
                           "mask x layout, checked against the dense reference")
-  p.add_argument("--seq-len", type=int, default=256, help="total tokens")
-  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument("--seq-len", type=_positive, default=256, help="total tokens")
+  p.add_argument("--head-dim", type=_positive, default=64, help="head dim H")
   p.add_argument("--backend", default="auto", help="kernel backend")
   p.add_argument("--strategy", default="ring", choices=["ring", "all_gather", "ulysses"],
                  help="sequence-parallel strategy (the work columns are the ring's schedule)")
@@ -240,10 +262,10 @@ def _parser() -> argparse.ArgumentParser:
                       f"else {DEFAULT_TOPOLOGY}")
   p.add_argument("--config", default=None,
                  help="a preset name (e.g. tpu_v5e_8) or the path of a YAML config")
-  p.add_argument("--seq-len", type=int, default=32768, help="total tokens over the ring")
-  p.add_argument("--heads", type=int, default=16, help="query heads N")
-  p.add_argument("--kv-heads", type=int, default=16, help="key/value heads K (N %% K == 0)")
-  p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  p.add_argument("--seq-len", type=_positive, default=32768, help="total tokens over the ring")
+  p.add_argument("--heads", type=_positive, default=16, help="query heads N")
+  p.add_argument("--kv-heads", type=_positive, default=16, help="key/value heads K (N %% K == 0)")
+  p.add_argument("--head-dim", type=_positive, default=128, help="head dim H")
   p.add_argument("--strategy", default=None,
                  choices=["auto", "ring", "all_gather", "ulysses", "ulysses_ring"],
                  help="sequence-parallel strategy (None: the config's); auto prints its choice")
@@ -251,18 +273,19 @@ def _parser() -> argparse.ArgumentParser:
                      help="measure tile candidates on this device and write the tile cache")
   p.add_argument("--backend", default="auto",
                  help="kernel backend (auto: this device's native one, xla on CPU)")
-  p.add_argument("--seq-len", type=int, default=4096, help="tokens T = S")
-  p.add_argument("--heads", type=int, default=16, help="query heads N")
-  p.add_argument("--kv-heads", type=int, default=None, help="key/value heads K (None: K = N)")
-  p.add_argument("--head-dim", type=int, default=128, help="head dim H")
-  p.add_argument("--batch", type=int, default=1, help="batch B")
-  p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+  p.add_argument("--seq-len", type=_positive, default=4096, help="tokens T = S")
+  p.add_argument("--heads", type=_positive, default=16, help="query heads N")
+  p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads K (None: K = N)")
+  p.add_argument("--head-dim", type=_positive, default=128, help="head dim H")
+  p.add_argument("--batch", type=_positive, default=1, help="batch B")
+  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                 help="input dtype")
   p.add_argument("--mask", default="causal", help="causal | full | window:W | docs:L")
-  p.add_argument("--passes", default="fwd,bwd", help="fwd, bwd or fwd,bwd")
+  p.add_argument("--passes", type=_passes, default="fwd,bwd", help="fwd, bwd or fwd,bwd")
   p.add_argument("--interpret", action="store_true",
                  help="run Pallas kernels in interpret mode (CPU, tiny sizes)")
-  p.add_argument("--iters", type=int, default=10, help="calls per timing")
-  p.add_argument("--reps", type=int, default=5, help="timings per candidate (median)")
+  p.add_argument("--iters", type=_positive, default=10, help="calls per timing")
+  p.add_argument("--reps", type=_positive, default=5, help="timings per candidate (median)")
   return parser
 
 

@@ -40,8 +40,16 @@ def preset_names() -> list[str]:
 
 def _preset_path(name_or_path) -> str:
   path = os.fspath(name_or_path)
-  if os.path.exists(path) or path.endswith((".yaml", ".yml")) or os.sep in path:
+  if os.path.exists(path):
     return path
+  if path.endswith((".yaml", ".yml")) or os.sep in path:
+    stem, _ = os.path.splitext(os.path.basename(path))
+    # ``configs/NAME.yaml`` as DESIGN writes it, from any working directory: the shipped file
+    if stem in preset_names() and path.replace(os.sep, "/") in (f"configs/{stem}.yaml",
+                                                                f"{stem}.yaml"):
+      return os.path.join(PRESETS_DIR, stem + ".yaml")
+    raise FileNotFoundError(f"no YAML file at {path!r} (from {os.getcwd()!r}). Shipped presets "
+                            f"load by name: {', '.join(preset_names())}.")
   if name_or_path not in preset_names():
     close = difflib.get_close_matches(path, preset_names(), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -76,6 +76,21 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
   assert value in err and names in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["tune", "--batch", "0"], "--batch: '0' is not an integer >= 1"),
+    (["tune", "--iters", "x"], "--iters: 'x' is not an integer >= 1"),
+    (["tune", "--passes", "sideways"], "expected fwd, bwd or fwd,bwd"),
+    (["tune", "--dtype", "foo"], "invalid choice: 'foo'"),
+    (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128")])
+def test_bad_arguments_are_one_line_errors(capsys, argv, says):
+  """Bad flags are refused before anything runs (``tune --batch 0`` used to time empty arrays and
+  overwrite the tile cache), in one line that names the flag."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
 def test_help_for_each_command(capsys):
   for cmd in ("demo", "bench", "compile", "tune"):
     with pytest.raises(SystemExit) as e:

@@ -99,6 +99,16 @@ def test_presets_by_name_and_their_mesh():
     SequenceParallelConfig.preset("tpu_v5e8")
 
 
+def test_design_preset_paths_load_from_any_directory(tmp_path, monkeypatch):
+  """``from_yaml("configs/tpu_v5e_8.yaml")`` (DESIGN's example) reads the shipped file from any
+  working directory; a missing file names the presets."""
+  monkeypatch.chdir(tmp_path)
+  want = SequenceParallelConfig.preset("tpu_v5e_8")
+  assert SequenceParallelConfig.from_yaml("configs/tpu_v5e_8.yaml") == want
+  with pytest.raises(FileNotFoundError, match=r"no YAML file at 'nope/x.yaml'.*tpu_v5e_8"):
+    SequenceParallelConfig.from_yaml("nope/x.yaml")
+
+
 def test_presets_ship_as_package_data():
   import pallas_ring.config as config_lib
   assert os.path.isdir(config_lib.PRESETS_DIR)
