@@ -249,6 +249,7 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
     raise ValueError(f"the cache's S={s} slots do not split evenly over the {mesh_size} devices "
                      "of config.axis_name; allocate a cache whose length is a multiple of it.")
   if kv_lengths is not None:
+    kv_lengths = np.asarray(kv_lengths) if isinstance(kv_lengths, (list, tuple)) else kv_lengths
     shape = tuple(jnp.shape(kv_lengths))
     if shape != (b,):
       raise ValueError(f"`kv_lengths` has shape {shape}; expected [B] = ({b},): the number of "

@@ -191,8 +191,13 @@ def straight_through(q, k, v, dtype, descales, out_dtype, axis_name=None) -> Pre
     ``Prepared``: q, k, v as given, their descales per query head (``quantize_fp8``'s scales
     per batch row and head, not differentiated), bfloat16 compute and the output dtype.
   """
-  if jnp.dtype(dtype) not in FP8_DTYPES:
-    raise ValueError(f"`quantize`={jnp.dtype(dtype)} is not an FP8 dtype; use one of "
+  try:
+    fp8_dtype = jnp.dtype(dtype) if not isinstance(dtype, bool) else None
+  except TypeError:
+    fp8_dtype = None
+  if fp8_dtype not in FP8_DTYPES:
+    given = repr(dtype) if fp8_dtype is None else fp8_dtype
+    raise ValueError(f"`quantize`={given} is not an FP8 dtype; use one of "
                      f"{[str(d) for d in FP8_DTYPES]}, or None.")
   for name, x in zip("qkv", (q, k, v)):
     if is_fp8(x) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):

@@ -172,6 +172,12 @@ def test_mistakes_raise_naming_the_argument(change, error, match):
     decode_attention(kw.pop("q"), k, v, **kw)
 
 
+def test_kv_lengths_may_be_a_list():
+  q, k, v, _ = _problem(8, 1, 2, 2, s=128)
+  want = decode_attention(q, k, v, kv_lengths=jnp.array([13, 128]), backend="xla")
+  assert jnp.array_equal(decode_attention(q, k, v, kv_lengths=[13, 128], backend="xla"), want)
+
+
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("backend, marker", [("pallas_triton", "__gpu$xla.gpu.triton"),
                                              ("pallas_mosaic_gpu", "@mosaic_gpu")])

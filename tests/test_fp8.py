@@ -283,6 +283,9 @@ MISTAKES = {
     "quantize_to_bfloat16": (lambda q8, k8, kd: dict(
         q=q8.astype(jnp.float32), k=k8.astype(jnp.float32), v=k8.astype(jnp.float32),
         quantize=jnp.bfloat16), r"`quantize`=bfloat16 is not an FP8 dtype"),
+    "quantize_true": (lambda q8, k8, kd: dict(
+        q=q8.astype(jnp.float32), k=k8.astype(jnp.float32), v=k8.astype(jnp.float32),
+        quantize=True), r"`quantize`=True is not an FP8 dtype"),
 }
 
 
