@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -452,11 +453,12 @@ def long_context(total_tokens=2**20, b=1, n=16, h=128, log=print):
   return [Row(f"{total_tokens} tokens x{r} causal", "ring zigzag", "fwd+bwd", secs * 1e3, tf)]
 
 
-def main(args) -> None:
+def main(args) -> int:
+  """``python -m pallas_ring bench``: its exit status (1 without a GPU, nothing timed)."""
   if jax.default_backend() != "gpu":
     print("bench needs a GPU (JAX default backend is "
-          f"{jax.default_backend()!r}); nothing to time here.")
-    return
+          f"{jax.default_backend()!r}); nothing to time here.", file=sys.stderr)
+    return 1
   out_dir = args.out
   os.makedirs(out_dir, exist_ok=True)
   kind = "device" if args.device_time else "wall"
@@ -485,9 +487,10 @@ def main(args) -> None:
   for r in rows:
     print(f"| {r.case} | {r.impl} | {r.pass_} | {r.ms:.3f} | {r.tflops:.1f} | {r.ratio} |")
   if not any(r.tflops for r in rows):  # (decode: bandwidth, no FLOP/s to plot)
-    return
+    return 0
   try:
     plot(rows, os.path.join(out_dir, f"{name}.png"),
          f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")
   except ImportError:
     log("matplotlib not installed: no plot")
+  return 0

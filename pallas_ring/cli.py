@@ -301,6 +301,5 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if args.cmd == "bench":
     from pallas_ring import bench
-    bench.main(args)
-    return
+    sys.exit(bench.main(args))
   sys.exit({"demo": demo, "compile": compile_cmd, "tune": tune_cmd}[args.cmd](args))

@@ -143,6 +143,12 @@ def test_plot_groups_each_case_and_pass(tmp_path, monkeypatch):
                   "legend": ["ours", "cuDNN"], "bars": 6}
 
 
+def test_main_without_a_gpu_says_so_and_fails():
+  import argparse
+  from pallas_ring import bench
+  assert bench.main(argparse.Namespace()) == 1  # (CPU: nothing is timed)
+
+
 def test_main_writes_the_rows_as_json_and_a_table(tmp_path, monkeypatch, capsys):
   """``bench.main`` (``python -m pallas_ring bench``) after its measurements: the rows go to
   ``OUT/NAME.json`` and a markdown table (the GPU and its timings faked)."""
@@ -157,7 +163,7 @@ def test_main_writes_the_rows_as_json_and_a_table(tmp_path, monkeypatch, capsys)
   monkeypatch.setattr(bench, "plot", lambda *a: None)
   args = argparse.Namespace(out=str(tmp_path), device_time=False, long_context=0, ring=False,
                             extras=False, models=True, decode=False)
-  bench.main(args)
+  assert bench.main(args) == 0
   saved = json.loads((tmp_path / "models.json").read_text())
   assert [r["ms"] for r in saved["rows"]] == [1.5, 1.25]
   assert "| causal T=8k | ours | fwd | 1.250 | 720.0 | 1.2x |" in capsys.readouterr().out
