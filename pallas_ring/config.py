@@ -142,8 +142,10 @@ class SequenceParallelConfig:
       raise ValueError(f"{name}.batch_axes={self.batch_axes!r} is invalid: it must be a tuple of "
                        "mesh axis names, e.g. ('dp',), or None / () for no batch axes.")
     object.__setattr__(self, "batch_axes", tuple(batch_axes))
-    if self.head_axis is not None and not isinstance(self.head_axis, str):
-      raise ValueError(f"{name}.head_axis={self.head_axis!r} must be a mesh axis name or None.")
+    for field in ("head_axis", "ulysses_axis"):
+      if getattr(self, field) is not None and not isinstance(getattr(self, field), str):
+        raise ValueError(f"{name}.{field}={getattr(self, field)!r} must be a mesh axis name or "
+                         "None.")
     dup = sorted({a for a in self.batch_axes if self.batch_axes.count(a) > 1})
     if dup:
       raise ValueError(f"{name}.batch_axes={self.batch_axes!r} names {dup[0]!r} more than once; "
@@ -249,12 +251,26 @@ def load_preset(name_or_path) -> Preset:
       raise ValueError(f"{path}: unknown top-level section {key!r}.{hint} Sections are "
                        f"{', '.join(_SECTIONS)} (config fields go under sequence_parallel:).")
   mesh = data.get("mesh") or {}
-  if mesh and (set(mesh) != {"shape", "axes"} or len(mesh["shape"]) != len(mesh["axes"])):
-    raise ValueError(f"{path}: `mesh` must be {{shape: [...], axes: [...]}} of equal lengths, "
-                     f"got {mesh!r}.")
-  return Preset(SequenceParallelConfig.from_dict(data.get("sequence_parallel") or {}),
-                tuple(mesh["shape"]) if mesh else None, tuple(mesh["axes"]) if mesh else None,
-                data.get("topology"))
+  if mesh and not (isinstance(mesh, Mapping) and set(mesh) == {"shape", "axes"} and
+                   isinstance(mesh["shape"], list) and isinstance(mesh["axes"], list) and
+                   len(mesh["shape"]) == len(mesh["axes"]) and
+                   all(isinstance(d, int) and d >= 1 for d in mesh["shape"]) and
+                   all(isinstance(a, str) for a in mesh["axes"])):
+    raise ValueError(f"{path}: `mesh` must be {{shape: [...], axes: [...]}}, lists of equal "
+                     f"lengths of device counts >= 1 and axis names, got {mesh!r}.")
+  topology = data.get("topology")
+  if topology is not None and not isinstance(topology, str):
+    raise ValueError(f"{path}: `topology` must be a TPU topology such as 'v5e:2x4', got "
+                     f"{topology!r}.")
+  config = SequenceParallelConfig.from_dict(data.get("sequence_parallel") or {})
+  if mesh:
+    named = (config.axis_name, config.head_axis, config.ulysses_axis, *config.batch_axes)
+    missing = [a for a in named if a is not None and a not in mesh["axes"]]
+    if missing:
+      raise ValueError(f"{path}: sequence_parallel names mesh axes {missing} that the preset's "
+                       f"mesh (axes {mesh['axes']}) lacks; add them to `mesh:` or rename them.")
+  return Preset(config, tuple(mesh["shape"]) if mesh else None,
+                tuple(mesh["axes"]) if mesh else None, topology)
 
 
 __all__ = ["BlockSizes", "RingVariants", "SequenceParallelConfig", "Preset", "load_preset",

@@ -115,6 +115,21 @@ def test_presets_ship_as_package_data():
   assert os.path.dirname(config_lib.PRESETS_DIR) == os.path.dirname(config_lib.__file__)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("mesh: {shape: 8, axes: sp}", r"`mesh` must be \{shape: \[...\], axes: \[...\]\}"),
+    ("sequence_parallel: {batch_axes: [dp]}\nmesh: {shape: [8], axes: [sp]}",
+     r"names mesh axes \['dp'\] that the preset's mesh \(axes \['sp'\]\) lacks"),
+    ("sequence_parallel: {strategy: ulysses_ring, ulysses_axis: 5}",
+     r"ulysses_axis=5 must be a mesh axis name"),
+    ("topology: 12", r"`topology` must be a TPU topology such as 'v5e:2x4', got 12")])
+def test_yaml_bad_values_name_the_field(tmp_path, text, says):
+  p = tmp_path / "bad.yaml"
+  p.write_text(("sequence_parallel: {axis_name: sp}\n" if "sequence_parallel" not in text
+                else "") + text + "\n")
+  with pytest.raises(ValueError, match=says):
+    SequenceParallelConfig.from_yaml(p)
+
+
 def test_yaml_misspelled_section(tmp_path):
   p = tmp_path / "bad.yaml"
   p.write_text("sequence_paralel:\n  axis_name: sp\nmesh: {shape: [8], axes: [sp]}\n")
