@@ -94,7 +94,7 @@ def _floordiv(x, c: int):
   return d - (x - d * c < 0).astype(x.dtype)
 
 
-INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+INT32_MIN, INT32_MAX = validation.INT32_MIN, validation.INT32_MAX
 
 
 def _filled(value: bool, a, b):

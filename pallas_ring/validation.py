@@ -101,7 +101,11 @@ def check_positive(name: str, value, default):
   return fval
 
 
-_INT32 = np.iinfo(np.int32)
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the range of the positions and ids the kernels compare
+
+
+def _wider_than_int32(dtype) -> bool:
+  return jnp.iinfo(dtype).max > INT32_MAX
 
 
 def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False) -> None:
@@ -118,11 +122,11 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array "
                     f"(cast with `.astype(jnp.int32)`).")
-  if jnp.iinfo(dtype).max > _INT32.max and not isinstance(x, jax.core.Tracer):
+  if _wider_than_int32(dtype) and not isinstance(x, jax.core.Tracer):
     # The kernels compare int32 values: wider ones are read here where they are concrete (traced
     # ones, under jit, poison the entry points' output: ``int32_overflow``).
     lo, hi = int(np.min(x)), int(np.max(x))
-    if lo < _INT32.min or hi > _INT32.max:
+    if lo < INT32_MIN or hi > INT32_MAX:
       fix = ("renumber them into int32, q's and kv's ids alike (e.g. by their ranks in "
              "`np.unique` of both)" if "segment" in name else "pass positions that fit int32")
       raise ValueError(f"`{name}` holds values from {lo} to {hi}, outside int32 (the kernels "
@@ -147,8 +151,8 @@ def int32_overflow(*arrays):
   """A traced bool scalar, True when a traced integer array wider than int32 (x64) holds a value
   beyond int32, which the kernels' int32 comparisons would wrap (for ``poison``); None when
   there is nothing to check (concrete values are checked by ``check_token_array``)."""
-  flags = [jnp.any((x < _INT32.min) | (x > _INT32.max)) for x in arrays
-           if isinstance(x, jax.core.Tracer) and jnp.iinfo(x.dtype).max > _INT32.max]
+  flags = [jnp.any((x < INT32_MIN) | (x > INT32_MAX)) for x in arrays
+           if isinstance(x, jax.core.Tracer) and _wider_than_int32(x.dtype)]
   return functools.reduce(jnp.logical_or, flags) if flags else None
 
 
