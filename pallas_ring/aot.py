@@ -137,7 +137,9 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
                  ulysses_size: int = 2) -> CompileReport:
   """Compiles ``sharded_attention`` (forward, or forward+backward) for ``topology``: a 1-D mesh
   over the slice's chips (``config.axis_name``), or for ``strategy="ulysses_ring"`` a 2-D one,
-  ``(chips / ulysses_size, ulysses_size)`` over ``(axis_name, ulysses_axis)``."""
+  ``(chips / ulysses_size, ulysses_size)`` over ``(axis_name, ulysses_axis)``, with the
+  ``pallas_tpu`` backend whatever ``config.backend`` names (its Mosaic kernels are what is
+  counted)."""
   devices = topology_devices(topology)
   if config.batch_axes or config.head_axis:
     raise ValueError("compile_ring builds a mesh of the sequence axes only: use a config without "

@@ -134,8 +134,10 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
     raise ValueError("`segment_ids` and `kv_segment_ids` must be given together (or neither).")
   block_sizes, per_platform = backend_variants(backend, interpret, q, block_sizes, decode,
                                                pair.kernel_head_dim(q, v), dtype)
-  settings = Settings(mask, scale, softcap, rate, bool(dropout_broadcast), block_sizes,
-                      bool(return_lse), None if quantize is None else jnp.dtype(quantize))
+  settings = Settings(mask, scale, softcap, rate,
+                      validation.check_flag("dropout_broadcast", dropout_broadcast), block_sizes,
+                      validation.check_flag("return_lse", return_lse),
+                      None if quantize is None else jnp.dtype(quantize))
   arrays = Arrays(segment_ids, kv_segment_ids, q_positions, kv_positions, terms,
                   dropout.seeds(dropout_rng) if on else None,
                   jnp.asarray(dropout_offsets, jnp.int32) if on else None)

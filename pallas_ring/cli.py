@@ -116,6 +116,13 @@ def compile_cmd(args) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   cfg = preset.config if preset else SequenceParallelConfig(axis_name="sp", layout="zigzag")
+  unused = {f: getattr(cfg, f) for f in ("batch_axes", "head_axis") if getattr(cfg, f)}
+  if cfg.backend not in ("auto", "pallas_tpu"):
+    unused["backend"] = cfg.backend
+  if unused:  # (compile_ring's program: B=1, one sequence-parallel axis over every chip)
+    print("note: compiling B=1 over one sequence-parallel axis of every chip with pallas_tpu: "
+          f"the config's {', '.join(f'{k}={v!r}' for k, v in unused.items())} are not used",
+          file=sys.stderr, flush=True)
   cfg = cfg.replace(batch_axes=(), head_axis=None)
   if args.strategy is not None:
     cfg = cfg.replace(strategy=args.strategy)
@@ -183,10 +190,15 @@ def tune_cmd(args) -> int:
   from pallas_ring import kernels, tune
   from pallas_ring.kernels import tile_cache
   backend = kernels.native_backend(args.dtype) if args.backend == "auto" else args.backend
+  native, here = kernels.get(backend).platform, kernels.family(jax.default_backend())
+  interpret = args.interpret or (native is not None and native != here)
+  if interpret and not args.interpret:  # (as flash_attention's interpret=None)
+    print(f"note: {backend}'s kernels do not run on {here}: timing them in interpret mode "
+          "(keep --seq-len small)", flush=True)
   problem = tune.Problem(backend=backend, seq_len=args.seq_len, heads=args.heads,
                          kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
                          dtype=args.dtype, mask=args.mask, batch=args.batch,
-                         interpret=args.interpret)
+                         interpret=interpret)
   print(f"tuning {problem} on {jax.devices()[0].device_kind}", flush=True)
   results = tune.tune(problem, passes=tuple(args.passes.split(",")), iters=args.iters,
                       reps=args.reps)
@@ -283,7 +295,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mask", default="causal", help="causal | full | window:W | docs:L")
   p.add_argument("--passes", type=_passes, default="fwd,bwd", help="fwd, bwd or fwd,bwd")
   p.add_argument("--interpret", action="store_true",
-                 help="run Pallas kernels in interpret mode (CPU, tiny sizes)")
+                 help="run Pallas kernels in interpret mode (tiny sizes; the default where the "
+                      "backend's kernels cannot run on this device)")
   p.add_argument("--iters", type=_positive, default=10, help="calls per timing")
   p.add_argument("--reps", type=_positive, default=5, help="timings per candidate (median)")
   return parser
@@ -295,6 +308,10 @@ def main(argv=None) -> None:
   if args.cmd is None:  # (asked for nothing: the verbs, and success)
     parser.print_help()
     sys.exit(0)
+  heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
+  if heads and kv_heads and heads % kv_heads:
+    parser.error(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (MHA: equal, "
+                 "GQA: a divisor, MQA: 1)")
   if args.cmd == "demo":
     _ensure_devices(8)
   if args.cmd == "compile":

@@ -57,7 +57,9 @@ def quantize_fp8(x, dtype=jnp.float8_e4m3fn):
   Returns:
     ``(x8, descale)``: ``x8`` in ``dtype``, ``descale`` float32 ``[B, heads]`` with
     ``x ~= x8.astype(float32) * descale[:, None, :, None]`` (the amax of each batch row and head
-    maps to the dtype's largest finite value; an all-zero head gets descale 1).
+    maps to the dtype's largest finite value; an all-zero head gets descale 1, a head holding
+    NaN or infinity descale NaN, which attention rejects where concrete and which makes its
+    output NaN under jit).
   """
   dtype = jnp.dtype(dtype)
   if dtype not in FP8_DTYPES:

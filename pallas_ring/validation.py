@@ -101,6 +101,15 @@ def check_positive(name: str, value, default):
   return fval
 
 
+def check_flag(name: str, value) -> bool:
+  """A static on/off argument: a Python or NumPy bool (not a string, number or array, whose
+  truth would be read silently)."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TypeError(f"`{name}`={value!r} must be True or False (a Python bool), got "
+                  f"{type(value).__name__}.")
+
+
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the range of the positions and ids the kernels compare
 
 

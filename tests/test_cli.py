@@ -81,7 +81,9 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
     (["tune", "--iters", "x"], "--iters: 'x' is not an integer >= 1"),
     (["tune", "--passes", "sideways"], "expected fwd, bwd or fwd,bwd"),
     (["tune", "--dtype", "foo"], "invalid choice: 'foo'"),
-    (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128")])
+    (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128"),
+    (["tune", "--heads", "16", "--kv-heads", "3"], "--heads 16 must be a multiple of --kv-heads 3"),
+    (["compile", "--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3")])
 def test_bad_arguments_are_one_line_errors(capsys, argv, says):
   """Bad flags are refused before anything runs (``tune --batch 0`` used to time empty arrays and
   overwrite the tile cache), in one line that names the flag."""
@@ -194,3 +196,19 @@ def test_console_script_names_itself_and_help_shows_one_default():
   assert proc.stdout.startswith("usage: pallas-ring tune")
   kv = " ".join(proc.stdout.split("--kv-heads KV_HEADS")[-1].split()[:12])
   assert kv.count("default") == 1, kv
+
+
+@pytest.mark.xdist_group("libtpu")
+def test_compile_says_which_config_fields_it_does_not_use(capsys, monkeypatch):
+  """``compile`` builds one sequence-parallel axis over every chip with the TPU kernels: a
+  preset's batch axes and non-TPU backend are named as unused, not dropped silently."""
+  from pallas_ring import aot
+
+  def stop(*_, **__):
+    raise RuntimeError("compiled")
+
+  monkeypatch.setattr(aot, "compile_ring", stop)
+  with pytest.raises(RuntimeError, match="compiled"):
+    cli.main(["compile", "--topology", "v5e:2x2", "--config", "cpu_8"])
+  err = capsys.readouterr().err
+  assert "batch_axes=('dp',)" in err and "backend='xla'" in err and "not used" in err, err

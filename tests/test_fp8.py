@@ -38,6 +38,20 @@ def test_quantize_keeps_each_heads_amax_and_its_precision(dtype):
   assert float(dz[0, 0]) == 1.0 and not np.any(np.isnan(np.asarray(z8, np.float32)))
 
 
+def test_a_head_holding_nan_gets_a_nan_descale_that_attention_rejects():
+  """No scale represents NaN or infinity: such a head's descale is NaN (it was 1, silently),
+  the other heads' are as without it, and attention names the descale."""
+  x = _problem(2)[1]
+  bad = x.at[0, 3, 1, 5].set(jnp.nan).at[1, 0, 0, 0].set(jnp.inf)
+  d, d_bad = quantize_fp8(x)[1], quantize_fp8(bad)[1]
+  assert np.isnan(d_bad[0, 1]) and np.isnan(d_bad[1, 0])
+  np.testing.assert_array_equal(d_bad[0, 0], d[0, 0])
+  np.testing.assert_array_equal(d_bad[1, 1], d[1, 1])
+  x8, _ = quantize_fp8(x)
+  with pytest.raises(ValueError, match="`k_descale` holds values that are not positive"):
+    flash_attention(x8, x8, x8, q_descale=d, k_descale=d_bad, v_descale=d, backend="xla")
+
+
 def test_differentiating_fp8_operands_warns():
   """Gradients of FP8 q, k, v are FP8 (most entries underflow): differentiating them, directly
   or through quantize_fp8, warns; evaluating, or differentiating a 16-bit q against FP8 k, v,

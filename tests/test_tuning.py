@@ -137,3 +137,16 @@ def test_variants_of_no_backend_or_of_another_named_backend_raise_with_the_fix()
   with pytest.raises(ValueError, match=r"variants=.* cannot be used by backend 'xla'"):
     flash_attention(q, q, q, backend="xla",
                     block_sizes=BlockSizes(variants=pallas_mosaic_gpu.Variants()))
+
+
+def test_tune_interprets_a_backend_this_device_cannot_run(cache_dir, capsys):
+  """``tune --backend pallas_tpu`` on CPU times the kernels in interpret mode, as
+  ``flash_attention(interpret=None)`` runs them, and says so (every candidate failed before)."""
+  from pallas_ring import cli
+  with pytest.raises(SystemExit) as e:
+    cli.main(["tune", "--backend", "pallas_tpu", "--seq-len", "128", "--heads", "1",
+              "--head-dim", "128", "--dtype", "float32", "--passes", "fwd", "--iters", "1",
+              "--reps", "1"])
+  out = capsys.readouterr().out
+  assert e.value.code == 0, out
+  assert "timing them in interpret mode" in out and "candidates valid" in out

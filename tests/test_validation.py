@@ -46,6 +46,8 @@ CASES = [
     ("softcap_negative", lambda: fa(softcap=-1.0), ValueError, r"`softcap`=-1.0.*> 0"),
     ("scale_zero", lambda: fa(scale=0.0), ValueError, r"`scale`=0.0.*> 0"),
     ("scale_string", lambda: fa(scale="0.1"), TypeError, r"`scale`='0.1' is a string"),
+    ("return_lse_string", lambda: fa(return_lse="yes"), TypeError,
+     r"`return_lse`='yes' must be True or False"),
     ("mask_not_a_spec", lambda: fa(mask=np.ones((16, 16), bool)), TypeError,
      r"`mask` must be a pallas_ring.masks spec.*array of shape \(16, 16\).*dense_mask="),
     ("invalid_window", lambda: masks.SlidingWindow(-3), ValueError, r"left=-3.*>= 0"),

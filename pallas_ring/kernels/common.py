@@ -356,10 +356,12 @@ def merge_reduced(o, lse, reduce_max: Callable, reduce_sum: Callable):
 def descale_of(x, dtype, headroom: float = 1.0):
   """float32 ``[..., heads]``: the descale that maps ``headroom`` times the absolute maximum of
   each batch row and head of ``x [..., L, heads, H]`` to ``dtype``'s largest finite value (1
-  for an all-zero head)."""
-  amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=(-3, -1))  # [..., heads]
-  return jnp.where(amax > 0, amax * headroom / float(jnp.finfo(dtype).max), 1.0).astype(
-      jnp.float32)
+  for an all-zero head, NaN for a head holding NaN or infinity: no scale represents it)."""
+  x = jnp.asarray(x, jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=(-3, -1))  # [..., heads] (XLA's max may skip NaN)
+  finite = jnp.all(jnp.isfinite(x), axis=(-3, -1))
+  scaled = jnp.where(amax == 0, 1.0, amax * headroom / float(jnp.finfo(dtype).max))
+  return jnp.where(finite, scaled, jnp.nan).astype(jnp.float32)
 
 
 def quantize_with(x, descale, dtype):
