@@ -259,6 +259,15 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
                       "integer array (cast with `.astype(jnp.int32)`).")
 
 
+def _check_head_axis(mesh, config: SequenceParallelConfig, n: int, kv_heads: int) -> None:
+  if config.head_axis is None:
+    return
+  hs = mesh.shape[config.head_axis]
+  if n % hs or kv_heads % hs:
+    raise ValueError(f"head_axis={config.head_axis!r} has {hs} devices but q has {n} heads and "
+                     f"the caches {kv_heads}: both must be multiples of {hs}.")
+
+
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
                      mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
                      alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
@@ -278,7 +287,9 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     sinks, softcap, scale, alibi_slopes: as ``flash_attention``.
     mesh, config: with a mesh (given or active through ``jax.set_mesh``) holding
       ``config.axis_name``, the caches are sharded along S over that axis in contiguous slot
-      ranges (``config.batch_axes`` shard B); q and kv_lengths are replicated over it.
+      ranges (``config.batch_axes`` shard B, ``config.head_axis`` the heads); q and kv_lengths
+      are replicated over it. The config's ``strategy`` and ``ulysses_axis`` are the prefill's:
+      decode attends the cache where it lies (replicated over a ``ulysses_axis``).
     block_sizes: ``BlockSizes`` (its ``kv_splits`` sets the number of cache chunks); default
       ``config.block_sizes``.
     backend: a kernel backend, or ``"auto"`` (with a ``config``: its ``backend``).
@@ -329,6 +340,7 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     fn = functools.partial(_decode, **static)
   else:
     sharded.check_axes(run_mesh, cfg)
+    _check_head_axis(run_mesh, cfg, q.shape[2], k_cache.shape[2])
     fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, **static)
   return fp8.cast_output(_forward_only(fn)(*args), out_dtype, v_scale)
 
@@ -351,9 +363,9 @@ def _decode(q, k, v, q_pos, lengths, sinks, terms, *, settings, platforms, total
 def _decode_sharded(q, k, v, q_pos, lengths, sinks, terms, *, mesh, config, settings,
                     platforms, total, out_dtype):
   """shard_map over the cache's slots: each device attends its own, the results merge."""
-  sp = config.axis_name
+  sp, head = config.axis_name, config.head_axis
   batch = sharded.batch_spec(config)
-  rep, cache, rows = P(batch), P(batch, sp), P(batch, None)
+  rep, cache, rows = P(batch), P(batch, sp, head), P(batch, None, head)  # [B], [B, S, K, H], q
   local = functools.partial(_local_on, settings=settings, total=total)
 
   def per_device(q_, k_, v_, pos_, len_, sinks_, terms_):
@@ -368,10 +380,10 @@ def _decode_sharded(q, k, v, q_pos, lengths, sinks, terms, *, mesh, config, sett
     return _finish(o, lse, sinks_, out_dtype, settings)
 
   optional = lambda x, spec: None if x is None else spec
-  term_specs = operands.specs(terms, batch=batch, heads=None, rows=None)
-  in_specs = (rows, cache, cache, optional(q_pos, rows), optional(lengths, rep),
-              optional(sinks, P()), term_specs)
-  out_specs = (rows, rows) if settings.return_lse else rows
+  term_specs = operands.specs(terms, batch=batch, heads=head, rows=None)
+  in_specs = (rows, cache, cache, optional(q_pos, P(batch, None)), optional(lengths, rep),
+              optional(sinks, P(head)), term_specs)
+  out_specs = (rows, P(batch, head, None)) if settings.return_lse else rows  # lse [B, N, T]
   args = [sharded.constrain(x, mesh, s_)
           for x, s_ in zip((q, k, v, q_pos, lengths, sinks), in_specs)]
   args.append({name: sharded.constrain(x, mesh, term_specs[name]) for name, x in terms.items()})

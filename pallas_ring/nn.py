@@ -462,14 +462,16 @@ class RingAttention(nn.MultiHeadDotProductAttention):
 
 def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):
   """The PartitionSpec of a cache (or a chunk of it) ``[B, ..., S, K, H]`` under a mesh: batch
-  over ``config.batch_axes``, slots over ``config.axis_name`` (``slots=False``: replicated)."""
+  over ``config.batch_axes``, slots over ``config.axis_name`` (``slots=False``: replicated),
+  heads over ``config.head_axis`` (``decode_attention``'s)."""
   return P(batch_spec(config), *([None] * (ndim - 4)), config.axis_name if slots else None,
-           None, None)
+           config.head_axis, None)
 
 
 def _descale_spec(ndim: int, config: SequenceParallelConfig):
-  """The PartitionSpec of an FP8 cache's descales ``[B, ..., N]``: batch rows as the cache's."""
-  return P(batch_spec(config), *([None] * (ndim - 1)))
+  """The PartitionSpec of an FP8 cache's descales ``[B, ..., K]``: batch rows and heads as the
+  cache's."""
+  return P(batch_spec(config), *([None] * (ndim - 2)), config.head_axis)
 
 
 def _write_cache(cache, chunk, index, mesh, config):

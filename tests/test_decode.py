@@ -103,22 +103,29 @@ def test_a_row_with_nothing_visible_is_zero():
   assert jnp.all(jnp.isfinite(lse[1]))
 
 
-@pytest.mark.parametrize("shape, batch_axes, backend", [((8,), (), "xla"),
-                                                   ((2, 4), ("dp",), "xla"),
-                                                   ((4,), (), "pallas_triton")],
-                         ids=["sp8", "dp2_sp4", "sp4_triton"])
-def test_a_cache_sharded_along_its_slots_matches_one_device(shape, batch_axes, backend):
-  """The cache sharded over ``axis_name`` (and the batch over ``batch_axes``): each device
-  attends its own slot range and the results merge; equal to one device (output and lse)."""
+@pytest.mark.parametrize("shape, other, backend", [((8,), None, "xla"),
+                                              ((2, 4), "batch_axes", "xla"),
+                                              ((2, 4), "head_axis", "xla"),
+                                              ((4,), None, "pallas_triton")],
+                         ids=["sp8", "dp2_sp4", "hp2_sp4", "sp4_triton"])
+def test_a_cache_sharded_along_its_slots_matches_one_device(shape, other, backend):
+  """The cache sharded over ``axis_name`` (and the batch over ``batch_axes``, or the heads, with
+  the sinks and ALiBi slopes, over ``head_axis``): each device attends its own slot range and
+  the results merge; equal to one device (output and lse)."""
   names = ("dp", "sp")[-len(shape):]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=batch_axes, backend=backend)
+  axes = {} if other is None else {other: ("dp",) if other == "batch_axes" else "dp"}
+  cfg = SequenceParallelConfig(axis_name="sp", backend=backend, **axes)
   q, k, v, lengths = _problem(5, 2, 8, 2, s=1024)
   lengths = lengths.at[1].set(100)  # (most devices hold none of this row's slots)
   kw = dict(kv_lengths=lengths, mask=masks.SlidingWindow(300), return_lse=True)
+  if other == "head_axis":
+    kw |= dict(sinks=jnp.linspace(-1.0, 1.0, 8), alibi_slopes=jnp.linspace(0.01, 0.1, 8))
   out, lse = jax.jit(lambda *a: decode_attention(*a, mesh=mesh, config=cfg, **kw))(q, k, v)
   one, one_lse = decode_attention(q, k, v, backend="xla", **kw)
   assert rel_err(out, one) < 1e-6 and rel_err(lse, one_lse) < 1e-6
+  if other == "head_axis":  # (each device attended its own heads)
+    assert out.sharding.spec[2] == "dp" and lse.sharding.spec[1] == "dp"
   with jax.set_mesh(mesh):  # the active mesh serves as well
     np.testing.assert_array_equal(decode_attention(q, k, v, config=cfg, **kw)[0], out)
 
@@ -170,6 +177,15 @@ def test_mistakes_raise_naming_the_argument(change, error, match):
   kw = dict(q=q, backend="xla") | change
   with pytest.raises(error, match=match):
     decode_attention(kw.pop("q"), k, v, **kw)
+
+
+def test_heads_that_the_head_axis_does_not_divide_raise():
+  mesh = jax.make_mesh((2, 4), ("hp", "sp"), axis_types=(AxisType.Auto,) * 2)
+  cfg = SequenceParallelConfig(axis_name="sp", head_axis="hp", backend="xla")
+  q, k, v, _ = _problem(7, 1, 3, 1, s=128)
+  with pytest.raises(ValueError, match="head_axis='hp' has 2 devices but q has 3 heads and the "
+                                       "caches 1"):
+    decode_attention(q, k, v, mesh=mesh, config=cfg)
 
 
 def test_kv_lengths_may_be_a_list():

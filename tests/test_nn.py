@@ -215,13 +215,19 @@ def test_ring_attention_decode_matches_stock():
     assert rel_err(out, ref) < 1e-5, t
 
 
-def test_ring_attention_decodes_a_cache_sharded_along_its_slots():
+@pytest.mark.parametrize("heads_sharded", [False, True], ids=["sp8", "hp2_sp4"])
+def test_ring_attention_decodes_a_cache_sharded_along_its_slots(heads_sharded):
   """Under a mesh holding ``config.axis_name``, decode=True keeps the cache sharded along its
-  slots (a constraint that survives jit) and each step equals stock Flax's, token by token; the
-  step runs decode_attention over the shards (a shard_map), not a dense mask."""
+  slots (a constraint that survives jit; its heads over ``head_axis``) and each step equals
+  stock Flax's, token by token; the step runs decode_attention over the shards (a shard_map),
+  not a dense mask."""
   x = _x(12, t=16)
-  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
-  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  if heads_sharded:
+    mesh = jax.make_mesh((2, 4), ("hp", "sp"), axis_types=(AxisType.Auto,) * 2)
+    cfg = SequenceParallelConfig(axis_name="sp", head_axis="hp", backend="xla")
+  else:
+    mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+    cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
   stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
   ours = RingAttention(num_heads=N, decode=True, mask=masks.Causal(), config=cfg, mesh=mesh)
   init = stock.init(jax.random.key(0), x)
@@ -230,14 +236,15 @@ def test_ring_attention_decodes_a_cache_sharded_along_its_slots():
   step = lambda m: jax.jit(lambda c, xt: m.apply({"params": params, "cache": c}, xt,
                                                   mutable=["cache"]))
   ours_step, stock_step = step(ours), step(stock)
-  spec = lambda c: c["cached_key"].sharding.spec
-  assert tuple(spec(cache_o))[1] == "sp"
+  spec = lambda c: (*c["cached_key"].sharding.spec, None, None)[1:3]  # [B, S, K, H]: S, K
+  want = ("sp", "hp" if heads_sharded else None)
+  assert spec(cache_o) == want
   for t in range(16):
     ref, vs = stock_step(cache_s, x[:, t:t + 1])
     out, vo = ours_step(cache_o, x[:, t:t + 1])
     cache_s, cache_o = vs["cache"], vo["cache"]
     assert rel_err(out, ref) < 1e-5, t
-    assert tuple(spec(cache_o))[1] == "sp", t
+    assert spec(cache_o) == want, t
   text = ours_step.trace(cache_o, x[:, :1]).lower().as_text()
   assert "manual_computation" in text or "shard_map" in text
 
