@@ -119,9 +119,9 @@ def compile_cmd(args) -> int:
   unused = {f: getattr(cfg, f) for f in ("batch_axes", "head_axis") if getattr(cfg, f)}
   if cfg.backend not in ("auto", "pallas_tpu"):
     unused["backend"] = cfg.backend
-  if unused:  # (compile_ring's program: B=1, one sequence-parallel axis over every chip)
-    print("note: compiling B=1 over one sequence-parallel axis of every chip with pallas_tpu: "
-          f"the config's {', '.join(f'{k}={v!r}' for k, v in unused.items())} are not used",
+  if unused:  # (compile_ring's program: B=1, the sequence over every chip)
+    print("note: compiling B=1, the sequence sharded over every chip, with pallas_tpu: the "
+          f"config's {', '.join(f'{k}={v!r}' for k, v in unused.items())} are not used",
           file=sys.stderr, flush=True)
   cfg = cfg.replace(batch_axes=(), head_axis=None)
   if args.strategy is not None:
@@ -196,7 +196,7 @@ def tune_cmd(args) -> int:
     print(f"note: {backend}'s kernels do not run on {here}: timing them in interpret mode "
           "(keep --seq-len small)", flush=True)
   problem = tune.Problem(backend=backend, seq_len=args.seq_len, heads=args.heads,
-                         kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
+                         kv_heads=args.kv_heads, head_dim=args.head_dim,
                          dtype=args.dtype, mask=args.mask, batch=args.batch,
                          interpret=interpret)
   print(f"tuning {problem} on {jax.devices()[0].device_kind}", flush=True)
@@ -230,6 +230,14 @@ def _passes(text: str) -> str:
   if not text or not set(text.split(",")) <= {"fwd", "bwd"}:
     raise argparse.ArgumentTypeError(f"{text!r}: expected fwd, bwd or fwd,bwd")
   return text
+
+
+def _head_counts(p: argparse.ArgumentParser) -> None:
+  """``--heads`` and ``--kv-heads`` (checked together by ``main``)."""
+  p.add_argument("--heads", type=_positive, default=16, help="query heads N")
+  p.add_argument("--kv-heads", type=_positive, default=None,
+                 help="key/value heads K, dividing N (None: K = N)")
+  p.set_defaults(command_parser=p)  # (main's errors about both flags: this command's usage)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -275,8 +283,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--config", default=None,
                  help="a preset name (e.g. tpu_v5e_8) or the path of a YAML config")
   p.add_argument("--seq-len", type=_positive, default=32768, help="total tokens over the ring")
-  p.add_argument("--heads", type=_positive, default=16, help="query heads N")
-  p.add_argument("--kv-heads", type=_positive, default=16, help="key/value heads K (N %% K == 0)")
+  _head_counts(p)
   p.add_argument("--head-dim", type=_positive, default=128, help="head dim H")
   p.add_argument("--strategy", default=None,
                  choices=["auto", "ring", "all_gather", "ulysses", "ulysses_ring"],
@@ -286,8 +293,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--backend", default="auto",
                  help="kernel backend (auto: this device's native one, xla on CPU)")
   p.add_argument("--seq-len", type=_positive, default=4096, help="tokens T = S")
-  p.add_argument("--heads", type=_positive, default=16, help="query heads N")
-  p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads K (None: K = N)")
+  _head_counts(p)
   p.add_argument("--head-dim", type=_positive, default=128, help="head dim H")
   p.add_argument("--batch", type=_positive, default=1, help="batch B")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -302,16 +308,23 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> None:
+def _parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  """The parser and the parsed ``argv``, ``--kv-heads`` resolved and checked against ``--heads``."""
   parser = _parser()
   args = parser.parse_args(argv)
+  if hasattr(args, "kv_heads"):
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+      args.command_parser.error(f"--heads {args.heads} must be a multiple of --kv-heads "
+                                f"{args.kv_heads} (MHA: equal, GQA: a divisor, MQA: 1)")
+  return parser, args
+
+
+def main(argv=None) -> None:
+  parser, args = _parse_args(argv)
   if args.cmd is None:  # (asked for nothing: the verbs, and success)
     parser.print_help()
     sys.exit(0)
-  heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
-  if heads and kv_heads and heads % kv_heads:
-    parser.error(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (MHA: equal, "
-                 "GQA: a divisor, MQA: 1)")
   if args.cmd == "demo":
     _ensure_devices(8)
   if args.cmd == "compile":

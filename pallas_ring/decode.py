@@ -259,15 +259,6 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
                       "integer array (cast with `.astype(jnp.int32)`).")
 
 
-def _check_head_axis(mesh, config: SequenceParallelConfig, n: int, kv_heads: int) -> None:
-  if config.head_axis is None:
-    return
-  hs = mesh.shape[config.head_axis]
-  if n % hs or kv_heads % hs:
-    raise ValueError(f"head_axis={config.head_axis!r} has {hs} devices but q has {n} heads and "
-                     f"the caches {kv_heads}: both must be multiples of {hs}.")
-
-
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
                      mask=masks_lib.Causal(), sinks=None, softcap=None, scale=None,
                      alibi_slopes=None, mesh=None, config: Optional[SequenceParallelConfig] = None,
@@ -340,7 +331,7 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     fn = functools.partial(_decode, **static)
   else:
     sharded.check_axes(run_mesh, cfg)
-    _check_head_axis(run_mesh, cfg, q.shape[2], k_cache.shape[2])
+    sharded.check_heads(run_mesh, cfg, q.shape[2], k_cache.shape[2], kv_name="the caches")
     fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, **static)
   return fp8.cast_output(_forward_only(fn)(*args), out_dtype, v_scale)
 

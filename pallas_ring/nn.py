@@ -30,8 +30,8 @@ from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import (active_mesh, batch_spec, constrain, natural_order_mask,
-                                 sharded_attention)
+from pallas_ring.sharded import (active_mesh, batch_spec, check_heads, constrain,
+                                 natural_order_mask, sharded_attention)
 
 Array = Any
 
@@ -434,7 +434,7 @@ class RingAttention(nn.MultiHeadDotProductAttention):
         if mesh is not None:  # (batch rows where the cache's are, for Explicit axes too)
           spec = _descale_spec(stored.ndim, self.config)
           stored, fresh = constrain(stored, mesh, spec), constrain(fresh, mesh, spec)
-        d = jnp.where(stored > 0, stored, fresh)
+        d = jnp.where((stored > 0) | jnp.isnan(stored), stored, fresh)  # (NaN: kept)
         self.put_variable("cache", f"{name}_descale", d)
         x, descales[word] = fp8.quantize_with(x, d, c.dtype), d
       chunks.append(x.astype(c.dtype))
@@ -453,6 +453,7 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       return
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
+      check_heads(mesh, self.config, self.num_heads, x.shape[-2], kv_name="the cache")
       self.put_variable("cache", name, constrain(x, mesh, _cache_spec(x.ndim, self.config)))
       if self.has_variable("cache", f"{name}_descale"):
         d = self.get_variable("cache", f"{name}_descale")

@@ -63,6 +63,18 @@ def check_axes(mesh, config: SequenceParallelConfig):
                        f"jax.make_mesh((..), {names[:-1] + (axis,)}).")
 
 
+def check_heads(mesh, config: SequenceParallelConfig, n: int, kv_heads: int,
+                kv_name: str = "k/v") -> None:
+  """Raises unless ``config.head_axis`` (if any) divides the ``n`` query and ``kv_heads`` key /
+  value heads."""
+  if config.head_axis is None:
+    return
+  hs = mesh.shape[config.head_axis]
+  if n % hs or kv_heads % hs:
+    raise ValueError(f"head_axis={config.head_axis!r} has {hs} devices but q has {n} heads and "
+                     f"{kv_name} {kv_heads}: both must be multiples of {hs}.")
+
+
 def _size(mesh, axes):
   n = 1
   for a in (axes if isinstance(axes, tuple) else (axes,)):
@@ -168,11 +180,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     raise ValueError(f"batch size {b} is not divisible by the {_size(mesh, batch)} devices of "
                      f"batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
   head = config.head_axis
-  if head is not None:
-    hs = mesh.shape[head]
-    if n % hs or k.shape[2] % hs:
-      raise ValueError(f"head_axis={head!r} has {hs} devices but q has {n} heads and k/v "
-                       f"{k.shape[2]}: both must be multiples of {hs}.")
+  check_heads(mesh, config, n, k.shape[2])
   uly_field = "axis_name" if config.strategy == "ulysses" else "ulysses_axis"
   uly_axis = getattr(config, uly_field)
   if uly_axis is not None:

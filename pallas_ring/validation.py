@@ -106,7 +106,7 @@ def check_flag(name: str, value) -> bool:
   truth would be read silently)."""
   if isinstance(value, (bool, np.bool_)):
     return bool(value)
-  raise TypeError(f"`{name}`={value!r} must be True or False (a Python bool), got "
+  raise TypeError(f"`{name}`={value!r} must be True or False (a Python or NumPy bool), got "
                   f"{type(value).__name__}.")
 
 

@@ -48,8 +48,8 @@ def test_compile_prints_what_auto_chose(capsys):
   """``--strategy auto``: the choice and its modelled costs, before the compiled report (a
   short causal sequence over 4 chips: Ulysses' two all-to-alls beat the ring's three steps)."""
   from pallas_ring import SequenceParallelConfig
-  args = cli._parser().parse_args(["compile", "--topology", "v5e:2x2", "--strategy",
-                                        "auto", "--seq-len", "4096"])
+  _, args = cli._parse_args(["compile", "--topology", "v5e:2x2", "--strategy", "auto",
+                             "--seq-len", "4096"])
   cli._print_auto_choice(SequenceParallelConfig(axis_name="sp", layout="zigzag"), 4, args)
   out = capsys.readouterr().out
   assert "strategy='auto' chose 'ulysses'" in out and "ring hops forward/backward 3/0" in out
@@ -83,7 +83,8 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
     (["tune", "--dtype", "foo"], "invalid choice: 'foo'"),
     (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128"),
     (["tune", "--heads", "16", "--kv-heads", "3"], "--heads 16 must be a multiple of --kv-heads 3"),
-    (["compile", "--heads", "8", "--kv-heads", "3"], "--heads 8 must be a multiple of --kv-heads 3")])
+    (["compile", "--heads", "8", "--kv-heads", "3"],
+     "pallas_ring compile: error: --heads 8 must be a multiple of --kv-heads 3")])
 def test_bad_arguments_are_one_line_errors(capsys, argv, says):
   """Bad flags are refused before anything runs (``tune --batch 0`` used to time empty arrays and
   overwrite the tile cache), in one line that names the flag."""

@@ -112,20 +112,21 @@ def test_a_cache_sharded_along_its_slots_matches_one_device(shape, other, backen
   """The cache sharded over ``axis_name`` (and the batch over ``batch_axes``, or the heads, with
   the sinks and ALiBi slopes, over ``head_axis``): each device attends its own slot range and
   the results merge; equal to one device (output and lse)."""
-  names = ("dp", "sp")[-len(shape):]
+  names = ({"head_axis": "hp"}.get(other, "dp"), "sp")[-len(shape):]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-  axes = {} if other is None else {other: ("dp",) if other == "batch_axes" else "dp"}
+  axes = {} if other is None else {other: ("dp",) if other == "batch_axes" else "hp"}
   cfg = SequenceParallelConfig(axis_name="sp", backend=backend, **axes)
   q, k, v, lengths = _problem(5, 2, 8, 2, s=1024)
   lengths = lengths.at[1].set(100)  # (most devices hold none of this row's slots)
   kw = dict(kv_lengths=lengths, mask=masks.SlidingWindow(300), return_lse=True)
   if other == "head_axis":
-    kw |= dict(sinks=jnp.linspace(-1.0, 1.0, 8), alibi_slopes=jnp.linspace(0.01, 0.1, 8))
+    kw |= dict(sinks=jnp.linspace(-1.0, 1.0, 8), alibi_slopes=jnp.linspace(0.01, 0.1, 8),
+               q_positions=(lengths[:, None] - 1 - jnp.arange(2)[::-1]) // 2)
   out, lse = jax.jit(lambda *a: decode_attention(*a, mesh=mesh, config=cfg, **kw))(q, k, v)
   one, one_lse = decode_attention(q, k, v, backend="xla", **kw)
   assert rel_err(out, one) < 1e-6 and rel_err(lse, one_lse) < 1e-6
   if other == "head_axis":  # (each device attended its own heads)
-    assert out.sharding.spec[2] == "dp" and lse.sharding.spec[1] == "dp"
+    assert out.sharding.spec[2] == "hp" and lse.sharding.spec[1] == "hp"
   with jax.set_mesh(mesh):  # the active mesh serves as well
     np.testing.assert_array_equal(decode_attention(q, k, v, config=cfg, **kw)[0], out)
 

@@ -39,8 +39,9 @@ def test_quantize_keeps_each_heads_amax_and_its_precision(dtype):
 
 
 def test_a_head_holding_nan_gets_a_nan_descale_that_attention_rejects():
-  """No scale represents NaN or infinity: such a head's descale is NaN (it was 1, silently),
-  the other heads' are as without it, and attention names the descale."""
+  """No scale represents NaN or infinity: such a head's descale is NaN (it was finite, or
+  infinite for infinity), the other heads' are as without it; attention names the descale, and
+  under jit, where it cannot read it, gives NaN."""
   x = _problem(2)[1]
   bad = x.at[0, 3, 1, 5].set(jnp.nan).at[1, 0, 0, 0].set(jnp.inf)
   d, d_bad = quantize_fp8(x)[1], quantize_fp8(bad)[1]
@@ -50,6 +51,9 @@ def test_a_head_holding_nan_gets_a_nan_descale_that_attention_rejects():
   x8, _ = quantize_fp8(x)
   with pytest.raises(ValueError, match="`k_descale` holds values that are not positive"):
     flash_attention(x8, x8, x8, q_descale=d, k_descale=d_bad, v_descale=d, backend="xla")
+  out = jax.jit(lambda kd: flash_attention(x8, x8, x8, q_descale=d, k_descale=kd, v_descale=d,
+                                           backend="xla"))(d_bad)
+  assert np.all(np.isnan(np.asarray(out[0, :, 1], np.float32)))
 
 
 def test_differentiating_fp8_operands_warns():

@@ -331,6 +331,30 @@ def test_ring_attention_decodes_on_a_mesh_with_explicit_axes(via, cache_dtype):
     assert rel_err(got, cache_s[name]) < (1e-6 if cache_dtype is None else 0.04), name
 
 
+def test_an_fp8_cache_decodes_with_its_heads_sharded():
+  """``config.head_axis``: an FP8 cache's slots over "sp", its heads and their descales over
+  "hp" (Explicit axes), decoding as stock Flax within FP8's error."""
+  x = _x(17, t=16)
+  mesh = jax.make_mesh((2, 4), ("hp", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  cfg = SequenceParallelConfig(axis_name="sp", head_axis="hp", backend="xla")
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  init = stock.init(jax.random.key(0), x)
+  params, cache_s = init["params"], init["cache"]
+  ours = RingAttention(num_heads=N, decode=True, config=cfg, mesh=mesh,
+                       cache_dtype=jnp.float8_e4m3fn)
+  step = jax.jit(lambda c, xt: ours.apply({"params": params, "cache": c}, xt, mutable=["cache"]))
+  cache_o = ours.init(jax.random.key(0), x)["cache"]
+  outs = []
+  for lo, hi in ((0, 9), (9, 10), (10, 16)):
+    out, v = step(cache_o, x[:, lo:hi])
+    outs.append(out)
+    cache_o = v["cache"]
+  assert tuple(cache_o["cached_key"].sharding.spec)[1:3] == ("sp", "hp")
+  assert tuple(cache_o["cached_key_descale"].sharding.spec)[-1] == "hp"
+  ref, _ = _stock_token_by_token(stock, params, cache_s, x)
+  assert rel_err(jnp.concatenate(outs, axis=1), ref) < 0.05
+
+
 @pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_ring_attention_keeps_an_fp8_decode_cache(sharded):

@@ -48,6 +48,8 @@ CASES = [
     ("scale_string", lambda: fa(scale="0.1"), TypeError, r"`scale`='0.1' is a string"),
     ("return_lse_string", lambda: fa(return_lse="yes"), TypeError,
      r"`return_lse`='yes' must be True or False"),
+    ("dropout_broadcast_int", lambda: fa(dropout_broadcast=1), TypeError,
+     r"`dropout_broadcast`=1 must be True or False"),
     ("mask_not_a_spec", lambda: fa(mask=np.ones((16, 16), bool)), TypeError,
      r"`mask` must be a pallas_ring.masks spec.*array of shape \(16, 16\).*dense_mask="),
     ("invalid_window", lambda: masks.SlidingWindow(-3), ValueError, r"left=-3.*>= 0"),
@@ -73,6 +75,11 @@ def test_error(case):
   _, call, exc, match = case
   with pytest.raises(exc, match=match):
     call()
+
+
+def test_numpy_bools_are_flags():
+  out, lse = fa(return_lse=np.True_, backend="xla")
+  assert out.shape == Q.shape and lse.shape == (2, 4, 16)
 
 
 def _mesh(shape=(4,), names=("sp",)):

@@ -358,10 +358,10 @@ def descale_of(x, dtype, headroom: float = 1.0):
   each batch row and head of ``x [..., L, heads, H]`` to ``dtype``'s largest finite value (1
   for an all-zero head, NaN for a head holding NaN or infinity: no scale represents it)."""
   x = jnp.asarray(x, jnp.float32)
-  amax = jnp.max(jnp.abs(x), axis=(-3, -1))  # [..., heads] (XLA's max may skip NaN)
-  finite = jnp.all(jnp.isfinite(x), axis=(-3, -1))
+  # [..., heads]: NaN counted as infinity (a max over it may return either)
+  amax = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=(-3, -1))
   scaled = jnp.where(amax == 0, 1.0, amax * headroom / float(jnp.finfo(dtype).max))
-  return jnp.where(finite, scaled, jnp.nan).astype(jnp.float32)
+  return jnp.where(jnp.isfinite(amax), scaled, jnp.nan).astype(jnp.float32)
 
 
 def quantize_with(x, descale, dtype):
