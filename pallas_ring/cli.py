@@ -232,6 +232,15 @@ def _passes(text: str) -> str:
   return text
 
 
+def _backend(text: str) -> str:
+  """An argparse type: a registered kernel backend or ``auto`` (imports JAX only when given)."""
+  from pallas_ring import kernels
+  if text not in kernels.backend_names():
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected one of {', '.join(kernels.backend_names())}")
+  return text
+
+
 def _head_counts(p: argparse.ArgumentParser) -> None:
   """``--heads`` and ``--kv-heads`` (checked together by ``main``)."""
   p.add_argument("--heads", type=_positive, default=16, help="query heads N")
@@ -290,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="sequence-parallel strategy (None: the config's); auto prints its choice")
   p = sub.add_parser("tune", formatter_class=fmt,
                      help="measure tile candidates on this device and write the tile cache")
-  p.add_argument("--backend", default="auto",
+  p.add_argument("--backend", type=_backend, default="auto",
                  help="kernel backend (auto: this device's native one, xla on CPU)")
   p.add_argument("--seq-len", type=_positive, default=4096, help="tokens T = S")
   _head_counts(p)

@@ -81,6 +81,7 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
     (["tune", "--iters", "x"], "--iters: 'x' is not an integer >= 1"),
     (["tune", "--passes", "sideways"], "expected fwd, bwd or fwd,bwd"),
     (["tune", "--dtype", "foo"], "invalid choice: 'foo'"),
+    (["tune", "--backend", "cuda"], "--backend: 'cuda': expected one of auto, pallas_tpu"),
     (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128"),
     (["tune", "--heads", "16", "--kv-heads", "3"], "--heads 16 must be a multiple of --kv-heads 3"),
     (["compile", "--heads", "8", "--kv-heads", "3"],
