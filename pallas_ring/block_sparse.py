@@ -264,6 +264,17 @@ def range_plan(mask: masks_lib.MaskSpec, q_info: TokenInfo, kv_info: TokenInfo, 
                    q_lists, q_rows, q_rows, any_live=xp.any(any_live))
 
 
+@contextlib.contextmanager
+def _host_eval():
+  """Evaluates jnp ops on known values at once (a mask's ``block_fn`` on numpy bounds), outside
+  any mesh: inside a ``shard_map`` under an active mesh, jnp would ask for the sharding of a
+  value that has none there (an AssertionError in JAX)."""
+  no_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+  with jax.ensure_compile_time_eval(), (
+      no_mesh(jax.sharding.AbstractMesh((), ())) if no_mesh else contextlib.nullcontext()):
+    yield
+
+
 def _classes(mask, q_info, kv_info, block_q, block_kv, q_len, kv_len, dense_mask):
   """``(block_class [Bp, Np, nq, nk] int32, xp)``: every tile's class, in numpy when every
   input is known while tracing (``xp``), else on device."""
@@ -274,7 +285,7 @@ def _classes(mask, q_info, kv_info, block_q, block_kv, q_len, kv_len, dense_mask
   qb = masks_lib.BlockBounds(qs.pos.lo[:, :, None], qs.pos.hi[:, :, None])
   kb = masks_lib.BlockBounds(ks.pos.lo[:, None, :], ks.pos.hi[:, None, :])
   xp = _xp(qb.lo, kb.lo)
-  with jax.ensure_compile_time_eval() if xp is np else contextlib.nullcontext():
+  with _host_eval() if xp is np else contextlib.nullcontext():
     any_, all_ = (xp.asarray(x) for x in mask.block_test(qb, kb))  # (jnp inside some masks)
   any_ = any_ & ~qs.all_pad[None, :, None] & ~ks.all_pad[None, None, :]
   all_ = all_ & ~ks.has_pad[None, None, :]

@@ -37,6 +37,18 @@ def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int, segment_ids
                      "entry are padding).")
 
 
+def check_positions(cu_seqlens, positions, placed: bool, fix: str) -> None:
+  """``cu_seqlens`` pack the natural order; a sequence-parallel call finds each token's index
+  in it from the layout, or from ``positions`` only where they are a ``Placement``'s (the
+  tokens' original indices): other positions beside ``cu_seqlens`` raise."""
+  if cu_seqlens is not None and positions is not None and not placed:
+    raise ValueError(
+        "`cu_seqlens` and `positions` together: `cu_seqlens` pack the naturally ordered "
+        "sequence, and positions of your own do not say where each token stands in it. Pass "
+        f"{fix}, or segment ids in layout order instead of `cu_seqlens` (e.g. "
+        "layouts.permute(pallas_ring.segment_ids_from_cu_seqlens(cu_seqlens, T), ...)).")
+
+
 def segment_ids_from_cu_seqlens(cu_seqlens, length: int):
   """``[1, length]`` int32 segment ids of packed sequences: token t gets the index of the
   sequence ``cu_seqlens[d] <= t < cu_seqlens[d + 1]``; tokens at or past ``cu_seqlens[-1]`` get

@@ -447,7 +447,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
     cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the *global*,
       naturally ordered sequence (B must be 1); each token's sequence comes from its layout
       position, and tokens past ``cu_seqlens[-1]`` are padding (output 0). Excludes
-      ``segment_ids``.
+      ``segment_ids`` and ``positions``.
     q_descale, k_descale, v_descale, out_dtype: as ``flash_attention``; FP8 operands are
       dequantized here, as each device's descales may differ (not so in sharded_attention).
     quantize: as ``flash_attention``; the scales are the maxima over the whole ring, so that
@@ -491,6 +491,7 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
                      f"one sharded sequence), got q {t} and k/v {k.shape[1]}.")
   if cu_seqlens is not None:
     packing.check_cu_seqlens("cu_seqlens", cu_seqlens, t * r, b, segment_ids)
+    packing.check_positions(cu_seqlens, positions, False, "no positions (the layout's)")
   if ring_variants is not None and not isinstance(ring_variants, halo_lib.RingVariants):
     raise ValueError(f"`ring_variants`={ring_variants!r} is not a RingVariants: pass "
                      "pallas_ring.halo.RingVariants(...) or None (the defaults).")
@@ -515,8 +516,10 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str
   segment_ids, kv_segment_ids = arrays.segment_ids, arrays.kv_segment_ids
   layout_pos = layouts.positions(t * r, layout, r, lax.axis_index(axis_name))
   if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
-    segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.Q_PAD)
-    kv_segment_ids = packing.packed_segment_ids(cu_seqlens, layout_pos, packing.KV_PAD)
+    # (given positions here are a Placement's, B = 1: the tokens' original indices)
+    index = layout_pos if arrays.q_positions is None else arrays.q_positions.reshape(-1)
+    segment_ids = packing.packed_segment_ids(cu_seqlens, index, packing.Q_PAD)
+    kv_segment_ids = packing.packed_segment_ids(cu_seqlens, index, packing.KV_PAD)
   if r == 1:  # (default positions stay None: flash_attention's own, whose plan is built ahead)
     arrays = arrays._replace(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     return attention.run(q, k, v, checked._replace(arrays=arrays))

@@ -130,7 +130,9 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
     dropout_rate, dropout_rng, dropout_broadcast: as ``flash_attention``: the mask hashes the
       global batch index, query head and positions, so it is the unsharded call's.
     cu_seqlens: int ``[D + 1]`` cumulative lengths of sequences packed along the naturally
-      ordered sequence (B must be 1); excludes ``segment_ids``.
+      ordered sequence (B must be 1); excludes ``segment_ids``. Each token's index in that
+      sequence is its layout position, or a ``Placement``'s position (its original index);
+      other ``positions`` beside it raise.
     q_descale, k_descale, v_descale, out_dtype: as ``flash_attention`` (FP8 q, k, v of one
       dtype: the ring's forward steps in FP8 on Hopper, and K/V sent in FP8).
     quantize: as ``flash_attention`` (scales over the whole sequence): FP8 training, every
@@ -151,6 +153,8 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
     placement, positions = positions, positions.positions
+  packing.check_positions(cu_seqlens, positions, placement is not None,
+                          "positions=placement (a layouts.Placement) or none")
   q, k, v, descales, compute, out_dtype = fp8.prepare(q, k, v, q_descale, k_descale, v_descale,
                                                       out_dtype, quantize_to=quantize)
   checked = call.check(

@@ -95,9 +95,10 @@ def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, cu_seqlens=No
     if positions is None and layout != "contiguous":
       local = local._replace(q_positions=order, kv_positions=order)
     if cu_seqlens is not None:  # sequences of the natural order: each token's by its position
-      local = local._replace(segment_ids=packing.packed_segment_ids(cu_seqlens, order,
+      index = order if positions is None else positions.reshape(-1)  # (a Placement's, B = 1)
+      local = local._replace(segment_ids=packing.packed_segment_ids(cu_seqlens, index,
                                                                     packing.Q_PAD),
-                             kv_segment_ids=packing.packed_segment_ids(cu_seqlens, order,
+                             kv_segment_ids=packing.packed_segment_ids(cu_seqlens, index,
                                                                        packing.KV_PAD))
     out = attention.run(q, k, v, checked._replace(arrays=local))
   if checked.settings.return_lse:

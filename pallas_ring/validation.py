@@ -134,7 +134,8 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
   if _wider_than_int32(dtype) and not isinstance(x, jax.core.Tracer):
     # The kernels compare int32 values: wider ones are read here where they are concrete (traced
     # ones, under jit, poison the entry points' output: ``int32_overflow``).
-    lo, hi = int(np.min(x)), int(np.max(x))
+    values = np.asarray(x)  # (on the host: np.min of a jax Array would stage into a trace)
+    lo, hi = int(values.min()), int(values.max())
     if lo < INT32_MIN or hi > INT32_MAX:
       fix = ("renumber them into int32, q's and kv's ids alike (e.g. by their ranks in "
              "`np.unique` of both)" if "segment" in name else "pass positions that fit int32")

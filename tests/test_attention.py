@@ -385,6 +385,11 @@ def test_wide_token_arrays_must_fit_int32():
     f = jax.jit(lambda seg: flash_attention(q, k, v, segment_ids=seg))
     assert jnp.all(jnp.isnan(f(np.array([[0] * 6 + [2**32] * 6], np.int64))))
     assert not jnp.any(jnp.isnan(f(np.array([[0] * 6 + [7] * 6], np.int64))))
+    # Concrete int64 arrays closed over by a jitted function are read too (np.min staged them
+    # into the trace: a ConcretizationTypeError).
+    seg = jnp.asarray(np.array([[0] * 6 + [7] * 6], np.int64))
+    g = jax.jit(lambda q_: flash_attention(q_, k, v, segment_ids=seg, backend="xla"))
+    assert rel_err(g(q), flash_attention(q, k, v, segment_ids=seg, backend="xla")) == 0
 
 
 # --------------------------------------------------------------- 5/6. float64 and x64 mode --

@@ -171,3 +171,26 @@ def test_placement_used_with_another_layout_or_ring_raises(layout, devices, matc
     with pytest.raises(ValueError, match=match):
       sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
                         segment_ids=p.permute(seg), positions=positions)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+def test_cu_seqlens_on_a_placement_pack_the_original_order(strategy):
+  """``cu_seqlens`` with a placement's positions: each token's sequence is found at its original
+  index, not its index in layout order (it was, silently), and the padding tail is invisible;
+  positions of one's own beside ``cu_seqlens`` raise."""
+  from pallas_ring import packing
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", strategy=strategy, backend="xla")
+  cu = np.array([0, 60, 90, 110, 120], np.int32)  # 8 tokens of padding
+  p = layouts.balance(np.asarray(packing.segment_ids_from_cu_seqlens(cu, 128)), 8,
+                      mask=masks.Causal())
+  q, k, v = _problem(5, 1, 128, n=8)
+  out = sharded_attention(*(p.permute(x) for x in (q, k, v)), mesh=mesh, config=cfg,
+                          mask=masks.Causal(), cu_seqlens=jnp.asarray(cu), positions=p)
+  ids = lambda pad: packing.packed_segment_ids(cu, jnp.arange(128), pad)
+  ref = reference.attention(q, k, v, mask=masks.Causal(), segment_ids=ids(-1),
+                            kv_segment_ids=ids(-2))[0]
+  assert rel_err(p.unpermute(out), ref) < 2e-5
+  with pytest.raises(ValueError, match="`cu_seqlens` and `positions` together"):
+    sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=masks.Causal(),
+                      cu_seqlens=jnp.asarray(cu), positions=jnp.arange(128) + 7)

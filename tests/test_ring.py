@@ -424,3 +424,23 @@ def test_default_mesh_axis_types_readme_pattern():
     assert rel_err(jax.grad(loss)(q), want) < 1e-6
     qs = jax.device_put(q, jax.sharding.NamedSharding(mesh, P(None, "sp")))  # (shard_map's rule)
     assert rel_err(jax.grad(lambda x: jnp.sum(own(x) ** 2))(qs), want) < 1e-5
+
+
+def _every_third(q, k):
+  return (k <= q) & ((q - k) % 3 != 1)
+
+
+def _every_third_blocks(q_lo, q_hi, k_lo, k_hi):
+  return k_lo <= q_hi, jnp.zeros_like(k_lo <= q_hi)  # (jnp on the host's bounds)
+
+
+def test_a_custom_block_fn_using_jnp_under_the_readme_mesh():
+  """A ``Custom`` mask's ``block_fn`` calling jnp runs on the plan's bounds inside the ring's
+  shard_map; under ``jax.set_mesh`` of an Explicit mesh that raised a bare AssertionError."""
+  mask = masks.Custom(_every_third, _every_third_blocks)
+  mesh = jax.make_mesh((8,), ("sp",))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  q, k, v = _problem(21, b=1, t=128)[:3]
+  with jax.set_mesh(mesh):
+    out = sharded_attention(q, k, v, mesh=mesh, config=cfg, mask=mask)
+  assert rel_err(out, reference.attention(q, k, v, mask=mask)[0]) < 1e-5
