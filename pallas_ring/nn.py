@@ -465,14 +465,15 @@ def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):
   """The PartitionSpec of a cache (or a chunk of it) ``[B, ..., S, K, H]`` under a mesh: batch
   over ``config.batch_axes``, slots over ``config.axis_name`` (``slots=False``: replicated),
   heads over ``config.head_axis`` (``decode_attention``'s)."""
-  return P(batch_spec(config), *([None] * (ndim - 4)), config.axis_name if slots else None,
-           config.head_axis, None)
+  lead = (batch_spec(config), *([None] * (ndim - 4))) if ndim > 3 else ()  # (none: unbatched)
+  return P(*lead, config.axis_name if slots else None, config.head_axis, None)
 
 
 def _descale_spec(ndim: int, config: SequenceParallelConfig):
   """The PartitionSpec of an FP8 cache's descales ``[B, ..., K]``: batch rows and heads as the
   cache's."""
-  return P(batch_spec(config), *([None] * (ndim - 2)), config.head_axis)
+  lead = (batch_spec(config), *([None] * (ndim - 2))) if ndim > 1 else ()  # (none: unbatched)
+  return P(*lead, config.head_axis)
 
 
 def _write_cache(cache, chunk, index, mesh, config):

@@ -573,3 +573,25 @@ def test_example_prints_both_losses_at_every_step(capsys):
     assert abs(stock - ours) <= 1e-3 * stock and rel < 1e-3
   assert rows[-1][1] < rows[0][1] - 0.5  # it learns
   assert worst < 1e-3 and f"{worst:.1e}" in out[52]
+
+
+@pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn],
+                         ids=lambda d: jnp.dtype(d).name if d else "None")
+def test_unbatched_inputs_decode_on_a_mesh(cache_dtype):
+  """Inputs without a batch axis (``[T, D]``, as Flax takes them): the cache ``[S, K, H]`` is
+  sharded along its slots (its spec had a batch entry too many) and decoding matches stock."""
+  x = _x(19, t=16)[0]  # [T, D]
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  init = stock.init(jax.random.key(0), x)
+  params, cache_s = init["params"], init["cache"]
+  ours = RingAttention(num_heads=N, decode=True, config=cfg, mesh=mesh, cache_dtype=cache_dtype)
+  cache_o = ours.init(jax.random.key(0), x)["cache"]
+  step = jax.jit(lambda c, xt: ours.apply({"params": params, "cache": c}, xt, mutable=["cache"]))
+  for t in range(4):
+    ref, vs = stock.apply({"params": params, "cache": cache_s}, x[t:t + 1], mutable=["cache"])
+    out, vo = step(cache_o, x[t:t + 1])
+    cache_s, cache_o = vs["cache"], vo["cache"]
+    assert rel_err(out, ref) < (1e-5 if cache_dtype is None else 0.05), t
+  assert tuple(cache_o["cached_key"].sharding.spec)[:1] == ("sp",)
