@@ -269,9 +269,11 @@ def _host_eval():
   """Evaluates jnp ops on known values at once (a mask's ``block_fn`` on numpy bounds), outside
   any mesh: inside a ``shard_map`` under an active mesh, jnp would ask for the sharding of a
   value that has none there (an AssertionError in JAX)."""
-  no_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+  use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+  active = jax.sharding.get_abstract_mesh()
+  reset = use_mesh is not None and active is not None and not active.empty  # (only under one)
   with jax.ensure_compile_time_eval(), (
-      no_mesh(jax.sharding.AbstractMesh((), ())) if no_mesh else contextlib.nullcontext()):
+      use_mesh(jax.sharding.AbstractMesh((), ())) if reset else contextlib.nullcontext()):
     yield
 
 
