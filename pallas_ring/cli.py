@@ -190,11 +190,10 @@ def tune_cmd(args) -> int:
   from pallas_ring import kernels, tune
   from pallas_ring.kernels import tile_cache
   backend = kernels.native_backend(args.dtype) if args.backend == "auto" else args.backend
-  native, here = kernels.get(backend).platform, kernels.family(jax.default_backend())
-  interpret = args.interpret or (native is not None and native != here)
+  interpret = args.interpret or kernels.interprets(backend, jax.default_backend())
   if interpret and not args.interpret:  # (as flash_attention's interpret=None)
-    print(f"note: {backend}'s kernels do not run on {here}: timing them in interpret mode "
-          "(keep --seq-len small)", flush=True)
+    print(f"note: {backend}'s kernels do not run on {jax.default_backend()}: timing them in "
+          "interpret mode (keep --seq-len small)", flush=True)
   problem = tune.Problem(backend=backend, seq_len=args.seq_len, heads=args.heads,
                          kv_heads=args.kv_heads, head_dim=args.head_dim,
                          dtype=args.dtype, mask=args.mask, batch=args.batch,

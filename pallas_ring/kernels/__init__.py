@@ -101,6 +101,13 @@ def family(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def interprets(backend: str, platform: str) -> bool:
+  """Whether ``backend``'s kernels run in interpret mode on ``platform`` (a platform name or
+  family): they are native to one family, and it is another."""
+  native = get(backend).platform
+  return native is not None and native != family(platform)
+
+
 def target_device():
   """The device being lowered for: the abstract mesh's device inside ``shard_map`` or
   ``jax.set_mesh`` (e.g. a TPU topology compiled from a CPU host), else the default device;
@@ -218,11 +225,9 @@ def variants(backend: str, interpret, call: Call) -> dict[str, tuple[str, bool]]
     if fam not in picks:
       picks[fam] = auto(fam, call) if backend == "auto" else backend
     b = picks[fam]
-    native = get(b).platform
     # (an interpreter's parameters, e.g. ``pltpu.InterpretParams``, reach the kernels as given)
     given = interpret if dataclasses.is_dataclass(interpret) else bool(interpret)
-    out[platform] = (b, given if interpret is not None else
-                     native is not None and native != fam)
+    out[platform] = (b, given if interpret is not None else interprets(b, fam))
   return out
 
 

@@ -52,8 +52,8 @@ def device_kind(backend: str) -> str:
   dev = kernels.target_device()
   if dev is None:  # pragma: no cover
     return ""
-  native = kernels.get(backend).platform in (None, kernels.family(dev.platform))
-  return dev.device_kind if native else f"{dev.device_kind}:interpret"
+  interpreted = kernels.interprets(backend, dev.platform)
+  return f"{dev.device_kind}:interpret" if interpreted else dev.device_kind
 
 
 def _tuned(impl: backend_lib.Backend, bs: BlockSizes, kind: str, shape: dict
