@@ -575,13 +575,14 @@ def test_example_prints_both_losses_at_every_step(capsys):
   assert worst < 1e-3 and f"{worst:.1e}" in out[52]
 
 
-@pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn],
-                         ids=lambda d: jnp.dtype(d).name if d else "None")
-def test_unbatched_inputs_decode_on_a_mesh(cache_dtype):
+@pytest.mark.parametrize("cache_dtype, axis_type", [(None, AxisType.Auto),
+                                                    (jnp.float8_e4m3fn, AxisType.Explicit)],
+                         ids=["None-Auto", "float8_e4m3fn-Explicit"])
+def test_unbatched_inputs_decode_on_a_mesh(cache_dtype, axis_type):
   """Inputs without a batch axis (``[T, D]``, as Flax takes them): the cache ``[S, K, H]`` is
   sharded along its slots (its spec had a batch entry too many) and decoding matches stock."""
   x = _x(19, t=16)[0]  # [T, D]
-  mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(axis_type,))
   cfg = SequenceParallelConfig(axis_name="sp", backend="xla")
   stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
   init = stock.init(jax.random.key(0), x)
