@@ -165,12 +165,15 @@ def flash_attention(q, k, v, *, mask=None, segment_ids=None, kv_segment_ids=None
     seg, kv_seg = packed_segments(cu_seqlens, kv_cu_seqlens, segment_ids, b, t, s)
     checked = checked._replace(arrays=checked.arrays._replace(segment_ids=seg,
                                                               kv_segment_ids=kv_seg))
-  # Values cannot be read under jit: a float dense mask's misuse (an additive 0 / -inf mask) and
-  # x64 ids or positions beyond int32 make the output NaN instead of silently wrong.
+  # Values cannot be read under jit: a float dense mask's misuse (an additive 0 / -inf mask),
+  # x64 ids or positions beyond int32 and invalid cu_seqlens make the output NaN instead of
+  # silently wrong.
   out = fp8.cast_output(run(q, k, v, checked), out_dtype)
   return validation.poison(out, operands.dense_mask_misuse(dense_mask),
                            validation.int32_overflow(segment_ids, kv_segment_ids, q_positions,
-                                                     kv_positions))
+                                                     kv_positions),
+                           packing.misuse(cu_seqlens, q.shape[1]),
+                           packing.misuse(kv_cu_seqlens, k.shape[1]))
 
 
 def run(q, k, v, checked: call.Checked):

@@ -271,7 +271,7 @@ class Custom(MaskSpec):
 
   def visible(self, q, k):
     try:
-      return jnp.asarray(self.fn(q, k), dtype=bool)
+      out = jnp.asarray(self.fn(q, k), dtype=bool)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
             ValueError) as e:
       if isinstance(e, ValueError) and "truth value" not in str(e):
@@ -281,12 +281,26 @@ class Custom(MaskSpec):
           "arrays (inside jit and the kernels), so it must use jax.numpy operations elementwise, "
           "not numpy, Python `if`/`and`/`or`, or int(). E.g. `lambda q, k: (k <= q) & "
           "(q - k < 128)`.") from e
+    shape = jnp.broadcast_shapes(jnp.shape(q), jnp.shape(k))
+    if out.ndim not in (0, len(shape)) or jnp.broadcast_shapes(out.shape, shape) != shape:
+      raise ValueError(
+          f"masks.Custom.fn={self.fn!r} returned shape {out.shape} for query and key positions "
+          f"of shapes {jnp.shape(q)} and {jnp.shape(k)}: it must be elementwise, returning their "
+          f"broadcast shape {shape} (or a scalar), not reduce over an axis.")
+    return out
 
   def block_test(self, qb, kb):
     if self.block_fn is None:
       return _filled(True, qb.lo, kb.lo), _filled(False, qb.lo, kb.lo)
     shape = jnp.broadcast_shapes(jnp.shape(qb.lo), jnp.shape(kb.lo))
-    any_, all_ = self.block_fn(qb.lo, qb.hi, kb.lo, kb.hi)
+    try:
+      any_, all_ = self.block_fn(qb.lo, qb.hi, kb.lo, kb.hi)
+    except (TypeError, ValueError) as e:
+      raise TypeError(
+          f"masks.Custom.block_fn={self.block_fn!r} failed ({type(e).__name__}: {e}): it is "
+          "called as block_fn(q_lo, q_hi, k_lo, k_hi) on int32 arrays of block bounds and must "
+          "return a pair (any_visible, all_visible) of bool arrays, using jax.numpy "
+          "operations.") from e
     return (jnp.broadcast_to(jnp.asarray(any_, bool), shape),
             jnp.broadcast_to(jnp.asarray(all_, bool), shape))
 

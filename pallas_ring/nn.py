@@ -30,8 +30,8 @@ from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import (active_mesh, batch_spec, check_heads, constrain,
-                                 natural_order_mask, sharded_attention)
+from pallas_ring.sharded import (active_mesh, axes_size, batch_spec, check_heads,
+                                 constrain, natural_order_mask, sharded_attention)
 
 Array = Any
 
@@ -49,16 +49,30 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   batch_shape = q.shape[:-3]
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[len(batch_shape):])
   descales = {name: d.reshape(-1, d.shape[-1]) for name, d in (descales or {}).items()}
-  flat_bnts = lambda x: x if x is None or x.ndim <= 4 else x.reshape((-1,) + x.shape[-3:])
+
+  def flat_bnts(x, name):  # [..., N|1, T, S] with the batch dims flattened, as q's
+    if x is None or x.ndim <= 4 and len(batch_shape) <= 1:
+      return x
+    lead = x.shape[:-3]
+    if all(d == 1 for d in lead):  # (broadcast over every batch row)
+      return x.reshape((1,) + x.shape[-3:])
+    try:
+      x = jnp.broadcast_to(x, batch_shape + x.shape[-3:])
+    except ValueError:
+      raise ValueError(f"`{name}` has shape {x.shape}, whose leading dims {lead} do not "
+                       f"broadcast to the inputs' batch dims {batch_shape}: expected "
+                       f"[..., N, T, S] with leading dims broadcasting to {batch_shape}.") from None
+    return x.reshape((-1,) + x.shape[-3:])
+
   q, k, v = flat(q), flat(k), flat(v)
   if segment_ids is not None:
     segment_ids = segment_ids.reshape((-1,) + segment_ids.shape[len(batch_shape):])
   misuse = []  # traced flags of a misused dense mask: the output is poisoned with NaN
   if dense_mask is not None:
-    dense_mask = flat_bnts(dense_mask)
+    dense_mask = flat_bnts(dense_mask, "mask")
     misuse.append(operands.dense_mask_misuse(dense_mask, "mask"))  # 0/1 floats only
     dense_mask = dense_mask.astype(bool) if dense_mask.dtype == bool else dense_mask != 0
-  bias = flat_bnts(bias)
+  bias = flat_bnts(bias, "bias")
   dropout = dropout or {}
   if cache_index is not None and bias is None and not dropout:
     # (Flax's dense mask here is the cache's own, slots <= cache_index: kv_lengths says it.)
@@ -141,9 +155,9 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
         "attn_weights_value_einsum, einsum_dot_general; e.g. AQT quantisation) cannot apply. "
         "Leave them unset, or use the stock attention_fn.")
   t = tokens or _Tokens(config, None, mesh, None, None, None, False)
-  index, descales = t.cache_index, None
+  index, descales, overflow = t.cache_index, None, None
   if t.append is not None:  # the call's K/V into the cache; its queries attend the cache
-    key, value, last, descales = t.append(key, value)
+    key, value, last, descales, overflow = t.append(key, value)
     index = None if index is None else last  # (None: a dense mask of the caller's decides)
   # As flax.linen.dot_product_attention: compute in `dtype`, default the promoted input dtype
   # (an FP8 cache stays FP8: the kernels widen it with its descales).
@@ -154,11 +168,37 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
     dtype = dtype or jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
   m = spec & masks_lib.Causal() if is_causal else spec
+  if tokens is None and m is not None and not masks_lib.is_full(m) and (
+      query.shape[-3] != key.shape[-3]):
+    raise ValueError(
+        f"make_attention_fn(mask={spec!r}) (or is_causal) compares the positions arange(T) of "
+        f"the queries and arange(S) of the keys, but T={query.shape[-3]} != S={key.shape[-3]}: "
+        "a decode step (one query against the cache, which is not at position 0) or "
+        "cross-attention. In decode mode the stock module passes the cache's own mask: use "
+        "make_attention_fn() without a mask spec there (the prefill call's causal mask as a "
+        "dense `mask`), or pallas_ring.nn.RingAttention(decode=True, mask=...), which knows "
+        "the query's position.")
   out = _attend(query, key, value, config=t.config, mesh=t.mesh, mask=m, dense_mask=mask,
                 segment_ids=t.segment_ids, q_positions=t.q_positions,
                 kv_positions=t.kv_positions, single_device=t.single_device, bias=bias,
                 dropout=dropout, cache_index=index, descales=descales)
-  return out.astype(dtype)
+  return validation.poison(out, overflow).astype(dtype)
+
+
+def _note_precision(precision, query) -> None:
+  """Flax passes the module's ``precision`` to its attention_fn too: above the default, with
+  float32 inputs, say that the attention kernels do not take it (their float32 matmuls run at
+  the default precision: TF32 in the GPU kernels)."""
+  if precision is None or query.dtype not in (jnp.float32, jnp.float64):
+    return
+  if isinstance(precision, (str, lax.Precision)) and str(lax.Precision(precision)) in (
+      str(lax.Precision.DEFAULT),):
+    return
+  validation.warn(
+      f"precision={precision!r} is applied to the module's projections, not to pallas_ring's "
+      "attention: its kernels multiply float32 inputs at the default precision (TF32 in the GPU "
+      "kernels). For float32-exact attention on a GPU, run SequenceParallelConfig(backend="
+      "'xla') under jax.default_matmul_precision('highest').")
 
 
 def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
@@ -195,9 +235,9 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
                    precision=None, module=None, force_fp32_for_softmax=False,
                    einsum_dot_general=None, qk_attn_weights_einsum=None,
                    attn_weights_value_einsum=None, is_causal=False):
-    # The softmax is always float32 (force_fp32_for_softmax holds); `precision` is the kernels'
-    # own (float32 accumulation).
-    del precision, force_fp32_for_softmax
+    # The softmax is always float32 (force_fp32_for_softmax holds).
+    del force_fp32_for_softmax
+    _note_precision(precision, query)
     return _flax_attention(
         spec, query, key, value, config=config, mesh=mesh, bias=bias, mask=mask,
         dropout_rng=dropout_rng, dropout_rate=dropout_rate,
@@ -215,7 +255,8 @@ def _ring_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
                        einsum_dot_general=None, qk_attn_weights_einsum=None,
                        attn_weights_value_einsum=None):
   """``RingAttention``'s default attention_fn: reads its module's call from ``_CALL``."""
-  del precision, force_fp32_for_softmax
+  del force_fp32_for_softmax
+  _note_precision(precision, query)
   tokens = _CALL.get()
   if tokens is None:
     raise RuntimeError("pallas_ring.nn._ring_attention_fn is RingAttention's internal "
@@ -290,11 +331,12 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     parent = self.parent
     if parent is flax_module._unspecified_parent:  # (as Flax resolves it, below)
       parent = flax_module._context.module_stack[-1]
-    if (self.name is None and isinstance(parent, nn.Module) and not parent._state.in_setup
-        and parent._initialization_allowed):
+    prefix = _stock_name(type(self))
+    if (self.name is None and prefix is not None and isinstance(parent, nn.Module)
+        and not parent._state.in_setup and parent._initialization_allowed):
       # Auto-named as the stock module is (MultiHeadDotProductAttention_<i>, one counter with
-      # it), so a stock model's checkpoint loads into the swapped one unchanged.
-      prefix = nn.MultiHeadDotProductAttention.__name__
+      # it; CheckpointMultiHeadDotProductAttention_<i> under nn.remat, ...), so a stock model's
+      # checkpoint loads into the swapped one unchanged.
       cursor = parent._state.autoname_cursor.get(prefix, 0)
       object.__setattr__(self, "name", f"{prefix}_{cursor}")
       parent._state.autoname_cursor[prefix] = cursor + 1
@@ -316,6 +358,20 @@ class RingAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("RingAttention(attention_fn=...) with a custom attention_fn cannot take "
                        "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
                        "attention_fn=None for pallas_ring attention.")
+    kv_in = next((x for x in (inputs_kv, inputs_k) if x is not None), inputs_q)
+    if not self.decode and kv_in.shape[-2] != inputs_q.shape[-2]:  # cross-attention
+      if segment_ids is not None:
+        raise ValueError(
+            f"RingAttention(segment_ids=...) is for self-attention, but the keys have "
+            f"{kv_in.shape[-2]} tokens and the queries {inputs_q.shape[-2]}: for "
+            "cross-attention pass a dense `mask` [..., 1, T, S] built from both sides' ids "
+            "(q_ids[..., None, :, None] == kv_ids[..., None, None, :]).")
+      if active_mesh(self.mesh, self.config) is not None:
+        raise ValueError(
+            f"RingAttention runs a ring over config.axis_name={self.config.axis_name!r} for "
+            f"self-attention over one sharded sequence, but the keys have {kv_in.shape[-2]} "
+            f"tokens and the queries {inputs_q.shape[-2]}: for cross-attention use a "
+            "RingAttention without `config` (single-device flash_attention).")
     q_pos, kv_pos, index, append, spec = positions, None, None, None, self.mask
     if self.decode and self.cache_dtype is not None:
       self._check_cache_dtype()
@@ -407,8 +463,10 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     descales are set by the first write that finds them unset (0).
 
     Returns:
-      ``(cached_key, cached_value, last, descales)``: the updated caches, the chunk's last slot
-      and the FP8 cache's ``k_descale`` / ``v_descale`` keywords (``[..., N]``; else empty).
+      ``(cached_key, cached_value, last, descales, overflow)``: the updated caches, the chunk's
+      last slot, the FP8 cache's ``k_descale`` / ``v_descale`` keywords (``[..., N]``; else
+      empty) and, under jit, a traced flag of a chunk that runs past the cache's end (its output
+      is poisoned; a concrete index raises here), else None.
     """
     cached = [self.get_variable("cache", n) for n in ("cached_key", "cached_value")]
     index = self.get_variable("cache", "cache_index")
@@ -418,6 +476,13 @@ class RingAttention(nn.MultiHeadDotProductAttention):
           f"Autoregressive cache shape error: the cache holds {shape} ([..., S, N, H]) and the "
           f"call's keys are {key.shape}; a decode-mode call must match the cache's batch and "
           f"heads with at most S={shape[-3]} tokens.")
+    overflow = index + t > shape[-3]  # (Flax's write clamps the start: silently wrong)
+    if not isinstance(overflow, jax.core.Tracer) and overflow:
+      raise ValueError(
+          f"RingAttention(decode=True): the call's {t} token(s) at cache_index={int(index)} need "
+          f"slots up to {int(index) + t - 1}, past the cache's {shape[-3]} slots. Initialise the "
+          "cache (module.init) with an input as long as the longest sequence to generate. (Under "
+          "jit, where the index cannot be read, an overflowing call's output is NaN.)")
     mesh = active_mesh(self.mesh, self.config)
     chunks, descales = [], {}
     for x, c, name, word in zip((key, value), cached, ("cached_key", "cached_value"),
@@ -442,7 +507,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     self.put_variable("cache", "cached_key", new[0])
     self.put_variable("cache", "cached_value", new[1])
     self.put_variable("cache", "cache_index", index + t)
-    return new[0], new[1], index + t - 1, descales
+    return new[0], new[1], index + t - 1, descales, overflow if isinstance(
+        overflow, jax.core.Tracer) else None
 
   def _shard_cache(self):
     """Under a mesh holding ``config.axis_name``: the cache ``[..., S, N, H]`` sharded along its
@@ -454,11 +520,41 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
       check_heads(mesh, self.config, self.num_heads, x.shape[-2], kv_name="the cache")
+      _check_cache_divides(x.shape, mesh, self.config)
       self.put_variable("cache", name, constrain(x, mesh, _cache_spec(x.ndim, self.config)))
       if self.has_variable("cache", f"{name}_descale"):
         d = self.get_variable("cache", f"{name}_descale")
         self.put_variable("cache", f"{name}_descale",
                           constrain(d, mesh, _descale_spec(d.ndim, self.config)))
+
+
+def _check_cache_divides(shape, mesh, config: SequenceParallelConfig) -> None:
+  """Raises unless the mesh's axes divide a cache ``[B, ..., S, K, H]``'s slots and batch."""
+  slots, r = shape[-3], mesh.shape[config.axis_name]
+  if slots % r:
+    raise ValueError(
+        f"RingAttention(decode=True) shards its cache's {slots} slots over the {r} devices of "
+        f"config.axis_name={config.axis_name!r}: the cache length (the input's length at "
+        f"module.init) must be a multiple of {r}; initialise with {-(-slots // r) * r} tokens.")
+  batch = batch_spec(config)
+  if len(shape) > 3 and batch is not None and shape[0] % axes_size(mesh, batch):
+    raise ValueError(
+        f"RingAttention(decode=True) shards its cache's batch of {shape[0]} over the "
+        f"{axes_size(mesh, batch)} devices of config.batch_axes={config.batch_axes}: use a "
+        "batch that is a multiple of it.")
+
+
+def _stock_name(cls) -> Optional[str]:
+  """The auto-name prefix of the stock module that ``cls`` swaps in for: RingAttention's is
+  MultiHeadDotProductAttention, a Flax transform's class of it (``nn.remat(RingAttention)``:
+  CheckpointRingAttention) the transform's class of the stock module; None for a user's
+  subclass, which Flax names by its own class."""
+  stock, ours = nn.MultiHeadDotProductAttention.__name__, RingAttention.__name__
+  if cls is RingAttention:
+    return stock
+  if cls.__module__ == nn.transforms.__name__ and cls.__name__.endswith(ours):
+    return cls.__name__[:-len(ours)] + stock
+  return None
 
 
 def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):

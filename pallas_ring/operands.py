@@ -128,6 +128,11 @@ def _dense_mask(m, d: Dims):
   concrete values are checked here; traced ones are left to the entry point, which poisons its
   output where they are not (``dense_mask_misuse``)."""
   full = validation.bnts_shape("dense_mask", m, *d)
+  dtype = m.dtype if hasattr(m, "dtype") else np.asarray(m).dtype
+  if not (dtype == bool or jnp.issubdtype(dtype, jnp.integer)
+          or jnp.issubdtype(dtype, jnp.floating)):
+    raise TypeError(f"`dense_mask` has dtype {dtype}; it must be bool (True = visible), or an "
+                    "integer or real float array of 0 and 1.")
   m = jnp.asarray(m)
   if not isinstance(m, jax.core.Tracer):
     dense_mask_misuse(m)

@@ -37,6 +37,17 @@ def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int, segment_ids
                      "entry are padding).")
 
 
+def misuse(cu_seqlens, length: int):
+  """A traced bool scalar, True when a traced ``cu_seqlens`` (under ``jit``, where
+  ``check_cu_seqlens`` cannot read it) does not start at 0, decreases or ends past ``length``
+  (for ``validation.poison``: the output is NaN rather than silently wrong); None when there is
+  nothing to check."""
+  if not isinstance(cu_seqlens, jax.core.Tracer):
+    return None
+  cu = cu_seqlens
+  return (cu[0] != 0) | jnp.any(jnp.diff(cu) < 0) | (cu[-1] > length)
+
+
 def check_positions(cu_seqlens, positions, placed: bool, fix: str) -> None:
   """``cu_seqlens`` pack the natural order; a sequence-parallel call finds each token's index
   in it from the layout, or from ``positions`` only where they are a ``Placement``'s (the

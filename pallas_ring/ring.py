@@ -498,10 +498,11 @@ def ring_attention(q, k, v, *, axis_name, mask=None, layout: str = "contiguous",
   out = run(q, k, v, checked, axis_name=axis_name, layout=layout, strategy=strategy,
             scan_unroll=scan_unroll, cu_seqlens=cu_seqlens, variants=ring_variants)
   # (values cannot be read under jit: a float dense mask's misuse, x64 ids or positions beyond
-  # int32 make the output NaN)
+  # int32 and invalid cu_seqlens make the output NaN)
   return validation.poison(fp8.cast_output(out, out_dtype),
                            operands.dense_mask_misuse(dense_mask),
-                           validation.int32_overflow(segment_ids, positions))
+                           validation.int32_overflow(segment_ids, positions),
+                           packing.misuse(cu_seqlens, t * r))
 
 
 def run(q, k, v, checked: call.Checked, *, axis_name, layout: str, strategy: str,

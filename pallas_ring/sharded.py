@@ -75,7 +75,8 @@ def check_heads(mesh, config: SequenceParallelConfig, n: int, kv_heads: int,
                      f"{kv_name} {kv_heads}: both must be multiples of {hs}.")
 
 
-def _size(mesh, axes):
+def axes_size(mesh, axes) -> int:
+  """The number of devices along ``axes`` (an axis name or a tuple of them) of ``mesh``."""
   n = 1
   for a in (axes if isinstance(axes, tuple) else (axes,)):
     n *= mesh.shape[a]
@@ -149,6 +150,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
                        "`with jax.set_mesh(mesh):`.")
   check_axes(mesh, config)
+  mesh = _outside_mesh_context(mesh, q)
   _check_eager_autodiff(mesh, q)
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
@@ -180,9 +182,9 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                     where=f"sharded_attention(positions=placement.positions) over "
                           f"{config.axis_name!r}")
   batch = batch_spec(config)
-  if batch is not None and b % _size(mesh, batch):
-    raise ValueError(f"batch size {b} is not divisible by the {_size(mesh, batch)} devices of "
-                     f"batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
+  if batch is not None and b % axes_size(mesh, batch):
+    raise ValueError(f"batch size {b} is not divisible by the {axes_size(mesh, batch)} devices "
+                     f"of batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
   head = config.head_axis
   check_heads(mesh, config, n, k.shape[2])
   uly_field = "axis_name" if config.strategy == "ulysses" else "ulysses_axis"
@@ -200,7 +202,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
   # Traced (under jit): flags that poison the output, since the values cannot be read here.
   misuse = [operands.dense_mask_misuse(dense_mask),
             natural_order_mask(checked.arrays.terms.get("dense"), positions, config.layout, r),
-            validation.int32_overflow(segment_ids, positions)]
+            validation.int32_overflow(segment_ids, positions), packing.misuse(cu_seqlens, t)]
   # One compiled program per static setting, so eager calls are as fast as jitted ones.
   out = _run(q, k, v, checked.arrays, cu_seqlens, mesh=mesh, config=config,
              settings=checked.settings, platforms=tuple(checked.per_platform.items()),
@@ -269,6 +271,22 @@ def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=N
                      derived_positions=positions is None and checked.arrays.q_positions is None,
                      segmented=checked.arrays.segment_ids is not None or cu_seqlens is not None,
                      variants=config.ring_variants or RingVariants())
+
+
+def _outside_mesh_context(mesh, q):
+  """The mesh to run on. A mesh with Explicit axes (``jax.make_mesh``'s default) given as
+  ``mesh=`` while no mesh is active, over inputs whose types carry no sharding, runs with Auto
+  axes: its shardings would otherwise enter the output's type in a program without a mesh
+  context, where JAX fails later in the caller's code (e.g. differentiating Flax's projections:
+  "Contracting dimensions are sharded")."""
+  explicit = lambda m: any(t == jax.sharding.AxisType.Explicit
+                          for t in getattr(m, "axis_types", ()))
+  if (not explicit(mesh) or not isinstance(mesh, jax.sharding.Mesh)
+      or not jax.sharding.get_abstract_mesh().empty or explicit(jax.typeof(q).sharding.mesh)):
+    return mesh
+  types = mesh.axis_types
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(types))
 
 
 def _check_eager_autodiff(mesh, q) -> None:
@@ -341,4 +359,5 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
   return fn(*args)
 
 
-__all__ = ["sharded_attention", "active_mesh", "batch_spec", "check_axes", "constrain"]
+__all__ = ["sharded_attention", "active_mesh", "axes_size", "batch_spec", "check_axes",
+           "constrain"]

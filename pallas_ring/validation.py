@@ -127,7 +127,9 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
     want = f"[{b}, {length}]" + (f" or [{length}]" if allow_1d else "")
     raise ValueError(f"`{name}` has shape {shape}; expected {want} to match the sequence it "
                      "describes.")
-  dtype = jnp.result_type(x)
+  # (a NumPy array's own dtype: with x64 off, jnp.result_type reads int64 as int32, and the
+  # values would wrap unchecked)
+  dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else jnp.result_type(x)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array "
                     f"(cast with `.astype(jnp.int32)`).")

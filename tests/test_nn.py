@@ -440,6 +440,96 @@ def test_ring_attention_decode_chunk_errors_name_the_fix():
     ours.apply(v, _x(15, t=9), mutable=["cache"])
 
 
+def test_a_decode_call_past_the_cache_end_raises_or_is_nan():
+  """A chunk (or token) that runs past the cache's slots is refused where the index is concrete
+  and makes the output NaN under jit (Flax's write clamps its start: silently wrong)."""
+  x = _x(16, t=8)
+  ours = RingAttention(num_heads=N, mask=masks.Causal(), decode=True)
+  params, cache = ours.init(jax.random.key(0), x).values()
+  step = lambda c, xt: ours.apply({"params": params, "cache": c}, xt, mutable=["cache"])
+  _, c6 = step(cache, x[:, :6])
+  with pytest.raises(ValueError, match=r"slots up to 9, past the cache's 8 slots"):
+    step(c6["cache"], x[:, 4:8])
+  out, _ = jax.jit(step)(c6["cache"], x[:, 4:8])
+  assert bool(jnp.all(jnp.isnan(out)))
+  out, _ = jax.jit(step)(c6["cache"], x[:, 4:6])  # (fits: slots 6, 7)
+  assert bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_make_attention_fn_with_a_spec_refuses_decode_steps():
+  """A mask spec compares arange(T) with arange(S): a stock module's decode step (T=1 against
+  the cache) would see slot 0 only. It raises naming the fix; without a spec decoding matches
+  the stock module."""
+  x = _x(17, t=8)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  params, cache = stock.init(jax.random.key(0), x).values()
+  ref = nn.MultiHeadDotProductAttention(num_heads=N).apply(
+      {"params": params}, x, mask=nn.make_causal_mask(jnp.ones((B, 8))))
+  spec = nn.MultiHeadDotProductAttention(num_heads=N, decode=True,
+                                         attention_fn=make_attention_fn(mask=masks.Causal()))
+  with pytest.raises(ValueError, match=r"T=1 != S=8.*make_attention_fn\(\) without a mask spec"):
+    spec.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])
+  plain = nn.MultiHeadDotProductAttention(num_heads=N, decode=True,
+                                          attention_fn=make_attention_fn())
+  outs = []
+  for t in range(8):
+    o, upd = plain.apply({"params": params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
+    cache = upd["cache"]
+    outs.append(o)
+  assert rel_err(jnp.concatenate(outs, axis=1), ref) < 1e-5
+
+
+def test_masks_broadcast_over_several_batch_dims_as_in_flax():
+  """Inputs ``[2, 3, T, D]`` with masks and biases broadcasting over some batch dims."""
+  x = jnp.asarray(np.random.default_rng(18).standard_normal((2, 3, 8, D)), jnp.float32)
+  stock = nn.MultiHeadDotProductAttention(num_heads=N)
+  params = stock.init(jax.random.key(0), x)
+  causal = jnp.tril(jnp.ones((8, 8), bool))
+  key_ok = jnp.arange(8) < jnp.asarray([8, 5, 3])[:, None]  # [3, S]: per second batch dim
+  for mask in (jnp.broadcast_to(causal, (2, 1, 1, 8, 8)),
+               causal & key_ok[:, None, None, :],  # [3, 1, T, S]
+               causal & key_ok[None, :, None, None, :]):  # [1, 3, 1, T, S]
+    ref = stock.apply(params, x, mask=mask)
+    assert rel_err(RingAttention(num_heads=N).apply(params, x, mask=mask), ref) < 1e-5
+  with pytest.raises(ValueError, match=r"`mask` has shape \(4, 1, 8, 8\).*batch dims \(2, 3\)"):
+    RingAttention(num_heads=N).apply(params, x, mask=jnp.ones((4, 1, 8, 8), bool))
+
+
+def test_module_misuse_names_the_fix():
+  """Cross-attention with segment ids or on a ring, and a decode cache the ring does not divide,
+  raise naming the module's arguments; a float32 precision the kernels do not take warns."""
+  x, y = _x(19, t=16), _x(20, t=8)
+  ours = RingAttention(num_heads=N)
+  params = ours.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"segment_ids=...\) is for self-attention.*dense `mask`"):
+    ours.apply(params, x, y, segment_ids=jnp.zeros((B, 16), jnp.int32))
+  cfg = SequenceParallelConfig(axis_name="sp")
+  mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"for cross-attention use a RingAttention without"):
+    RingAttention(num_heads=N, config=cfg, mesh=mesh).apply(params, x, y)
+  with pytest.raises(ValueError, match=r"cache's 14 slots over the 4 devices.*initialise with 16"):
+    RingAttention(num_heads=N, decode=True, config=cfg, mesh=mesh).init(
+        jax.random.key(0), _x(21, t=14))
+  with pytest.warns(UserWarning, match=r"precision='highest' is applied to the module's proj"):
+    RingAttention(num_heads=N, precision="highest").apply(params, x)
+
+
+def test_a_mesh_field_with_explicit_axes_trains_without_set_mesh():
+  """``RingAttention(mesh=jax.make_mesh(...))`` (Explicit axes) outside ``jax.set_mesh``: the
+  output's type carries no sharding, so Flax's projections differentiate under jit (they
+  raised "Contracting dimensions are sharded")."""
+  x = _x(22)
+  cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag", batch_axes=("dp",))
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Explicit,) * 2)
+  single = RingAttention(num_heads=N, mask=masks.Causal())
+  params = single.init(jax.random.key(0), x)
+  want = jax.grad(lambda p: jnp.sum(single.apply(p, x) ** 2))(params)
+  ring = RingAttention(num_heads=N, mask=masks.Causal(), config=cfg, mesh=mesh)
+  xz = layouts.permute(x, "zigzag", 4)
+  got = jax.jit(jax.grad(lambda p: jnp.sum(ring.apply(p, xz) ** 2)))(params)
+  assert rel_err(_flat(got), _flat(want)) < 1e-5
+
+
 def test_ring_attention_under_a_mesh_without_its_axis_raises():
   x = _x(10)
   cfg = SequenceParallelConfig(axis_name="sp", layout="zigzag")
@@ -558,6 +648,33 @@ def test_an_auto_named_ring_attention_loads_a_stock_checkpoint():
                                      "MultiHeadDotProductAttention_1",
                                      "MultiHeadDotProductAttention_2"]
   assert rel_err(Model(True).apply(stock, x), Model(False).apply(stock, x)) < 1e-5
+
+
+def test_ring_attention_under_nn_remat_is_named_as_the_stock_module_is():
+  """``nn.remat(RingAttention)`` takes the name of ``nn.remat`` of the stock module
+  (CheckpointMultiHeadDotProductAttention_<i>); a user's subclass keeps Flax's own naming."""
+  class Model(nn.Module):
+    cls: type
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(self.cls)(num_heads=N)(x)
+
+  x = _x(23)
+  stock = Model(nn.MultiHeadDotProductAttention).init(jax.random.key(0), x)
+  assert list(stock["params"]) == ["CheckpointMultiHeadDotProductAttention_0"]
+  ref = Model(nn.MultiHeadDotProductAttention).apply(stock, x)
+  assert rel_err(Model(RingAttention).apply(stock, x), ref) < 1e-5
+
+  class Mine(RingAttention):
+    pass
+
+  class User(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Mine(num_heads=N)(x)
+
+  assert list(User().init(jax.random.key(0), x)["params"]) == ["Mine_0"]
 
 
 @pytest.mark.ci

@@ -9,6 +9,18 @@ from jax.sharding import AxisType
 from pallas_ring import (BlockSizes, SequenceParallelConfig, flash_attention, layouts, masks,
                          ring_attention, sharded_attention)
 
+def _visible(q, k):
+  return k <= q
+
+
+def _reduces(q, k):
+  return jnp.any(k <= q, axis=-1)  # (not elementwise)
+
+
+def _two_arguments(q, k):
+  return q <= k, q > k
+
+
 Q = jnp.zeros((2, 16, 4, 32), jnp.float32)
 K = jnp.zeros((2, 16, 2, 32), jnp.float32)
 
@@ -66,6 +78,15 @@ CASES = [
     ("unknown_config_key", lambda: SequenceParallelConfig.from_dict({"axis_nam": "sp"}),
      ValueError, r"unknown key 'axis_nam'.*Did you mean 'axis_name'"),
     ("empty_sequence", lambda: fa(q=Q[:, :0]), ValueError, r"sequences and head_dim must be >= 1"),
+    # (with x64 off, jnp reads a NumPy int64 array as int32: its own dtype is checked)
+    ("numpy_int64_ids_beyond_int32", lambda: fa(segment_ids=np.full((2, 16), 2**40, np.int64)),
+     ValueError, r"`segment_ids` holds values from 1099511627776.*outside int32"),
+    ("dense_mask_complex", lambda: fa(dense_mask=jnp.ones((16, 16), jnp.complex64)), TypeError,
+     r"`dense_mask` has dtype complex64; it must be bool"),
+    ("custom_fn_not_elementwise", lambda: fa(mask=masks.Custom(_reduces)), ValueError,
+     r"returned shape \(\d+,\).*must be elementwise"),
+    ("custom_block_fn_signature", lambda: fa(mask=masks.Custom(_visible, _two_arguments)),
+     TypeError, r"Custom.block_fn=.*called as block_fn\(q_lo, q_hi, k_lo, k_hi\)"),
 ]
 
 
@@ -253,3 +274,15 @@ def test_an_additive_float_mask_as_dense_mask_raises_naming_bias():
     flash_attention(q, q, q, dense_mask=additive, backend="xla")
   np.testing.assert_array_equal(flash_attention(q, q, q, dense_mask=causal, backend="xla"),
                                 flash_attention(q, q, q, dense_mask=causal > 0, backend="xla"))
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0, 12, 5], [3, 12, 16], [0, 12, 30]],
+                         ids=["decreasing", "not_from_0", "past_the_end"])
+def test_invalid_cu_seqlens_under_jit_make_the_output_nan(cu_seqlens):
+  """Concrete invalid ``cu_seqlens`` raise; traced ones (under jit) poison the output."""
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 16)), jnp.float32)
+  with pytest.raises(ValueError, match=r"`cu_seqlens`=.* is invalid"):
+    flash_attention(q, q, q, cu_seqlens=jnp.asarray(cu_seqlens), backend="xla")
+  f = jax.jit(lambda c: flash_attention(q, q, q, cu_seqlens=c, backend="xla"))
+  assert bool(jnp.all(jnp.isnan(f(jnp.asarray(cu_seqlens)))))
+  assert bool(jnp.all(jnp.isfinite(f(jnp.asarray([0, 12, 16])))))
