@@ -30,8 +30,8 @@ from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.decode import decode_attention
-from pallas_ring.sharded import (active_mesh, axes_size, batch_spec, check_heads,
-                                 constrain, natural_order_mask, sharded_attention)
+from pallas_ring.sharded import (active_mesh, batch_spec, check_batch, check_heads, constrain,
+                                 has_explicit_axes, natural_order_mask, sharded_attention)
 
 Array = Any
 
@@ -51,7 +51,12 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
   descales = {name: d.reshape(-1, d.shape[-1]) for name, d in (descales or {}).items()}
 
   def flat_bnts(x, name):  # [..., N|1, T, S] with the batch dims flattened, as q's
-    if x is None or x.ndim <= 4 and len(batch_shape) <= 1:
+    if x is None:
+      return x
+    extra = x.ndim - 3 - len(batch_shape)  # (leading 1s beyond the batch dims, as broadcast)
+    if extra > 0 and all(d == 1 for d in x.shape[:extra]):
+      x = x.reshape(x.shape[extra:])
+    if x.ndim <= 4 and len(batch_shape) <= 1:
       return x
     lead = x.shape[:-3]
     if all(d == 1 for d in lead):  # (broadcast over every batch row)
@@ -86,7 +91,8 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
     # (sharded_attention checks it too; here the error names Flax's `mask` argument.)
     misuse.append(natural_order_mask(dense_mask, q_positions, cfg.layout,
                                      run_mesh.shape[cfg.axis_name], name="mask"))
-    out = sharded_attention(q, k, v, mesh=run_mesh if mesh is not None else None, config=cfg,
+    out = sharded_attention(q, k, v, mesh=None if mesh is None else _auto_outside(mesh, q),
+                            config=cfg,
                             mask=mask, segment_ids=segment_ids, positions=q_positions,
                             dense_mask=dense_mask, bias=bias, **dropout, **descales)
   else:
@@ -185,14 +191,19 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
   return validation.poison(out, overflow).astype(dtype)
 
 
-def _note_precision(precision, query) -> None:
+def _note_precision(precision, query, config: Optional[SequenceParallelConfig]) -> None:
   """Flax passes the module's ``precision`` to its attention_fn too: above the default, with
-  float32 inputs, say that the attention kernels do not take it (their float32 matmuls run at
-  the default precision: TF32 in the GPU kernels)."""
-  if precision is None or query.dtype not in (jnp.float32, jnp.float64):
+  float32 inputs on a GPU, say that the attention kernels do not take it (their float32 matmuls
+  run at the default precision: TF32 in the GPU kernels). ``backend="xla"`` follows
+  ``jax.default_matmul_precision``; CPU kernels are exact."""
+  if precision is None or query.dtype != jnp.float32 or jax.default_backend() != "gpu":
     return
-  if isinstance(precision, (str, lax.Precision)) and str(lax.Precision(precision)) in (
-      str(lax.Precision.DEFAULT),):
+  if config is not None and config.backend == "xla" and str(
+      jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"):
+    return
+  given = precision if isinstance(precision, tuple) else (precision,)
+  if all(isinstance(p, (str, lax.Precision)) and lax.Precision(p) == lax.Precision.DEFAULT
+         for p in given):
     return
   validation.warn(
       f"precision={precision!r} is applied to the module's projections, not to pallas_ring's "
@@ -237,7 +248,7 @@ def make_attention_fn(config: Optional[SequenceParallelConfig] = None,
                    attn_weights_value_einsum=None, is_causal=False):
     # The softmax is always float32 (force_fp32_for_softmax holds).
     del force_fp32_for_softmax
-    _note_precision(precision, query)
+    _note_precision(precision, query, config)
     return _flax_attention(
         spec, query, key, value, config=config, mesh=mesh, bias=bias, mask=mask,
         dropout_rng=dropout_rng, dropout_rate=dropout_rate,
@@ -256,11 +267,11 @@ def _ring_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
                        attn_weights_value_einsum=None):
   """``RingAttention``'s default attention_fn: reads its module's call from ``_CALL``."""
   del force_fp32_for_softmax
-  _note_precision(precision, query)
   tokens = _CALL.get()
   if tokens is None:
     raise RuntimeError("pallas_ring.nn._ring_attention_fn is RingAttention's internal "
                        "attention_fn; for other modules use make_attention_fn(...).")
+  _note_precision(precision, query, tokens.config)
   return _flax_attention(
       masks_lib.as_spec(tokens.mask, "RingAttention.mask"), query, key, value,
       config=tokens.config, mesh=tokens.mesh, bias=bias, mask=mask, dropout_rng=dropout_rng,
@@ -359,7 +370,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
                        "`segment_ids` or `positions`; pass a dense `mask` instead, or leave "
                        "attention_fn=None for pallas_ring attention.")
     kv_in = next((x for x in (inputs_kv, inputs_k) if x is not None), inputs_q)
-    if not self.decode and kv_in.shape[-2] != inputs_q.shape[-2]:  # cross-attention
+    if (self.attention_fn is _ring_attention_fn and not self.decode
+        and kv_in.shape[-2] != inputs_q.shape[-2]):  # cross-attention
       if segment_ids is not None:
         raise ValueError(
             f"RingAttention(segment_ids=...) is for self-attention, but the keys have "
@@ -520,7 +532,8 @@ class RingAttention(nn.MultiHeadDotProductAttention):
     for name in ("cached_key", "cached_value"):
       x = self.get_variable("cache", name)
       check_heads(mesh, self.config, self.num_heads, x.shape[-2], kv_name="the cache")
-      _check_cache_divides(x.shape, mesh, self.config)
+      if self.attention_fn is _ring_attention_fn or has_explicit_axes(mesh):
+        _check_cache_divides(x.shape, mesh, self.config)  # (else Flax's write: uneven is fine)
       self.put_variable("cache", name, constrain(x, mesh, _cache_spec(x.ndim, self.config)))
       if self.has_variable("cache", f"{name}_descale"):
         d = self.get_variable("cache", f"{name}_descale")
@@ -536,25 +549,36 @@ def _check_cache_divides(shape, mesh, config: SequenceParallelConfig) -> None:
         f"RingAttention(decode=True) shards its cache's {slots} slots over the {r} devices of "
         f"config.axis_name={config.axis_name!r}: the cache length (the input's length at "
         f"module.init) must be a multiple of {r}; initialise with {-(-slots // r) * r} tokens.")
-  batch = batch_spec(config)
-  if len(shape) > 3 and batch is not None and shape[0] % axes_size(mesh, batch):
-    raise ValueError(
-        f"RingAttention(decode=True) shards its cache's batch of {shape[0]} over the "
-        f"{axes_size(mesh, batch)} devices of config.batch_axes={config.batch_axes}: use a "
-        "batch that is a multiple of it.")
+  if len(shape) > 3:
+    check_batch(mesh, config, shape[0], "RingAttention(decode=True)'s cache")
+
+
+def _auto_outside(mesh, q):
+  """The ``mesh`` field to run on. One with Explicit axes (``jax.make_mesh``'s default) used
+  while no mesh is active, over projections whose types carry no sharding (no parameter lives
+  on that mesh), runs with Auto axes: its shardings would otherwise enter the types of the
+  module's output in a program without a mesh context, where differentiating Flax's projections
+  under jit fails ("Contracting dimensions are sharded")."""
+  if (not has_explicit_axes(mesh) or not isinstance(mesh, jax.sharding.Mesh)
+      or not jax.sharding.get_abstract_mesh().empty
+      or has_explicit_axes(jax.typeof(q).sharding.mesh)):
+    return mesh
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
 def _stock_name(cls) -> Optional[str]:
   """The auto-name prefix of the stock module that ``cls`` swaps in for: RingAttention's is
-  MultiHeadDotProductAttention, a Flax transform's class of it (``nn.remat(RingAttention)``:
-  CheckpointRingAttention) the transform's class of the stock module; None for a user's
-  subclass, which Flax names by its own class."""
-  stock, ours = nn.MultiHeadDotProductAttention.__name__, RingAttention.__name__
-  if cls is RingAttention:
-    return stock
-  if cls.__module__ == nn.transforms.__name__ and cls.__name__.endswith(ours):
-    return cls.__name__[:-len(ours)] + stock
-  return None
+  MultiHeadDotProductAttention; a Flax transform's class of it (``nn.remat(RingAttention)``:
+  CheckpointRingAttention, possibly nested) the same transforms' class of the stock module
+  (CheckpointMultiHeadDotProductAttention); None for a user's subclass (and transforms of
+  it), which Flax names by its own class."""
+  prefix = ""
+  while (cls is not RingAttention and cls.__module__ == nn.transforms.__name__
+         and cls.__name__.endswith(cls.__bases__[0].__name__)):
+    prefix += cls.__name__[:-len(cls.__bases__[0].__name__)]  # (Checkpoint, Vmap, ...)
+    cls = cls.__bases__[0]
+  return prefix + nn.MultiHeadDotProductAttention.__name__ if cls is RingAttention else None
 
 
 def _cache_spec(ndim: int, config: SequenceParallelConfig, slots=True):

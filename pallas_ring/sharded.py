@@ -83,14 +83,27 @@ def axes_size(mesh, axes) -> int:
   return n
 
 
+def has_explicit_axes(mesh) -> bool:
+  """Whether ``mesh`` (or an abstract one) has an Explicit axis (``jax.make_mesh``'s default)."""
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def check_batch(mesh, config: SequenceParallelConfig, b: int, what: str) -> None:
+  """Raises unless the devices of ``config.batch_axes`` divide the batch ``b`` of ``what``."""
+  batch = batch_spec(config)
+  if batch is not None and b % axes_size(mesh, batch):
+    raise ValueError(f"{what}'s batch size {b} is not divisible by the "
+                     f"{axes_size(mesh, batch)} devices of batch_axes={config.batch_axes}; use "
+                     "a batch that is a multiple of it.")
+
+
 def constrain(x, mesh, spec):
   """Puts ``x`` on ``mesh`` with ``spec`` (Explicit axes: reshard; Auto axes: a constraint)."""
   if x is None:
     return None
   abstract = isinstance(mesh, jax.sharding.AbstractMesh)
   sharding = spec if abstract else NamedSharding(mesh, spec)
-  explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
-  if explicit and hasattr(jax, "reshard"):
+  if has_explicit_axes(mesh) and hasattr(jax, "reshard"):
     return jax.reshard(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)
 
@@ -150,7 +163,6 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
       raise ValueError("`mesh` is None and no mesh is active: pass mesh=... or call inside "
                        "`with jax.set_mesh(mesh):`.")
   check_axes(mesh, config)
-  mesh = _outside_mesh_context(mesh, q)
   _check_eager_autodiff(mesh, q)
   placement = balance.placement_of(positions)
   if isinstance(positions, balance.Placement):
@@ -182,9 +194,7 @@ def sharded_attention(q, k, v, *, mesh=None, config: SequenceParallelConfig, mas
                     where=f"sharded_attention(positions=placement.positions) over "
                           f"{config.axis_name!r}")
   batch = batch_spec(config)
-  if batch is not None and b % axes_size(mesh, batch):
-    raise ValueError(f"batch size {b} is not divisible by the {axes_size(mesh, batch)} devices "
-                     f"of batch_axes={config.batch_axes}; use a batch that is a multiple of it.")
+  check_batch(mesh, config, b, "q")
   head = config.head_axis
   check_heads(mesh, config, n, k.shape[2])
   uly_field = "axis_name" if config.strategy == "ulysses" else "ulysses_axis"
@@ -273,28 +283,11 @@ def auto_choice(q, k, mesh, config: SequenceParallelConfig, checked, positions=N
                      variants=config.ring_variants or RingVariants())
 
 
-def _outside_mesh_context(mesh, q):
-  """The mesh to run on. A mesh with Explicit axes (``jax.make_mesh``'s default) given as
-  ``mesh=`` while no mesh is active, over inputs whose types carry no sharding, runs with Auto
-  axes: its shardings would otherwise enter the output's type in a program without a mesh
-  context, where JAX fails later in the caller's code (e.g. differentiating Flax's projections:
-  "Contracting dimensions are sharded")."""
-  explicit = lambda m: any(t == jax.sharding.AxisType.Explicit
-                          for t in getattr(m, "axis_types", ()))
-  if (not explicit(mesh) or not isinstance(mesh, jax.sharding.Mesh)
-      or not jax.sharding.get_abstract_mesh().empty or explicit(jax.typeof(q).sharding.mesh)):
-    return mesh
-  types = mesh.axis_types
-  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(types))
-
-
 def _check_eager_autodiff(mesh, q) -> None:
   """Differentiating outside ``jit`` over a mesh with Explicit axes (``jax.make_mesh``'s default)
   fails inside JAX ("Length of device assignment 1 is not equal to the size of the mesh") unless
   the mesh is active: say so here, with the fix."""
-  explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-  if not explicit or not jax.sharding.get_abstract_mesh().empty:
+  if not has_explicit_axes(mesh) or not jax.sharding.get_abstract_mesh().empty:
     return
   x, differentiated = q, False
   while isinstance(x, jax.core.Tracer):  # eager: autodiff / vmap tracers over a concrete array
@@ -360,4 +353,4 @@ def _run(q, k, v, arrays: call.Arrays, cu_seqlens, *, mesh, config, settings, pl
 
 
 __all__ = ["sharded_attention", "active_mesh", "axes_size", "batch_spec", "check_axes",
-           "constrain"]
+           "check_batch", "constrain", "has_explicit_axes"]

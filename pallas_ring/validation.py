@@ -17,12 +17,12 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def warn(message: str, category=UserWarning) -> None:
   """``warnings.warn`` pointing at the user's line: the first frame outside this package (and
-  outside generated code such as a dataclass's ``__init__``) and outside JAX."""
+  outside generated code such as a dataclass's ``__init__``), JAX and Flax."""
   level, frame = 1, sys._getframe(1)
   while frame is not None:
     name = os.path.abspath(frame.f_code.co_filename)
     if not (name.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == "<string>"
-            or f"{os.sep}jax{os.sep}" in name):
+            or f"{os.sep}jax{os.sep}" in name or f"{os.sep}flax{os.sep}" in name):
       break
     frame, level = frame.f_back, level + 1
   warnings.warn(message, category, stacklevel=level + 1)

@@ -497,7 +497,7 @@ def test_masks_broadcast_over_several_batch_dims_as_in_flax():
 
 def test_module_misuse_names_the_fix():
   """Cross-attention with segment ids or on a ring, and a decode cache the ring does not divide,
-  raise naming the module's arguments; a float32 precision the kernels do not take warns."""
+  raise naming the module's arguments."""
   x, y = _x(19, t=16), _x(20, t=8)
   ours = RingAttention(num_heads=N)
   params = ours.init(jax.random.key(0), x)
@@ -510,8 +510,28 @@ def test_module_misuse_names_the_fix():
   with pytest.raises(ValueError, match=r"cache's 14 slots over the 4 devices.*initialise with 16"):
     RingAttention(num_heads=N, decode=True, config=cfg, mesh=mesh).init(
         jax.random.key(0), _x(21, t=14))
+
+
+def test_a_precision_the_gpu_kernels_do_not_take_warns(monkeypatch):
+  """Flax passes the module's ``precision`` to attention_fn: above the default, for float32 on a
+  GPU (TF32 in the kernels), it warns at the user's line; not where it holds (CPU, float64,
+  ``backend="xla"`` under ``jax.default_matmul_precision("highest")``)."""
+  import warnings
+  from pallas_ring import nn as pr_nn
+  f32, f64 = np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 4, 2, 8), np.float64)
+  xla = SequenceParallelConfig(backend="xla")
+  monkeypatch.setattr(pr_nn.jax, "default_backend", lambda: "gpu")
   with pytest.warns(UserWarning, match=r"precision='highest' is applied to the module's proj"):
-    RingAttention(num_heads=N, precision="highest").apply(params, x)
+    pr_nn._note_precision("highest", f32, None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for precision, x, cfg in [(None, f32, None), (jax.lax.Precision.DEFAULT, f32, None),
+                              (("default", "default"), f32, None), ("highest", f64, None)]:
+      pr_nn._note_precision(precision, x, cfg)
+    with jax.default_matmul_precision("highest"):
+      pr_nn._note_precision("highest", f32, xla)
+    monkeypatch.setattr(pr_nn.jax, "default_backend", lambda: "cpu")
+    pr_nn._note_precision("highest", f32, None)
 
 
 def test_a_mesh_field_with_explicit_axes_trains_without_set_mesh():
