@@ -120,7 +120,9 @@ def check(q, k, v, *, kv_shards: int = 1, mask=None, segment_ids=None, kv_segmen
   softcap = validation.check_positive("softcap", softcap, None)
   rate = dropout.check_dropout(dropout_rate, dropout_rng)
   on = rate > 0
-  terms = operands_lib.normalize(operands or {}, operands_lib.Dims(b, n, t, mask_len))
+  wide = jnp.dtype(dtype or q.dtype) == jnp.float64  # (x64: the xla backend's float64)
+  terms = operands_lib.normalize(operands or {}, operands_lib.Dims(
+      b, n, t, mask_len, jnp.float64 if wide else jnp.float32))
   if kv_segment_ids is None and segment_ids is not None:
     if t != s:
       raise ValueError(f"`kv_segment_ids` is required when T != S (T={t}, S={s}): pass the [B, S] "

@@ -48,12 +48,14 @@ TILE = (BATCH, HEADS, QUERIES, KEYS)  # a [B|1, N|1, T, S] operand
 
 
 class Dims(NamedTuple):
-  """The sizes an operand is checked against: batch, query heads, queries and keys."""
+  """The sizes an operand is checked against: batch, query heads, queries and keys, and the
+  dtype of per-head float terms (ALiBi slopes)."""
 
   b: int
   n: int
   t: int
   s: int
+  terms_dtype: Any = jnp.float32  # float64 where the call computes in float64 (x64, xla)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,7 @@ def _dense_mask(m, d: Dims):
   """Bool ``[Bm, Nm, T, S]`` (Bm in {1, B}, Nm in {1, N}). A non-boolean mask must hold 0 / 1:
   concrete values are checked here; traced ones are left to the entry point, which poisons its
   output where they are not (``dense_mask_misuse``)."""
-  full = validation.bnts_shape("dense_mask", m, *d)
+  full = validation.bnts_shape("dense_mask", m, d.b, d.n, d.t, d.s)
   dtype = m.dtype if hasattr(m, "dtype") else np.asarray(m).dtype
   if not (dtype == bool or jnp.issubdtype(dtype, jnp.integer)
           or jnp.issubdtype(dtype, jnp.floating)):
@@ -143,19 +145,20 @@ def _dense_mask(m, d: Dims):
 def _bias(x, d: Dims):
   """``[Bb, Nb, T, S]`` (Bb in {1, B}, Nb in {1, N}) in its own dtype (its gradient sums over
   the broadcast axes through autodiff)."""
-  full = validation.bnts_shape("bias", x, *d)
+  full = validation.bnts_shape("bias", x, d.b, d.n, d.t, d.s)
   validation.check_float("bias", x)
   return jnp.broadcast_to(jnp.reshape(x, full), (full[0], full[1], d.t, d.s))
 
 
 def _alibi_slopes(x, d: Dims):
-  """``[N]`` or ``[B, N]`` -> float32 ``[Ba, N, 1]`` (Ba in {1, B})."""
+  """``[N]`` or ``[B, N]`` -> float32 ``[Ba, N, 1]`` (Ba in {1, B}; float64 for a float64
+  call)."""
   shape = tuple(jnp.shape(x))
   if shape not in ((d.n,), (1, d.n), (d.b, d.n)):
     raise ValueError(f"`alibi_slopes` has shape {shape}; expected [N] = ({d.n},) or [B, N] = "
                      f"{(d.b, d.n)}: one slope per query head (and batch row).")
   validation.check_float("alibi_slopes", x)
-  x = jnp.asarray(x, jnp.float32)
+  x = jnp.asarray(x, d.terms_dtype)
   return (x[None] if x.ndim == 1 else x)[..., None]
 
 

@@ -404,6 +404,11 @@ def test_float64_is_computed_in_float64_by_xla():
     g = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, backend="xla") ** 2))(q)
     g_ref = jax.grad(lambda q: jnp.sum(reference.attention(q, k, v)[0] ** 2))(q)
     assert g.dtype == jnp.float64 and rel_err(g, g_ref) < 1e-12
+    # ALiBi slopes stay float64 there (they were rounded to float32: ~1e-8)
+    slopes = jnp.asarray([0.1, 0.7], jnp.float64)  # [N]
+    out = flash_attention(q, k, v, mask=masks.Causal(), alibi_slopes=slopes, backend="xla")
+    ref, _ = reference.attention(q, k, v, mask=masks.Causal(), alibi_slopes=slopes)
+    assert rel_err(out, ref) < 1e-12
 
 
 @pytest.mark.ci_cases(every=True)
