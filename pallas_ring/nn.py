@@ -91,10 +91,10 @@ def _attend(q, k, v, *, config, mesh, mask, dense_mask=None, segment_ids=None,
     # (sharded_attention checks it too; here the error names Flax's `mask` argument.)
     misuse.append(natural_order_mask(dense_mask, q_positions, cfg.layout,
                                      run_mesh.shape[cfg.axis_name], name="mask"))
-    out = sharded_attention(q, k, v, mesh=None if mesh is None else _auto_outside(mesh, q),
-                            config=cfg,
-                            mask=mask, segment_ids=segment_ids, positions=q_positions,
-                            dense_mask=dense_mask, bias=bias, **dropout, **descales)
+    given = None if mesh is None else _auto_outside(mesh, q)
+    out = sharded_attention(q, k, v, mesh=given, config=cfg, mask=mask, segment_ids=segment_ids,
+                            positions=q_positions, dense_mask=dense_mask, bias=bias, **dropout,
+                            **descales)
   else:
     if kv_positions is None and q.shape[1] == k.shape[1]:
       kv_positions = q_positions
