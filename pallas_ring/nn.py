@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_ring import fp8
+from pallas_ring import fp8, kernels
 from pallas_ring import masks as masks_lib
 from pallas_ring import operands, validation
 from pallas_ring.attention import flash_attention
@@ -194,11 +194,12 @@ def _flax_attention(spec, query, key, value, *, config, mesh, bias, mask, dropou
 def _note_precision(precision, query, config: Optional[SequenceParallelConfig]) -> None:
   """Flax passes the module's ``precision`` to its attention_fn too: above the default, with
   float32 inputs on a GPU, say that the attention kernels do not take it (their float32 matmuls
-  run at the default precision: TF32 in the GPU kernels). ``backend="xla"`` follows
-  ``jax.default_matmul_precision``; CPU kernels are exact."""
+  run at the default precision: TF32 in the GPU kernels). A backend whose matmuls follow
+  ``jax.default_matmul_precision`` (``xla``) under "highest" is exact; CPU kernels are too."""
   if precision is None or query.dtype != jnp.float32 or jax.default_backend() != "gpu":
     return
-  if config is not None and config.backend == "xla" and str(
+  named = None if config is None or config.backend == "auto" else kernels.get(config.backend)
+  if named is not None and named.follows_matmul_precision and str(
       jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"):
     return
   given = precision if isinstance(precision, tuple) else (precision,)

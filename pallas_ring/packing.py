@@ -44,8 +44,8 @@ def misuse(cu_seqlens, length: int):
   nothing to check."""
   if not isinstance(cu_seqlens, jax.core.Tracer):
     return None
-  cu = cu_seqlens
-  return (cu[0] != 0) | jnp.any(jnp.diff(cu) < 0) | (cu[-1] > length)
+  return ((cu_seqlens[0] != 0) | jnp.any(jnp.diff(cu_seqlens) < 0)
+          | (cu_seqlens[-1] > length))
 
 
 def check_positions(cu_seqlens, positions, placed: bool, fix: str) -> None:

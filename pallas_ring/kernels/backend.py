@@ -46,6 +46,9 @@ class Backend:
   name: ClassVar[str]  # the ``backend=`` string
   platform: ClassVar[Optional[str]] = None  # family its kernels run on natively; None: every one
   computes_float64: ClassVar[bool] = False  # whether float64 inputs are computed in float64
+  # whether float32 matmuls follow jax.default_matmul_precision (else the kernels' own: TF32 on
+  # NVIDIA GPUs)
+  follows_matmul_precision: ClassVar[bool] = False
   variants_cls: ClassVar[Optional[type]] = None  # frozen dataclass of its kernel variants
   fallback: ClassVar[str] = "xla"  # what to ask for when this backend cannot serve a call
 

@@ -315,6 +315,7 @@ class XlaBackend(backend.Backend):
 
   name = "xla"
   computes_float64 = True
+  follows_matmul_precision = True  # (its einsums take JAX's default precision)
   forward_reads_fp8 = True  # (widened as they are read: the FP8 path's bytes, not its speed)
   forward = staticmethod(forward)
   backward = staticmethod(backward)
