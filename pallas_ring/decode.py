@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_ring import block_sparse, call, fp8, kernels, operands, pair, sharded
+from pallas_ring import block_sparse, call, fp8, kernels, operands, pair, sharded, validation
 from pallas_ring import masks as masks_lib
 from pallas_ring.config import SequenceParallelConfig
 from pallas_ring.kernels import common, tuning
@@ -221,7 +221,7 @@ def _local_kernel(impl, interpret, q, k, v, q_pos, lengths, offset, *,
   offset = (np.full((1,), offset, np.int32) if isinstance(offset, int)
             else jnp.reshape(offset, (1,)).astype(jnp.int32))
   cfg = common.DecodeConfig(settings.mask, settings.scale, settings.softcap, tokens=t, group=g,
-                            chunks=p, block_kv=bk, num_warps=tiles.num_warps,
+                            chunks=p, block_kv=bk, slots=s, num_warps=tiles.num_warps,
                             num_stages=tiles.num_stages, interpret=interpret)
   o, lse = impl.decode(pad(qk, b, kh, rp, hp), pair.pad_tokens(k, sp, hp),
                        pair.pad_tokens(v, sp, hp), q_pos, lengths, offset, cfg)
@@ -257,6 +257,21 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
     if not jnp.issubdtype(jnp.result_type(kv_lengths), jnp.integer):
       raise TypeError(f"`kv_lengths` has dtype {jnp.result_type(kv_lengths)}; it must be an "
                       "integer array (cast with `.astype(jnp.int32)`).")
+    if not isinstance(kv_lengths, jax.core.Tracer):  # (traced ones: ``_lengths_outside``)
+      values = np.asarray(kv_lengths)  # (on the host: no staging into a trace)
+      lo, hi = int(values.min()), int(values.max())
+      if lo < 0 or hi > s:
+        raise ValueError(f"`kv_lengths` holds values from {lo} to {hi}; each must be between 0 "
+                         f"and the cache's S={s} slots (the number of filled slots of its row). "
+                         "Grow the cache, or stop generating when a row's cache is full.")
+
+
+def _lengths_outside(kv_lengths, s: int):
+  """A traced bool scalar, True when traced ``kv_lengths`` leave ``[0, S]`` (for
+  ``validation.poison``); None for concrete ones, which ``_check`` reads."""
+  if not isinstance(kv_lengths, jax.core.Tracer):
+    return None
+  return jnp.any((kv_lengths < 0) | (kv_lengths > s))
 
 
 def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
@@ -270,8 +285,9 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
   Args:
     q: ``[B, T, N, H]``, T small (1 for greedy decoding, a few for speculative decoding).
     k_cache, v_cache: ``[B, S, K, H]``; ``N % K == 0``. Key positions are the slot indices.
-    kv_lengths: int ``[B]`` filled slots per row (default S); slots at or past a row's length
-      are invisible and never read.
+    kv_lengths: int ``[B]`` filled slots per row, each in ``[0, S]`` (default S); slots at or
+      past a row's length are invisible and never read. Lengths outside raise where they are
+      concrete and make the output NaN under ``jit``.
     q_positions: int ``[T]`` or ``[B, T]``; default ``kv_lengths[:, None] - T + arange(T)`` (the
       queries are the last T tokens written into the cache).
     mask: a mask spec in global positions (default ``Causal()``).
@@ -331,9 +347,11 @@ def decode_attention(q, k_cache, v_cache, *, kv_lengths=None, q_positions=None,
     fn = functools.partial(_decode, **static)
   else:
     sharded.check_axes(run_mesh, cfg)
+    sharded.check_batch(run_mesh, cfg, b, "q")
     sharded.check_heads(run_mesh, cfg, q.shape[2], k_cache.shape[2], kv_name="the caches")
     fn = functools.partial(_decode_sharded, mesh=run_mesh, config=cfg, **static)
-  return fp8.cast_output(_forward_only(fn)(*args), out_dtype, v_scale)
+  return validation.poison(fp8.cast_output(_forward_only(fn)(*args), out_dtype, v_scale),
+                           _lengths_outside(kv_lengths, s))
 
 
 def _finish(o, lse, sinks, dtype, settings: call.Settings):

@@ -171,13 +171,48 @@ def test_differentiating_it_raises_naming_flash_attention():
     (dict(mesh="mesh"), ValueError, "needs config=SequenceParallelConfig"),
     (dict(block_sizes=BlockSizes(kv_splits=3)), ValueError, "kv_splits=3 does not divide"),
     (dict(q_positions=jnp.ones((5,), jnp.int32)), ValueError, "`q_positions` has shape"),
+    (dict(kv_lengths=[129, 5]), ValueError, "from 5 to 129; each must be between 0 and the "
+                                            "cache's S=128"),
+    (dict(kv_lengths=np.array([-1, 5])), ValueError, "from -1 to 5; each must be between 0"),
 ], ids=["lengths_shape", "lengths_dtype", "query_longer_than_cache", "mesh_without_config",
-        "splits", "positions"])
+        "splits", "positions", "lengths_past_the_cache", "negative_lengths"])
 def test_mistakes_raise_naming_the_argument(change, error, match):
   q, k, v, _ = _problem(7, 1, 2, 2, s=128)
   kw = dict(q=q, backend="xla") | change
   with pytest.raises(error, match=match):
     decode_attention(kw.pop("q"), k, v, **kw)
+
+
+def test_traced_lengths_past_the_cache_make_the_output_nan():
+  """Under ``jit`` a length outside ``[0, S]`` cannot raise: the output is NaN, not the
+  attention of a cache clipped (or, in the Triton kernel, padded) to its length."""
+  q, k, v, _ = _problem(9, 1, 2, 2, s=128)
+  f = jax.jit(lambda lengths: decode_attention(q, k, v, kv_lengths=lengths, backend="xla"))
+  assert jnp.all(jnp.isnan(f(jnp.array([129, 5]))))
+  assert not jnp.any(jnp.isnan(f(jnp.array([128, 5]))))
+
+
+@pytest.mark.parametrize("shape", [(), (4,)], ids=["one_device", "sp4"])
+def test_triton_cache_slots_that_are_not_a_tile_multiple(shape):
+  """The dedicated Triton kernel pads the cache (this device's slots) to whole tiles: the
+  padding stays invisible, also where its positions are another device's slots."""
+  q, k, v, lengths = _problem(10, 1, 4, 1, s=4 * 90)
+  lengths = lengths.at[1].set(4 * 90)
+  kw = dict(kv_lengths=lengths, return_lse=True)
+  if shape:
+    mesh = jax.make_mesh(shape, ("sp",), axis_types=(AxisType.Auto,))
+    kw |= dict(mesh=mesh, config=SequenceParallelConfig(axis_name="sp", backend="xla"))
+  out, lse = decode_attention(q, k, v, backend="pallas_triton", interpret=True, **kw)
+  ref, ref_lse = _reference(q, k, v, lengths, masks.Causal())
+  assert rel_err(out, ref) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+
+
+def test_a_batch_that_batch_axes_do_not_divide_raises():
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
+  cfg = SequenceParallelConfig(axis_name="sp", batch_axes=("dp",), backend="xla")
+  q, k, v, _ = _problem(7, 1, 2, 2, b=3, s=128)
+  with pytest.raises(ValueError, match="batch size 3 is not divisible by the 2 devices"):
+    decode_attention(q, k, v, mesh=mesh, config=cfg)
 
 
 def test_heads_that_the_head_axis_does_not_divide_raise():

@@ -120,6 +120,7 @@ class DecodeConfig:
   group: int  # G query heads per kv head: a program's real rows are T*G, ordered (t, g)
   chunks: int  # P chunks of the cache's slots, each streamed by its own programs
   block_kv: int  # key tile (slots read per step)
+  slots: int  # the cache's real slots (this shard's); those past it are the tiles' padding
   num_warps: Optional[int] = None  # Triton: warps per program (None: heuristic)
   num_stages: Optional[int] = None  # Triton: pipeline stages (None: heuristic)
   interpret: bool = False  # run the Pallas kernel in interpret mode

@@ -11,7 +11,8 @@ h), reads its row's length and derives everything else itself:
   last T slots below the length (``length - T + t``) unless given;
 * the tiles it reads are those of its chunk that hold a slot below the length and inside the
   mask's static key bounds (``masks.key_bounds``: a window's far past is never read);
-* each tile applies the mask spec elementwise (slots at or past the length are invisible).
+* each tile applies the mask spec elementwise (slots at or past the length, and the padding past
+  the shard's real slots, are invisible).
 
 K/V are read in place from ``[B, S, K, H]``, in q's dtype or FP8 (widened as each tile is loaded:
 half the bytes of a 16-bit cache). The result is each chunk's normalised ``(o, lse)``,
@@ -42,6 +43,7 @@ def _kernel(len_ref, off_ref, *refs, cfg: common.DecodeConfig, given_positions: 
   bk = cfg.block_kv
   chunk = k_ref.shape[0] // cfg.chunks  # slots per chunk (a multiple of bk)
   length, offset = len_ref[0], off_ref[0]  # visible slots (global); global position of slot 0
+  end = jnp.minimum(length, offset + cfg.slots)  # past the last visible slot of this shard
   row = jnp.arange(rows, dtype=jnp.int32)
   real = row < cfg.tokens * cfg.group
   if given_positions:
@@ -54,7 +56,7 @@ def _kernel(len_ref, off_ref, *refs, cfg: common.DecodeConfig, given_positions: 
   # The slots this program reads, local to the shard: its chunk, below the length, inside the
   # mask's key bounds around the rows' positions.
   lo = pl.program_id(0) * chunk
-  hi = jnp.minimum(lo + chunk, length - offset)
+  hi = jnp.minimum(lo + chunk, end - offset)
   left, right = masks_lib.key_bounds(cfg.mask)
   if right is not None:
     hi = jnp.minimum(hi, q_hi + right + 1 - offset)
@@ -74,7 +76,7 @@ def _kernel(len_ref, off_ref, *refs, cfg: common.DecodeConfig, given_positions: 
     v = v_ref[pl.ds(k0, bk), :].astype(wide)
     s = logits2(q, k, cfg)
     k_pos = offset + k0 + jnp.arange(bk, dtype=jnp.int32)
-    vis = cfg.mask.visible(q_pos[:, None], k_pos[None, :]) & (k_pos < length)[None, :]
+    vis = cfg.mask.visible(q_pos[:, None], k_pos[None, :]) & (k_pos < end)[None, :]
     s = jnp.where(vis, s, common.NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)
