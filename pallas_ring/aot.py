@@ -32,6 +32,7 @@ class CompileReport:
   kernels: int  # Pallas (Mosaic) custom calls in the program
   permutes_overlap_kernels: bool  # a collective-permute-start ... kernel ... -done sequence
   compile_seconds: float  # tracing, lowering and compiling, on this host
+  permutes: int = 0  # collective-permute ops in the program (the ring's sends)
   all_to_alls: int = 0  # all-to-all ops in the program (Ulysses strategies)
   all_to_alls_overlap_kernels: bool = False  # an all-to-all-start ... kernel ... -done sequence
 
@@ -175,5 +176,6 @@ def compile_ring(topology: str, config: SequenceParallelConfig, *, seq_len: int,
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       temp_bytes=mem.temp_size_in_bytes, kernels=text.count("tpu_custom_call"),
       permutes_overlap_kernels=overlaps_kernels(text), compile_seconds=seconds,
+      permutes=len(re.findall(r" collective-permute(?:-start)?\(", text)),
       all_to_alls=len(re.findall(r" all-to-all(?:-start)?\(", text)),
       all_to_alls_overlap_kernels=overlaps_kernels(text, "all-to-all"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -26,11 +27,12 @@ def demo(args) -> int:
   from pallas_ring.sharded import sharded_attention
 
   r = jax.device_count()
-  t, b, n, kh, h, blk = args.seq_len, 1, 4, 2, args.head_dim, 16
-  if t % (r * blk):  # (the work table counts tiles of blk tokens in each device's shard)
-    print(f"demo: --seq-len {t} must be a multiple of {r * blk} ({r} devices x tiles of {blk} "
-          f"tokens), e.g. --seq-len {max(1, round(t / (r * blk))) * r * blk}.", file=sys.stderr)
+  t, b, n, kh, h = args.seq_len, 1, 4, 2, args.head_dim
+  if t % (2 * r):
+    print(f"demo: --seq-len {t} must be a multiple of {2 * r} (2 zigzag chunks on each of {r} "
+          f"devices), e.g. --seq-len {max(1, round(t / (2 * r))) * 2 * r}.", file=sys.stderr)
     return 2
+  blk = math.gcd(16, t // (2 * r))  # the work table's tiles: whole ones in each zigzag chunk
   if args.strategy == "ulysses":  # (its heads split over the devices)
     n = r * 4 // np.gcd(r, 4)
   print(f"devices: {r} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -124,8 +126,13 @@ def compile_cmd(args) -> int:
           f"config's {', '.join(f'{k}={v!r}' for k, v in unused.items())} are not used",
           file=sys.stderr, flush=True)
   cfg = cfg.replace(batch_axes=(), head_axis=None)
-  if args.strategy is not None:
-    cfg = cfg.replace(strategy=args.strategy)
+  if args.strategy == "ulysses_ring" and cfg.ulysses_axis is None:
+    print("error: --strategy ulysses_ring needs a --config whose mesh has a Ulysses axis, e.g. "
+          "--config tpu_v5p_16_ulysses_ring", file=sys.stderr)
+    return 2
+  if args.strategy is not None:  # (another strategy than the preset's drops its Ulysses axis)
+    cfg = cfg.replace(strategy=args.strategy, ulysses_axis=(
+        cfg.ulysses_axis if args.strategy == "ulysses_ring" else None))
   ulysses = {}
   if cfg.ulysses_axis is not None and preset and preset.mesh_axes:
     ulysses = dict(ulysses_size=preset.mesh_shape[preset.mesh_axes.index(cfg.ulysses_axis)])
@@ -144,8 +151,11 @@ def compile_cmd(args) -> int:
     print(f"compiled in {rep.compile_seconds:.1f} s\n"
           f"    {rep.num_devices} x {rep.device_kind}: {rep.kernels} Mosaic kernels; per device: "
           f"arguments {gib(rep.argument_bytes)}, outputs {gib(rep.output_bytes)}, "
-          f"temporaries {gib(rep.temp_bytes)}; permutes overlap kernels: "
-          f"{'yes' if rep.permutes_overlap_kernels else 'NO'}", flush=True)
+          f"temporaries {gib(rep.temp_bytes)}", flush=True)
+    if rep.permutes:
+      print(f"    {rep.permutes} collective permutes: "
+            f"{'some overlap' if rep.permutes_overlap_kernels else 'NONE overlaps'} the kernels",
+            flush=True)
     if rep.all_to_alls:
       how = ("some overlap the kernels" if rep.all_to_alls_overlap_kernels else
              "none overlaps a kernel (XLA runs them between the kernels)")
@@ -245,7 +255,6 @@ def _head_counts(p: argparse.ArgumentParser) -> None:
   p.add_argument("--heads", type=_positive, default=16, help="query heads N")
   p.add_argument("--kv-heads", type=_positive, default=None,
                  help="key/value heads K, dividing N (None: K = N)")
-  p.set_defaults(command_parser=p)  # (main's errors about both flags: this command's usage)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -255,20 +264,24 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog=prog, formatter_class=fmt,
                                    description="pallas_ring: block-sparse flash and ring attention")
   sub = parser.add_subparsers(dest="cmd", metavar="{demo,bench,compile,tune}")
-  p = sub.add_parser("demo", formatter_class=fmt,
-                     help="ring attention on all devices (8 virtual CPU devices on CPU), each "
-                          "mask x layout, checked against the dense reference")
+
+  def command(name, **kw):  # (main's errors name the command's usage: ``command_parser``)
+    p = sub.add_parser(name, formatter_class=fmt, **kw)
+    p.set_defaults(command_parser=p)
+    return p
+
+  p = command("demo",
+              help="ring attention on all devices (8 virtual CPU devices on CPU), each "
+                   "mask x layout, checked against the dense reference")
   p.add_argument("--seq-len", type=_positive, default=256, help="total tokens")
   p.add_argument("--head-dim", type=_positive, default=64, help="head dim H")
-  p.add_argument("--backend", default="auto", help="kernel backend")
+  p.add_argument("--backend", type=_backend, default="auto", help="kernel backend")
   p.add_argument("--strategy", default="ring", choices=["ring", "all_gather", "ulysses"],
                  help="sequence-parallel strategy (the work columns are the ring's schedule)")
   p.add_argument("--verbose", action="store_true", help="print the device x step live matrix")
-  p.add_argument("--dtype", default="float32",
-                 help="float32, bfloat16 or float16 (on Hopper GPUs, 16-bit inputs run the "
-                      "Mosaic GPU forward)")
-  p = sub.add_parser("bench", formatter_class=fmt,
-                     help="GPU benchmarks against cuDNN and Pallas mha")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                 help="input dtype (on Hopper GPUs, 16-bit inputs run the Mosaic GPU forward)")
+  p = command("bench", help="GPU benchmarks against cuDNN and Pallas mha")
   p.add_argument("--ring", action="store_true", help="ring benchmark over all local GPUs")
   p.add_argument("--extras", action="store_true",
                  help="cost of attention dropout and ALiBi (causal fwd+bwd, T=16k)")
@@ -283,8 +296,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="time each batch of calls by its GPU ops' span in a profiler trace "
                       "instead of the host's clock")
   p.add_argument("--out", default="bench_out", help="folder for JSON and the PNG plot")
-  p = sub.add_parser("compile", formatter_class=fmt,
-                     help="compile the ring for a TPU slice on this machine (libtpu)")
+  p = command("compile", help="compile the ring for a TPU slice on this machine (libtpu)")
   p.add_argument("--topology", default=None,
                  help=f"TPU topology, e.g. v5e:2x4, v6e:2x4; None: the config's `topology:`, "
                       f"else {DEFAULT_TOPOLOGY}")
@@ -296,8 +308,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--strategy", default=None,
                  choices=["auto", "ring", "all_gather", "ulysses", "ulysses_ring"],
                  help="sequence-parallel strategy (None: the config's); auto prints its choice")
-  p = sub.add_parser("tune", formatter_class=fmt,
-                     help="measure tile candidates on this device and write the tile cache")
+  p = command("tune",
+              help="measure tile candidates on this device and write the tile cache")
   p.add_argument("--backend", type=_backend, default="auto",
                  help="kernel backend (auto: this device's native one, xla on CPU)")
   p.add_argument("--seq-len", type=_positive, default=4096, help="tokens T = S")
@@ -340,4 +352,7 @@ def main(argv=None) -> None:
   if args.cmd == "bench":
     from pallas_ring import bench
     sys.exit(bench.main(args))
-  sys.exit({"demo": demo, "compile": compile_cmd, "tune": tune_cmd}[args.cmd](args))
+  try:
+    sys.exit({"demo": demo, "compile": compile_cmd, "tune": tune_cmd}[args.cmd](args))
+  except (ValueError, TypeError) as e:  # the library's checks of these sizes: one line each
+    args.command_parser.error(str(e))

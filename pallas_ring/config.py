@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from typing import Any, Mapping, Optional
 
 from pallas_ring import kernels
@@ -23,8 +24,23 @@ STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring", "auto")
 
 def _load_yaml(path) -> Mapping[str, Any]:
   import yaml  # local import: only configs read from files need it
+
+  class Loader(yaml.SafeLoader):  # (PyYAML keeps a repeated key's last value, silently)
+    pass
+
+  def mapping(loader, node):
+    seen = set()
+    for key_node, _ in node.value:
+      key = loader.construct_object(key_node)
+      if key in seen:
+        raise ValueError(f"{path}: key {key!r} appears more than once in one mapping (again on "
+                         f"line {key_node.start_mark.line + 1}); keep one.")
+      seen.add(key)
+    return loader.construct_mapping(node)
+
+  Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
   with open(path) as f:
-    data = yaml.safe_load(f)
+    data = yaml.load(f, Loader=Loader)
   return {} if data is None else data
 
 
@@ -45,8 +61,8 @@ def _preset_path(name_or_path) -> str:
   if path.endswith((".yaml", ".yml")) or os.sep in path:
     stem, _ = os.path.splitext(os.path.basename(path))
     # ``configs/NAME.yaml`` as DESIGN writes it, from any working directory: the shipped file
-    if stem in preset_names() and path.replace(os.sep, "/") in (f"configs/{stem}.yaml",
-                                                                f"{stem}.yaml"):
+    if stem in preset_names() and os.path.normpath(path).replace(os.sep, "/") in (
+        f"configs/{stem}.yaml", f"{stem}.yaml"):
       return os.path.join(PRESETS_DIR, stem + ".yaml")
     raise FileNotFoundError(f"no YAML file at {path!r} (from {os.getcwd()!r}). Shipped presets "
                             f"load by name: {', '.join(preset_names())}.")
@@ -138,14 +154,16 @@ class SequenceParallelConfig:
     batch_axes = () if self.batch_axes is None else self.batch_axes
     if isinstance(batch_axes, str):
       batch_axes = (batch_axes,)
-    if not isinstance(batch_axes, (tuple, list)) or not all(isinstance(a, str) for a in batch_axes):
+    if not isinstance(batch_axes, (tuple, list)) or not all(isinstance(a, str) and a
+                                                            for a in batch_axes):
       raise ValueError(f"{name}.batch_axes={self.batch_axes!r} is invalid: it must be a tuple of "
                        "mesh axis names, e.g. ('dp',), or None / () for no batch axes.")
     object.__setattr__(self, "batch_axes", tuple(batch_axes))
     for field in ("head_axis", "ulysses_axis"):
-      if getattr(self, field) is not None and not isinstance(getattr(self, field), str):
-        raise ValueError(f"{name}.{field}={getattr(self, field)!r} must be a mesh axis name or "
-                         "None.")
+      axis = getattr(self, field)
+      if axis is not None and (not isinstance(axis, str) or not axis):
+        raise ValueError(f"{name}.{field}={axis!r} must be a mesh axis name (a non-empty "
+                         "string) or None.")
     dup = sorted({a for a in self.batch_axes if self.batch_axes.count(a) > 1})
     if dup:
       raise ValueError(f"{name}.batch_axes={self.batch_axes!r} names {dup[0]!r} more than once; "
@@ -204,6 +222,7 @@ class SequenceParallelConfig:
     return load_preset(name).config
 
   def replace(self, **kw) -> "SequenceParallelConfig":
+    check_keys(type(self), kw)
     return dataclasses.replace(self, **kw)
 
 
@@ -245,24 +264,31 @@ def load_preset(name_or_path) -> Preset:
   if not any(k in _SECTIONS for k in data):  # a bare config
     return Preset(SequenceParallelConfig.from_dict(data))
   for key in data:
+    if key in fields:
+      raise ValueError(f"{path}: {key!r} is a config field beside the sections "
+                       f"{', '.join(_SECTIONS)}: move it under sequence_parallel:.")
     if key not in _SECTIONS:
-      close = difflib.get_close_matches(str(key), list(_SECTIONS) + fields, n=1)
+      close = difflib.get_close_matches(str(key), _SECTIONS, n=1)
       hint = f" Did you mean {close[0]!r}?" if close else ""
       raise ValueError(f"{path}: unknown top-level section {key!r}.{hint} Sections are "
                        f"{', '.join(_SECTIONS)} (config fields go under sequence_parallel:).")
-  mesh = data.get("mesh") or {}
-  if mesh and not (isinstance(mesh, Mapping) and set(mesh) == {"shape", "axes"} and
-                   isinstance(mesh["shape"], list) and isinstance(mesh["axes"], list) and
-                   len(mesh["shape"]) == len(mesh["axes"]) and
-                   all(isinstance(d, int) and d >= 1 for d in mesh["shape"]) and
-                   all(isinstance(a, str) for a in mesh["axes"])):
+  mesh = data.get("mesh")
+  if mesh is not None and not (
+      isinstance(mesh, Mapping) and set(mesh) == {"shape", "axes"} and
+      isinstance(mesh["shape"], list) and isinstance(mesh["axes"], list) and
+      len(mesh["shape"]) == len(mesh["axes"]) > 0 and
+      all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh["shape"]) and
+      all(isinstance(a, str) and a for a in mesh["axes"]) and
+      len(set(mesh["axes"])) == len(mesh["axes"])):
     raise ValueError(f"{path}: `mesh` must be {{shape: [...], axes: [...]}}, lists of equal "
-                     f"lengths of device counts >= 1 and axis names, got {mesh!r}.")
+                     f"lengths of device counts >= 1 and distinct axis names, got {mesh!r}.")
   topology = data.get("topology")
-  if topology is not None and not isinstance(topology, str):
+  if topology is not None and not (isinstance(topology, str) and
+                                   re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology)):
     raise ValueError(f"{path}: `topology` must be a TPU topology such as 'v5e:2x4', got "
                      f"{topology!r}.")
-  config = SequenceParallelConfig.from_dict(data.get("sequence_parallel") or {})
+  section = data.get("sequence_parallel")
+  config = SequenceParallelConfig.from_dict({} if section is None else section)
   if mesh:
     named = (config.axis_name, config.head_axis, config.ulysses_axis, *config.batch_axes)
     missing = [a for a in named if a is not None and a not in mesh["axes"]]

@@ -35,7 +35,7 @@ def test_compile_reports_memory_and_overlap(capsys):
               "--seq-len", "4096", "--heads", "4", "--kv-heads", "4"])
   out = capsys.readouterr().out
   assert e.value.code == 0
-  assert "4 x TPU v5 lite" in out and "permutes overlap kernels: yes" in out
+  assert "4 x TPU v5 lite" in out and "collective permutes: some overlap the kernels" in out
   assert "causal mask, bfloat16" in out and out.count("compiled in ") == 2
   assert "temporaries" in out
   # Bytes per strategy: the ring sends its 1k-token K/V shard (4 heads of 128, bf16) 3 times.
@@ -82,7 +82,12 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
     (["tune", "--passes", "sideways"], "expected fwd, bwd or fwd,bwd"),
     (["tune", "--dtype", "foo"], "invalid choice: 'foo'"),
     (["tune", "--backend", "cuda"], "--backend: 'cuda': expected one of auto, pallas_tpu"),
-    (["demo", "--seq-len", "64"], "--seq-len 64 must be a multiple of 128"),
+    (["demo", "--seq-len", "100"], "--seq-len 100 must be a multiple of 16"),
+    (["demo", "--backend", "bogus"], "--backend: 'bogus': expected one of auto"),
+    (["demo", "--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
+    (["tune", "--mask", "banana"], "tune: error: --mask='banana' is not known"),
+    (["compile", "--strategy", "ulysses_ring"], "needs a --config whose mesh has a Ulysses axis"),
+    (["compile", "--seq-len", "100"], "compile: error: `q.shape[1] (sequence length)`=100"),
     (["tune", "--heads", "16", "--kv-heads", "3"], "--heads 16 must be a multiple of --kv-heads 3"),
     (["compile", "--heads", "8", "--kv-heads", "3"],
      "pallas_ring compile: error: --heads 8 must be a multiple of --kv-heads 3")])

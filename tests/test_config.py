@@ -25,6 +25,8 @@ def test_from_dict_with_nested_block_sizes():
 def test_unknown_key_suggests_closest():
   with pytest.raises(ValueError, match="unknown key 'layuot'.*Did you mean 'layout'"):
     SequenceParallelConfig.from_dict({"layuot": "zigzag"})
+  with pytest.raises(ValueError, match="unknown key 'layot'.*Did you mean 'layout'"):
+    SequenceParallelConfig().replace(layot="zigzag")
   with pytest.raises(ValueError, match="'block_kv'"):
     BlockSizes.from_dict({"block_k": 64})
 
@@ -37,6 +39,7 @@ def test_unknown_key_suggests_closest():
     (dict(scan_unroll=0), r"scan_unroll=0.*>= 1"),
     (dict(axis_name=""), r"axis_name=''"),
     (dict(axis_name="sp", batch_axes=("sp",)), r"axis_name='sp' is also in batch_axes"),
+    (dict(head_axis=""), r"head_axis='' must be a mesh axis name \(a non-empty string\)"),
 ])
 def test_invalid_values(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -105,6 +108,7 @@ def test_design_preset_paths_load_from_any_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   want = SequenceParallelConfig.preset("tpu_v5e_8")
   assert SequenceParallelConfig.from_yaml("configs/tpu_v5e_8.yaml") == want
+  assert SequenceParallelConfig.from_yaml("./configs/tpu_v5e_8.yaml") == want
   with pytest.raises(FileNotFoundError, match=r"no YAML file at 'nope/x.yaml'.*tpu_v5e_8"):
     SequenceParallelConfig.from_yaml("nope/x.yaml")
 
@@ -121,7 +125,18 @@ def test_presets_ship_as_package_data():
      r"names mesh axes \['dp'\] that the preset's mesh \(axes \['sp'\]\) lacks"),
     ("sequence_parallel: {strategy: ulysses_ring, ulysses_axis: 5}",
      r"ulysses_axis=5 must be a mesh axis name"),
-    ("topology: 12", r"`topology` must be a TPU topology such as 'v5e:2x4', got 12")])
+    ("topology: 12", r"`topology` must be a TPU topology such as 'v5e:2x4', got 12"),
+    ("topology: banana", r"`topology` must be a TPU topology such as 'v5e:2x4', got 'banana'"),
+    # (never silently absent: an empty or false section, a bool count, an axis named twice)
+    ("mesh: []", r"`mesh` must be \{shape: \[...\], axes: \[...\]\}.*got \[\]"),
+    ("mesh: false", r"`mesh` must be .*got False"),
+    ("mesh: {shape: [true, 4], axes: [dp, sp]}", r"`mesh` must be .*got \{'shape': \[True"),
+    ("mesh: {shape: [2, 2], axes: [sp, sp]}", r"distinct axis names, got"),
+    ("sequence_parallel: []", r"SequenceParallelConfig expects a mapping"),
+    ("sequence_parallel:\n  layout: zigzag\n  layout: striped",
+     r"key 'layout' appears more than once in one mapping \(again on line 3\)"),
+    ("mesh: {shape: [4], axes: [sp]}\nlayout: zigzag",
+     r"'layout' is a config field beside the sections .* move it under sequence_parallel:")])
 def test_yaml_bad_values_name_the_field(tmp_path, text, says):
   p = tmp_path / "bad.yaml"
   p.write_text(("sequence_parallel: {axis_name: sp}\n" if "sequence_parallel" not in text
