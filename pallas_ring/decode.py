@@ -257,7 +257,7 @@ def _check(q, k_cache, kv_lengths, mesh_size: int):
     if not jnp.issubdtype(jnp.result_type(kv_lengths), jnp.integer):
       raise TypeError(f"`kv_lengths` has dtype {jnp.result_type(kv_lengths)}; it must be an "
                       "integer array (cast with `.astype(jnp.int32)`).")
-    if not isinstance(kv_lengths, jax.core.Tracer):  # (traced ones: ``_lengths_outside``)
+    if not isinstance(kv_lengths, jax.core.Tracer) and b:  # (traced: ``_lengths_outside``)
       values = np.asarray(kv_lengths)  # (on the host: no staging into a trace)
       lo, hi = int(values.min()), int(values.max())
       if lo < 0 or hi > s:
