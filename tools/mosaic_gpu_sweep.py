@@ -646,17 +646,27 @@ def calls(*opts):
   """Two forward+backward calls (Mosaic GPU) per shape, for an outside profiler: with one
   shape, ``ncu --kernel-name regex:mosaic --launch-skip 2 --launch-count 2`` profiles the second
   call's two kernels (forward, fused dK/dV; three where the reproducible pair runs: forward, dQ,
-  dK/dV, ``tiles.fused_backward``). Words select shapes as in ``bwd`` (default: dense), one
+  dK/dV, ``tiles.fused_backward``). Words select shapes as in ``spans`` (default: dense), one
   ``Variants`` setting and one feature of ``features`` (e.g. ``alibi``; its arrays are
   arguments, not constants; ``dense`` names the shape here, ``dense_mask`` the dense mask), and
-  ``fp8``: q, k, v quantized to float8_e4m3fn (``quantize=``), the FP8 kernels."""
-  shapes = {name.split()[0] for name, *_ in _BWD_SHAPES}
+  ``fp8``: q, k, v quantized to float8_e4m3fn (``quantize=``), the FP8 kernels. Other words
+  stop it (a profile of the default shape under another's name would mislead)."""
+  shapes = {name.split()[0] for name, *_ in _FWD_SHAPES}
+  unknown = [o for o in opts if o not in shapes | set(_FEATURES) | {"dense_mask", "fp8", "fp16"}
+             and not _is_variant(o)]
+  if unknown:
+    raise SystemExit(f"calls: unknown words {unknown}; shapes: {' '.join(sorted(shapes))}; "
+                     f"features: {' '.join(_FEATURES)}, dense_mask; fp8, fp16; field=value")
   feats = ["dense" if o == "dense_mask" else o for o in opts
            if o == "dense_mask" or (o in _FEATURES and o not in shapes)]
-  only = [o for o in opts if o in shapes]
+  only = [o for o in opts if o in shapes or o == "fp16"] or ["dense"]
   quantize = jnp.float8_e4m3fn if "fp8" in opts else None
   (variants,) = _variants(opts)[1]
-  for name, (t, n, _, mask, _), (q, k, v, do), seg in _bwd_cases(only or ("dense",)):
+  for name, t, n, kh, h, mask, kind, dt in _FWD_SHAPES:
+    if not _picked(name, dt, only):
+      continue
+    _, (q, k, v, do) = _shape_inputs(name, t, n, h, kh, dt)
+    seg = (jnp.arange(t, dtype=jnp.int32) // 1024)[None] if kind == "documents" else None
     feature = _FEATURES[feats[0]](n, t) if feats else {}
     f, arrays = _with_arrays(lambda q, k, v, **kw: flash_attention(
         q, k, v, mask=mask, segment_ids=seg, backend="pallas_mosaic_gpu", quantize=quantize,
