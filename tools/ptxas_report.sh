@@ -4,8 +4,8 @@
 #
 #   tools/ptxas_report.sh SHAPE ["FIELD=VALUE ..." ...]
 #
-# SHAPE is the first word of a backward shape of tools/mosaic_gpu_sweep.py (dense, causal, gqa,
-# h64, h256, docs, dense4k, causal4k); each further argument is one pallas_mosaic_gpu.Variants
+# SHAPE is the first word of a shape of tools/mosaic_gpu_sweep.py's spans (dense, causal, gqa,
+# gqa32k, mqa, h64, h256, docs, ...); each further argument is one pallas_mosaic_gpu.Variants
 # setting ("" or none: the defaults; "fp8", alone or with fields: the FP8 kernels). Prints, per
 # setting, one line per kernel compiled, in order (forward and the fused kernel, the default at
 # H <= 128; forward, dQ, dK/dV where the reproducible pair runs, tiles.fused_backward; in FP8 the
