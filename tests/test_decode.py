@@ -192,6 +192,7 @@ def test_traced_lengths_past_the_cache_make_the_output_nan():
   assert not jnp.any(jnp.isnan(f(jnp.array([128, 5]))))
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("shape", [(), (4,)], ids=["one_device", "sp4"])
 def test_triton_cache_slots_that_are_not_a_tile_multiple(shape):
   """The dedicated Triton kernel pads the cache (this device's slots) to whole tiles: the
