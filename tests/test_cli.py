@@ -76,6 +76,7 @@ def test_compile_bad_topology_or_preset_is_one_line(capsys, arg, value, names):
   assert value in err and names in err and "Traceback" not in err
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("argv, says", [
     (["tune", "--batch", "0"], "--batch: '0' is not an integer >= 1"),
     (["tune", "--iters", "x"], "--iters: 'x' is not an integer >= 1"),

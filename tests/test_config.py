@@ -119,6 +119,7 @@ def test_presets_ship_as_package_data():
   assert os.path.dirname(config_lib.PRESETS_DIR) == os.path.dirname(config_lib.__file__)
 
 
+@pytest.mark.ci_cases(every=True)
 @pytest.mark.parametrize("text, says", [
     ("mesh: {shape: 8, axes: sp}", r"`mesh` must be \{shape: \[...\], axes: \[...\]\}"),
     ("sequence_parallel: {batch_axes: [dp]}\nmesh: {shape: [8], axes: [sp]}",
