@@ -92,16 +92,11 @@ class Placement:
     b, t = self.perm.shape
     _check_x(x, b, t, axis, what)
     axis %= len(np.shape(x))
-    rows = np.arange(b)[:, None]
     if isinstance(x, np.ndarray):
-      return np.moveaxis(np.moveaxis(x, axis, 1)[rows, index], 1, axis)
-    import jax  # (jax arrays stay on device, explicitly sharded ones keep their sharding)
-    import jax.numpy as jnp
-    x = jnp.moveaxis(jnp.asarray(x), axis, 1)
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if any(p is not None for p in getattr(sharding, "spec", ())):
-      return jnp.moveaxis(x.at[rows, index].get(out_sharding=sharding), 1, axis)
-    return jnp.moveaxis(x[rows, index], 1, axis)
+      return np.moveaxis(np.moveaxis(x, axis, 1)[np.arange(b)[:, None], index], 1, axis)
+    # (jax arrays stay on device, explicitly sharded ones keep their sharding)
+    from pallas_ring.layouts import take_tokens  # (layouts imports this module)
+    return take_tokens(x, index, axis)
 
   def check(self, *, layout: str, ring_size: int, seq_len: int, where: str) -> None:
     """Raises unless the placement fits a call of ``layout`` over ``ring_size`` shards of a

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from pallas_ring.balance import Placement, balance
 
@@ -39,10 +40,16 @@ def divisor(layout: str, ring_size: int) -> int:
   return 2 * ring_size if check_layout(layout) == "zigzag" else ring_size
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def check_length(seq_len: int, layout: str, ring_size: int, argname: str = "seq_len") -> None:
+  if not _is_int(ring_size) or ring_size < 1:
+    raise ValueError(f"ring_size={ring_size!r} must be an int >= 1 (the devices of the ring).")
+  if not _is_int(seq_len):
+    raise ValueError(f"`{argname}`={seq_len!r} must be an int (a number of tokens).")
   d = divisor(layout, ring_size)
-  if ring_size < 1:
-    raise ValueError(f"ring_size={ring_size} must be >= 1.")
   if seq_len % d:
     rule = "2R (two chunks per rank)" if layout == "zigzag" else "R (the ring size)"
     raise ValueError(
@@ -74,9 +81,13 @@ def positions(seq_len: int, layout: str, ring_size: int, rank=None):
   if rank is None:
     return jnp.asarray(global_order(seq_len, layout, ring_size))
   check_length(seq_len, layout, ring_size)
-  if isinstance(rank, (int, np.integer)) and not 0 <= rank < ring_size:
-    raise ValueError(f"`rank`={rank} is not a rank of a ring of {ring_size}: it must be in "
-                     f"[0, {ring_size - 1}] (or None for every rank's positions in layout order).")
+  if not isinstance(rank, jax.core.Tracer):  # (a traced one, lax.axis_index's, is in range)
+    if np.ndim(rank) or not jnp.issubdtype(jnp.result_type(rank), jnp.integer):
+      raise TypeError(f"`rank`={rank!r} must be an integer scalar (or None).")
+    if not 0 <= int(rank) < ring_size:
+      raise ValueError(f"`rank`={rank} is not a rank of a ring of {ring_size}: it must be in "
+                       f"[0, {ring_size - 1}] (or None for every rank's positions in layout "
+                       "order).")
   r, n = ring_size, seq_len // ring_size
   i = jnp.arange(n, dtype=jnp.int32)
   rank = jnp.asarray(rank, jnp.int32)
@@ -88,25 +99,46 @@ def positions(seq_len: int, layout: str, ring_size: int, rank=None):
   return jnp.where(i < c, rank * c + i, (2 * r - 1 - rank) * c + i - c)
 
 
-def _take(x, index: np.ndarray, axis: int):
-  """``jnp.take`` that keeps an explicitly sharded array's sharding."""
+def take_tokens(x, index: np.ndarray, axis: int):
+  """``x`` reordered along ``axis`` by ``index``: ``[L]`` (every batch row alike) or ``[B, L]``
+  (a row's own, batch at axis 0). An explicitly sharded ``x`` keeps its sharding: it is gathered
+  along an unsharded token axis and resharded back (a gather given ``out_sharding`` on the output
+  of a ``shard_map`` failed to transpose under ``jit``: its scatter-add's mesh was Auto)."""
   x = jnp.asarray(x)
+  axis %= x.ndim
+  shape = [1] * x.ndim  # ``index`` broadcast along x's other axes
+  shape[axis] = index.shape[-1]
+  if index.ndim == 2:
+    shape[0] = index.shape[0]
+  index = jnp.asarray(np.reshape(index, shape))
   sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is not None and any(p is not None for p in spec):
-    idx = (slice(None),) * (axis % x.ndim) + (jnp.asarray(index),)
-    return x.at[idx].get(out_sharding=sharding)
-  return jnp.take(x, jnp.asarray(index), axis=axis)
+  spec = tuple(getattr(sharding, "spec", ()))
+  if not any(p is not None for p in spec):
+    return jnp.take_along_axis(x, index, axis=axis)
+  spec += (None,) * (x.ndim - len(spec))
+  local = P(*(None if i == axis else p for i, p in enumerate(spec)))
+  return jax.reshard(jnp.take_along_axis(jax.reshard(x, local), index, axis=axis), P(*spec))
+
+
+def _token_axis(x, axis: int, what: str) -> int:
+  """The length of ``x``'s token axis ``axis`` (checked)."""
+  shape = np.shape(x)
+  if not -len(shape) <= axis < len(shape):
+    raise ValueError(f"{what}: `axis`={axis} is not an axis of x, whose shape is {shape}; pass "
+                     "the token axis (1 for [B, T, ...]).")
+  return shape[axis]
 
 
 def permute(x, layout: str, ring_size: int, axis: int = 1):
   """Reorders ``x`` along ``axis`` from natural order into layout order."""
-  return _take(x, global_order(x.shape[axis], layout, ring_size), axis)
+  order = global_order(_token_axis(x, axis, "permute"), layout, ring_size)
+  return take_tokens(x, order, axis)
 
 
 def unpermute(x, layout: str, ring_size: int, axis: int = 1):
   """Inverse of ``permute``: from layout order back to natural order."""
-  return _take(x, np.argsort(global_order(x.shape[axis], layout, ring_size)), axis)
+  order = global_order(_token_axis(x, axis, "unpermute"), layout, ring_size)
+  return take_tokens(x, np.argsort(order), axis)
 
 
 __all__ = ["LAYOUTS", "positions", "permute", "unpermute", "divisor", "check_length", "balance",

@@ -24,9 +24,11 @@ def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int, segment_ids
   if len(shape) != 1 or shape[0] < 2:
     raise ValueError(f"`{name}` has shape {shape}; expected [D + 1] (D >= 1 sequences): the "
                      "cumulative lengths 0, len_0, len_0 + len_1, ...")
-  if not jnp.issubdtype(jnp.result_type(cu_seqlens), jnp.integer):
-    raise TypeError(f"`{name}` has dtype {jnp.result_type(cu_seqlens)}; it must be an integer "
-                    "array (cast with `.astype(jnp.int32)`).")
+  dtype = (np.asarray(cu_seqlens).dtype if isinstance(cu_seqlens, (list, tuple))
+           else jnp.result_type(cu_seqlens))
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array (cast with "
+                    "`.astype(jnp.int32)`).")
   try:
     values = np.asarray(cu_seqlens)
   except jax.errors.TracerArrayConversionError:

@@ -156,6 +156,9 @@ def test_kv_cu_seqlens_for_cross_attention():
   seg_k = jnp.asarray(np.repeat([0, 1, -2], [25, 25, 10])[None], jnp.int32)
   ref = reference.attention(q, k, v, segment_ids=seg_q, kv_segment_ids=seg_k)[0]
   assert rel_err(out, ref) < _tol(1e-5)
+  # (Python lists, as segment_ids_from_cu_seqlens takes them)
+  np.testing.assert_array_equal(flash_attention(q, k, v, cu_seqlens=[0, 10, 40],
+                                                kv_cu_seqlens=[0, 25, 50]), out)
 
 
 # ------------------------------------------------------------------------------------- ring --

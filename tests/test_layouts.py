@@ -63,3 +63,21 @@ def test_indivisible_length(layout, t, r, match):
 def test_unknown_layout():
   with pytest.raises(ValueError, match="'snake'.*contiguous"):
     layouts.positions(8, "snake", 2)
+
+
+@pytest.mark.ci_cases(every=True)
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: layouts.positions(8, "zigzag", 2, np.int32(5)), ValueError, "`rank`=5 is not a rank"),
+    (lambda: layouts.positions(8, "zigzag", 2, jnp.int32(2)), ValueError, "`rank`=2 is not a rank"),
+    (lambda: layouts.positions(8, "zigzag", 2, 1.0), TypeError, "must be an integer scalar"),
+    (lambda: layouts.positions(8, "zigzag", 2.0), ValueError, "ring_size=2.0 must be an int"),
+    (lambda: layouts.permute(np.arange(8), "zigzag", 2), ValueError,
+     r"permute: `axis`=1 is not an axis of x, whose shape is \(8,\)"),
+    (lambda: layouts.unpermute(np.zeros((1, 8)), "zigzag", 2, axis=3), ValueError,
+     r"unpermute: `axis`=3 is not an axis"),
+], ids=["numpy_rank", "jax_rank", "float_rank", "float_ring", "one_dim", "axis_out_of_range"])
+def test_mistakes_name_the_argument(call, error, match):
+  """A concrete rank outside the ring (a jax scalar too: it returned negative positions), a
+  float ring size or an axis x lacks raise naming it."""
+  with pytest.raises(error, match=match):
+    call()

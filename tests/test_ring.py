@@ -426,6 +426,32 @@ def test_default_mesh_axis_types_readme_pattern():
     assert rel_err(jax.grad(lambda x: jnp.sum(own(x) ** 2))(qs), want) < 1e-5
 
 
+def test_jitted_grad_through_unpermute_on_an_explicit_mesh():
+  """A jitted loss in natural order, ``layouts.unpermute`` (or a ``Placement``'s) of
+  ``sharded_attention``'s output, differentiates on an Explicit mesh under ``jax.set_mesh``
+  (the gather given ``out_sharding`` failed to transpose: scatter-add's mesh) and equals the
+  reference's gradient; the output keeps its sharding."""
+  mesh = jax.make_mesh((2,), ("sp",), devices=jax.devices()[:2])
+  q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 64, 2, 16)), jnp.float32)
+  seg = np.repeat(np.arange(3), [40, 20, 4])[None].astype(np.int32)
+  placed = layouts.balance(seg, 2)
+  orders = {"zigzag": (lambda x: layouts.permute(x, "zigzag", 2),
+                       lambda x: layouts.unpermute(x, "zigzag", 2), {}, None),
+            "placement": (placed.permute, placed.unpermute,
+                          dict(segment_ids=placed.permute(seg), positions=placed.positions), seg)}
+  for layout, (perm, unperm, extra, ids) in orders.items():
+    cfg = SequenceParallelConfig(axis_name="sp", backend="xla",
+                                 layout="contiguous" if ids is not None else layout)
+    out = lambda x: unperm(sharded_attention(perm(x), perm(x), perm(x), mesh=mesh, config=cfg,
+                                             mask=masks.Causal(), **extra))
+    ref = lambda x: reference.attention(x, x, x, mask=masks.Causal(), segment_ids=ids)[0]
+    with jax.set_mesh(mesh):
+      got = jax.grad(jax.jit(lambda x: jnp.sum(out(x) ** 2)))(q)
+      assert jax.typeof(jax.jit(out)(q)).sharding.spec[1] == "sp"
+    want = jax.grad(lambda x: jnp.sum(ref(x) ** 2))(q)
+    assert rel_err(got, want) < 1e-5, layout
+
+
 def _every_third(q, k):
   return (k <= q) & ((q - k) % 3 != 1)
 
