@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_ring.balance import Placement, balance
 
@@ -115,9 +115,8 @@ def take_tokens(x, index: np.ndarray, axis: int):
   spec = tuple(getattr(sharding, "spec", ()))
   if not any(p is not None for p in spec):
     return jnp.take_along_axis(x, index, axis=axis)
-  spec += (None,) * (x.ndim - len(spec))
-  local = P(*(None if i == axis else p for i, p in enumerate(spec)))
-  return jax.reshard(jnp.take_along_axis(jax.reshard(x, local), index, axis=axis), P(*spec))
+  local = NamedSharding(sharding.mesh, P(*(None if i == axis else p for i, p in enumerate(spec))))
+  return jax.reshard(jnp.take_along_axis(jax.reshard(x, local), index, axis=axis), sharding)
 
 
 def _token_axis(x, axis: int, what: str) -> int:

@@ -81,3 +81,22 @@ def test_mistakes_name_the_argument(call, error, match):
   float ring size or an axis x lacks raise naming it."""
   with pytest.raises(error, match=match):
     call()
+
+
+def test_an_explicitly_sharded_array_keeps_its_sharding():
+  """permute / unpermute (and a Placement's) of an array sharded over an Explicit mesh, eager and
+  jitted, outside ``jax.set_mesh``: the values of the numpy reorder, the array's sharding."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("sp",), devices=jax.devices()[:2])
+  x = np.arange(32.0).reshape(1, 16, 2)
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+  placed = layouts.balance(np.repeat(np.arange(3), [8, 6, 2])[None].astype(np.int32), 2)
+  for reorder, inverse in [(lambda a: layouts.permute(a, "zigzag", 2),
+                            lambda a: layouts.unpermute(a, "zigzag", 2)),
+                           (placed.permute, placed.unpermute)]:
+    for run in (lambda f, a: f(a), lambda f, a: jax.jit(f)(a)):
+      y = run(reorder, xs)
+      np.testing.assert_array_equal(y, reorder(x))
+      assert y.sharding.spec[:2] == (None, "sp")
+      np.testing.assert_array_equal(run(inverse, y), x)
