@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_ring import validation
+
 # Segment ids of padding past ``cu_seqlens[-1]``: distinct on the query and key side, so a
 # padding token sees nothing and nothing sees it.
 Q_PAD, KV_PAD = -1, -2
@@ -24,8 +26,7 @@ def check_cu_seqlens(name: str, cu_seqlens, length: int, batch: int, segment_ids
   if len(shape) != 1 or shape[0] < 2:
     raise ValueError(f"`{name}` has shape {shape}; expected [D + 1] (D >= 1 sequences): the "
                      "cumulative lengths 0, len_0, len_0 + len_1, ...")
-  dtype = (np.asarray(cu_seqlens).dtype if isinstance(cu_seqlens, (list, tuple))
-           else jnp.result_type(cu_seqlens))
+  dtype = validation.dtype_of(cu_seqlens)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array (cast with "
                     "`.astype(jnp.int32)`).")

@@ -117,6 +117,15 @@ def _wider_than_int32(dtype) -> bool:
   return jnp.iinfo(dtype).max > INT32_MAX
 
 
+def dtype_of(x):
+  """``x``'s own dtype: a NumPy array's (or a list's, as NumPy reads it) as it is, since with x64
+  off ``jnp.result_type`` reads int64 as int32 (and the values would wrap unchecked); else JAX's.
+  """
+  if isinstance(x, (list, tuple)):
+    x = np.asarray(x)
+  return x.dtype if isinstance(x, (np.ndarray, np.generic)) else jnp.result_type(x)
+
+
 def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False) -> None:
   """``[B, L]`` (or ``[L]`` when ``allow_1d``) integer per-token arrays."""
   if x is None:
@@ -127,9 +136,7 @@ def check_token_array(name: str, x, b: int, length: int, allow_1d: bool = False)
     want = f"[{b}, {length}]" + (f" or [{length}]" if allow_1d else "")
     raise ValueError(f"`{name}` has shape {shape}; expected {want} to match the sequence it "
                      "describes.")
-  # (a NumPy array's own dtype: with x64 off, jnp.result_type reads int64 as int32, and the
-  # values would wrap unchecked)
-  dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else jnp.result_type(x)
+  dtype = dtype_of(x)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"`{name}` has dtype {dtype}; it must be an integer array "
                     f"(cast with `.astype(jnp.int32)`).")
